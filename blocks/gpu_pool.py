@@ -1,0 +1,211 @@
+"""GPUPool: the Prefect block that says which nodes a distributed task runs on.
+
+Configuration plus a few verbs, after prefect-aws: the fields are validated at construction (a
+bad pool never launches anything), and `with pool:` / `async with pool:` keeps its nodes up
+across calls and always tears them down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import re
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Optional
+
+from prefect.blocks.core import Block
+from prefect_aws import AwsCredentials
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+
+HOST_PATTERN = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>\d{1,5}))?$")
+
+# The pools entered with `with pool:` in this context, innermost last. A contextvar follows
+# async tasks and Prefect's task threads (they copy the context); the process-wide stack is the
+# fallback for threads that were started without a copy.
+_ACTIVE: contextvars.ContextVar[tuple["GPUPool", ...]] = contextvars.ContextVar("skytasks_active_pools", default=())
+_ACTIVE_ANY_THREAD: list["GPUPool"] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
+class TerminationRequested(SystemExit):
+    """SIGTERM arrived while a pool was up: unwind so teardown runs, then exit 143."""
+
+
+class GPUPool(Block):
+    _block_type_name = "GPU Pool"
+    _block_type_slug = "gpu-pool"
+    _logo_url = "https://images.ctfassets.net/gm98wzqotmnx/4HlN0GkcPMXp6TxuQtHEjt/16dd0296f4f2ccd3db3e5eb1e1b66ddc/pytorch-logo.png"  # noqa: E501
+    _description = "Nodes for multi-node PyTorch training: local processes, SSH hosts or EC2 instances."
+    _documentation_url = "https://github.com/skytasks/skytasks#readme"
+    _code_example = """
+```python
+from blocks import GPUPool
+from skytasks import distributed_task
+
+GPUPool(provider="local", nodes=2).save("two-local-nodes")
+
+@distributed_task(pool="two-local-nodes")
+def train(epochs: int = 3) -> dict:
+    ...
+```
+"""
+
+    provider: Literal["local", "ssh", "aws"] = Field("local", description="local: processes here; ssh: your machines; aws: EC2 it launches")
+    nodes: int = Field(2, ge=1, description="Number of nodes.")
+    procs_per_node: int = Field(1, ge=1, description="Rank processes per node (one per GPU).")
+    accelerator: Optional[str] = Field(None, description='GPU model, e.g. "A100", "H100", "L4". None means CPU.')
+    accelerators_per_node: Optional[int] = Field(None, ge=1, description="GPUs per node; 1 when accelerator is set.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment for every rank.")
+    pip_packages: list[str] = Field(default_factory=list, description="Extra packages installed on launched nodes.")
+    torch_version: str = Field("latest", description='"latest", a bare version (pinned with ==) or a constraint.')
+    torch_cuda: str = Field("cu128", description="CUDA wheel index suffix, used when the accelerator has CUDA.")
+    torchvision: Optional[str] = None
+    torchaudio: Optional[str] = None
+    hosts: list[str] = Field(default_factory=list, description='ssh: "[user@]host[:port]" per node, head first.')
+    ssh_user: Optional[str] = None
+    ssh_private_key: Optional[SecretStr] = Field(None, description="Private key (PEM/OpenSSH text) for ssh and aws.")
+    known_hosts: Optional[str] = Field(None, description="known_hosts text or path; host keys are always checked.")
+    remote_python: str = Field("python3", description="Python on ssh nodes.")
+    aws_credentials: AwsCredentials = Field(default_factory=AwsCredentials)
+    instance_type: Optional[str] = None
+    image_id: Optional[str] = None
+    subnet_id: Optional[str] = None
+    security_group_ids: list[str] = Field(default_factory=list)
+    key_name: Optional[str] = None
+    spot: bool = False
+    root_volume_gb: int = Field(100, ge=8)
+    iam_instance_profile: Optional[str] = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    ssh_ingress_cidr: Optional[str] = Field(None, description="aws: who may reach SSH on launched nodes.")
+    ready_timeout_seconds: float = Field(900, gt=0)
+    idle_minutes: float = Field(15, gt=0)
+    max_lifetime_minutes: float = Field(720, gt=0)
+
+    _session: Any = PrivateAttr(default=None)
+    _depth: int = PrivateAttr(default=0)
+    _tokens: list = PrivateAttr(default_factory=list)
+    _previous_sigterm: Any = PrivateAttr(default=None)
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts_are_well_formed(cls, hosts: list[str]) -> list[str]:
+        for h in hosts:
+            m = HOST_PATTERN.match(h.strip())
+            if not m or (m["port"] and not 0 < int(m["port"]) < 65536):
+                raise ValueError(f"hosts: {h!r} is not of the form [user@]host[:port]")
+        return [h.strip() for h in hosts]
+
+    @model_validator(mode="after")
+    def _fields_agree(self) -> GPUPool:
+        if self.accelerator is not None and self.accelerators_per_node is None:
+            self.accelerators_per_node = 1
+        if self.provider == "ssh":
+            if not self.hosts:
+                raise ValueError("hosts: provider='ssh' needs one host per node, head first")
+            if len(self.hosts) != self.nodes:
+                raise ValueError(f"hosts: {len(self.hosts)} host(s) given for nodes={self.nodes}; give one per node")
+        return self
+
+    # -- bringing nodes up and down ---------------------------------------------------------
+
+    @property
+    def is_up(self) -> bool:
+        return self._session is not None
+
+    def _start_session(self):
+        from skytasks.lifecycle import PoolSession
+        from skytasks.providers import provider_for
+
+        env = dict(self.env)
+        return PoolSession(provider_for(self), self.procs_per_node, env)
+
+    @contextmanager
+    def _nodes(self) -> Iterator[Any]:
+        """The live session: this pool's if it is up, else one brought up for this call only."""
+        if self._session is not None:
+            yield self._session
+            return
+        session = self._start_session()
+        try:
+            yield session
+        finally:
+            session.close()
+
+    def _push_active(self) -> None:
+        self._depth += 1
+        self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self,)))
+        with _ACTIVE_LOCK:
+            _ACTIVE_ANY_THREAD.append(self)
+
+    def _pop_active(self) -> Any:
+        """Leave one level of `with`; returns the session to close when it was the last one."""
+        with _ACTIVE_LOCK:
+            for i in range(len(_ACTIVE_ANY_THREAD) - 1, -1, -1):
+                if _ACTIVE_ANY_THREAD[i] is self:
+                    del _ACTIVE_ANY_THREAD[i]
+                    break
+        try:
+            _ACTIVE.reset(self._tokens.pop())
+        except ValueError:  # left from another context than it was entered in
+            pass
+        self._depth -= 1
+        if self._depth > 0:
+            return None
+        session, self._session = self._session, None
+        return session
+
+    def __enter__(self) -> GPUPool:
+        if self._depth == 0:
+            self._session = self._start_session()
+            self._trap_sigterm()
+        self._push_active()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        session = self._pop_active()
+        if self._depth == 0:
+            try:
+                if session is not None:
+                    session.close()
+            finally:
+                self._restore_sigterm()
+
+    async def __aenter__(self) -> GPUPool:
+        if self._depth == 0:
+            self._session = await asyncio.to_thread(self._start_session)
+        self._push_active()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        session = self._pop_active()
+        if session is not None:
+            # shield: teardown finishes even when the awaiting task is being cancelled.
+            await asyncio.shield(asyncio.to_thread(session.close))
+
+    def _trap_sigterm(self) -> None:
+        # Python's default SIGTERM ends the process without unwinding, which would skip
+        # teardown; turn it into an exception while the pool is up (main thread only).
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            raise TerminationRequested(143)
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+
+def active_pool() -> GPUPool | None:
+    stack = _ACTIVE.get()
+    if stack:
+        return stack[-1]
+    with _ACTIVE_LOCK:
+        return _ACTIVE_ANY_THREAD[-1] if _ACTIVE_ANY_THREAD else None

@@ -1,0 +1,219 @@
+"""The node agent: one per node, it starts that node's rank processes and relays for them.
+
+It plays the part of torchrun's elastic agent, with the controller in place of the rendezvous
+backend. It speaks `wire` frames on its stdin/stdout, which are pipes from the controller for a
+local node and an SSH channel for a remote one. It imports only the standard library and
+`skytasks.wire`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
+payload passes through it untouched.
+
+Why it kills everything when its stream closes: the controller (the flow process) is the only
+one who knows whether a call is still wanted. If it vanishes, by crash, SIGKILL or a dropped
+network, ranks that keep running would hang in a collective or bill for a GPU forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+from skytasks.wire import ChannelClosed, FrameWriter, encode, read_frame
+
+# How long a stopped rank gets to exit on SIGTERM before SIGKILL.
+TERM_GRACE_SECONDS = 1.0
+
+
+class RankProcess:
+    """One rank's process and the threads that relay its output and messages."""
+
+    def __init__(self, agent: NodeAgent, group: int, rank: int, env: dict[str, str]):
+        self.group, self.rank = group, rank
+        ctrl_read, ctrl_write = os.pipe()
+        full_env = {**os.environ, **env, "SKYTASKS_CTRL_FD": str(ctrl_write), "PYTHONUNBUFFERED": "1"}
+        # A session of its own, so stopping a rank also stops its DataLoader workers and any
+        # other children it made (killpg).
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skytasks.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+            pass_fds=(ctrl_write,),
+            start_new_session=True,
+        )
+        os.close(ctrl_write)
+        self.to_rank = FrameWriter(self.proc.stdin)  # type: ignore[arg-type]
+        self._agent = agent
+        self._relays = [
+            threading.Thread(target=self._relay_frames, args=(os.fdopen(ctrl_read, "rb"),), daemon=True),
+            threading.Thread(target=self._relay_lines, args=(self.proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._relay_lines, args=(self.proc.stderr, "stderr"), daemon=True),
+        ]
+        for t in self._relays:
+            t.start()
+        threading.Thread(target=self._report_exit, daemon=True).start()
+
+    def _relay_frames(self, stream: BinaryIO) -> None:
+        try:
+            while True:
+                msg = read_frame(stream)
+                msg["rank"] = self.rank
+                msg["group"] = self.group
+                self._agent.emit(msg)
+        except (ChannelClosed, OSError):
+            pass
+
+    def _relay_lines(self, stream: BinaryIO, name: str) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self._agent.emit({"op": "output", "group": self.group, "rank": self.rank, "stream": name, "line": line})
+
+    def _report_exit(self) -> None:
+        code = self.proc.wait()
+        # Let the relays drain first, so a result or traceback sent just before the exit is
+        # reported before the exit itself. A grandchild holding a pipe open must not stall this.
+        for t in self._relays:
+            t.join(timeout=2.0)
+        self._agent.emit({"op": "exited", "group": self.group, "rank": self.rank, "returncode": code})
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class NodeAgent:
+    def __init__(self, inbound: BinaryIO, outbound: BinaryIO):
+        self._inbound = inbound
+        self._out = FrameWriter(outbound)
+        self._ranks: dict[int, RankProcess] = {}
+        self._lock = threading.Lock()
+
+    def emit(self, msg: dict[str, Any]) -> None:
+        try:
+            self._out.send(msg)
+        except ChannelClosed:
+            # The controller is gone: nobody wants these ranks any more.
+            self.stop_ranks(grace=0.0)
+            os._exit(0)
+
+    def serve(self) -> None:
+        self.emit({"op": "hello", "pid": os.getpid(), "python": sys.executable})
+        try:
+            while True:
+                msg = read_frame(self._inbound)
+                op = msg["op"]
+                if op == "spawn":
+                    self._spawn(msg)
+                elif op == "call":
+                    self._forward(msg)
+                elif op == "stop":
+                    self.stop_ranks(grace=msg.get("grace", TERM_GRACE_SECONDS))
+                    self.emit({"op": "stopped", "group": msg.get("group")})
+                elif op == "close":
+                    self._close_group(msg)
+                elif op == "ping":
+                    self.emit({"op": "pong", "t": msg.get("t")})
+                elif op == "shutdown":
+                    break
+        except ChannelClosed:
+            pass
+        finally:
+            self.stop_ranks(grace=TERM_GRACE_SECONDS)
+
+    def _spawn(self, msg: dict[str, Any]) -> None:
+        # Start every rank before waiting on any: torch import dominates and runs in parallel.
+        group = msg["group"]
+        started = []
+        with self._lock:
+            for spec in msg["ranks"]:
+                rp = RankProcess(self, group, spec["rank"], {**msg["env"], **spec["env"]})
+                self._ranks[spec["rank"]] = rp
+                started.append((spec["rank"], rp.proc.pid))
+        self.emit({"op": "spawned", "group": group, "pids": started})
+
+    def _forward(self, msg: dict[str, Any]) -> None:
+        # Encode once, write the same bytes to every local rank: the payload crosses the
+        # network once per node, not once per rank.
+        frame = encode(msg)
+        for rp in list(self._ranks.values()):
+            try:
+                rp.to_rank.send_raw(frame)
+            except ChannelClosed:
+                pass  # its exit is reported by its own watcher
+
+    def _close_group(self, msg: dict[str, Any]) -> None:
+        """Ask ranks to leave cleanly (destroy the process group), then make sure they did."""
+        ranks = list(self._ranks.values())
+        frame = encode({"op": "close"})
+        for rp in ranks:
+            try:
+                rp.to_rank.send_raw(frame)
+            except ChannelClosed:
+                pass
+        deadline = time.monotonic() + msg.get("grace", 5.0)
+        for rp in ranks:
+            try:
+                rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rp.kill()
+        with self._lock:
+            self._ranks.clear()
+        self.emit({"op": "closed", "group": msg.get("group")})
+
+    def stop_ranks(self, grace: float) -> None:
+        with self._lock:
+            ranks = list(self._ranks.values())
+            self._ranks.clear()
+        for rp in ranks:
+            rp.stop() if grace > 0 else rp.kill()
+        deadline = time.monotonic() + grace
+        for rp in ranks:
+            try:
+                rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            rp.kill()  # the whole session, stragglers and grandchildren included
+            try:
+                rp.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _end_on_sigterm(signum: int, frame: object) -> None:
+    # Unwinds serve() through its finally, which stops the ranks.
+    raise ChannelClosed("SIGTERM")
+
+
+def main() -> None:
+    # Frames own the real stdout; anything else printed here (a warning, a stray print) goes to
+    # stderr so it cannot corrupt the stream.
+    outbound = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inbound = os.fdopen(os.dup(0), "rb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    # The agent never dies of SIGINT meant for the controller's terminal: the controller
+    # decides when ranks stop. It does end on SIGTERM, taking its ranks with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _end_on_sigterm)
+    agent = NodeAgent(inbound, outbound)
+    agent.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""One distributed call, without Prefect: pack the payload, find the pool, run with retries.
+
+`skytasks.task` wraps this in Prefect task runs when there is a flow; outside a flow it is
+called directly with a console observer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import cloudpickle
+
+from skytasks.errors import DistributedTaskError, PoolConfigError
+from skytasks.lifecycle import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    label: str
+    backend: str | None
+    init_torch: bool
+    timeout_seconds: float | None
+    retries: int
+    retry_delay_seconds: float
+
+
+def pack_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    """cloudpickle the call, or say exactly which part cannot travel, before any rank starts."""
+    try:
+        return cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as whole:  # noqa: BLE001 - find the culprit for the message
+        parts: list[tuple[str, Any]] = [(f"the function {getattr(fn, '__qualname__', fn)!r}", fn)]
+        parts += [(f"positional argument {i}", a) for i, a in enumerate(args)]
+        parts += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+        for what, obj in parts:
+            try:
+                cloudpickle.dumps(obj)
+            except Exception as exc:  # noqa: BLE001
+                raise TypeError(
+                    f"cannot send {what} (a {type(obj).__qualname__}) to the ranks: it cannot be "
+                    f"pickled with cloudpickle: {exc}"
+                ) from exc
+        raise TypeError(f"cannot pickle the call to send it to the ranks: {whole}") from whole
+
+
+def resolve_pool(pool: Any):
+    """The pool object for a call: a block, a saved block's name, or the active `with pool:`."""
+    from blocks.gpu_pool import GPUPool, active_pool
+
+    if pool is None:
+        found = active_pool()
+        if found is None:
+            raise PoolConfigError(
+                "no pool for this distributed task: pass pool= to @distributed_task (a GPUPool or "
+                "the name of a saved GPUPool block), or call it inside `with pool:`"
+            )
+        return found
+    if isinstance(pool, GPUPool):
+        return pool
+    if isinstance(pool, str):
+        active = active_pool()
+        if active is not None and getattr(active, "_block_document_name", None) == pool:
+            return active
+        return GPUPool.load(pool)
+    raise PoolConfigError(f"pool: expected a GPUPool, a saved block name or None, got {type(pool).__qualname__}")
+
+
+def run_call(
+    pool: Any,
+    payload: bytes,
+    options: CallOptions,
+    observer_for_attempt: Callable[[int, int], CallObserver],
+) -> list[Any]:
+    """Run the call on every rank, restarting the whole group on failure up to `retries` times."""
+    deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
+    init_timeout = float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", DEFAULT_INIT_TIMEOUT_SECONDS))
+    spec = GroupSpec(options.backend, options.init_torch, init_timeout)
+    world = pool.nodes * pool.procs_per_node
+    with pool._nodes() as session:
+        for attempt in range(1, options.retries + 2):
+            observer = observer_for_attempt(attempt, world)
+            try:
+                return session.call(payload, spec, attempt=attempt, deadline=deadline, observer=observer, label=options.label)
+            except DistributedTaskError as err:
+                timed_out = any(isinstance(e, TimeoutError) for e in err.exceptions)
+                if attempt > options.retries or (deadline is not None and timed_out):
+                    raise
+                # A collective cannot survive a partial restart: the next attempt is a fresh group.
+                print(
+                    f"[skytasks] {options.label}: attempt {attempt} failed ({err.exceptions[0]!r}); "
+                    f"restarting all {world} ranks in {options.retry_delay_seconds:g}s",
+                    file=sys.stderr,
+                )
+                time.sleep(options.retry_delay_seconds)
+    raise AssertionError("unreachable")
+
+
+class ConsoleObserver:
+    """Outside a flow: each rank's lines on this process's console, prefixed `[rank R]`."""
+
+    def on_output(self, rank: int, stream: str, line: str) -> None:
+        print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+
+    def on_log(self, rank: int, level: int, line: str) -> None:
+        print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+    def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
+        pass

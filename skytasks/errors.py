@@ -1,0 +1,86 @@
+"""Failures as values, and the error a caller sees.
+
+Like torch.distributed.elastic's ProcessFailure: each rank that failed becomes a `RankFailure`
+(rank, node, what happened, when), and the caller gets one `DistributedTaskError` whose members
+are the original exceptions of the ranks that failed first, root cause first. Ranks that were
+stopped because of them are not members: they are the consequence, not the cause.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's formatted traceback as the __cause__ of the re-raised exception,
+    the way concurrent.futures' ProcessPoolExecutor does."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
+
+
+class RemoteRankError(Exception):
+    """Stand-in for a rank's exception that could not be unpickled here."""
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str = ""):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+
+
+class RankProcessDied(ChildProcessError):
+    """A rank ended without raising: it exited non-zero or was killed by a signal."""
+
+    def __init__(self, rank: int, returncode: int):
+        self.rank, self.returncode = rank, returncode
+        if returncode < 0:
+            try:
+                how = f"killed by signal {signal.Signals(-returncode).name}"
+            except ValueError:
+                how = f"killed by signal {-returncode}"
+        else:
+            how = f"exited with code {returncode}"
+        super().__init__(f"rank {rank} {how} without raising an exception")
+
+
+class PoolConfigError(ValueError):
+    """Invalid pool or task configuration, reported before anything is launched."""
+
+
+@dataclass
+class RankFailure:
+    """One rank's failure, as a value."""
+
+    rank: int
+    node_rank: int
+    node_addr: str
+    exception: BaseException
+    at: float  # controller clock when it was observed
+    collateral: bool = False  # stopped or broken because another rank failed first
+    notes: list[str] = field(default_factory=list)
+
+
+class DistributedTaskError(ExceptionGroup):
+    """Raised to the caller when ranks fail. Members: the first failures' original exceptions,
+    each with `.skytasks_rank`, `.skytasks_node` and the remote traceback attached."""
+
+    def __new__(cls, message: str, exceptions, *, failures=()):
+        self = super().__new__(cls, message, exceptions)
+        self.failures = list(failures)
+        return self
+
+    def __init__(self, message: str, exceptions, *, failures=()):
+        super().__init__(message, exceptions)
+
+    def derive(self, excs):
+        return DistributedTaskError(self.message, excs, failures=self.failures)
+
+    @property
+    def root_cause(self) -> BaseException:
+        return self.exceptions[0]

@@ -1,0 +1,325 @@
+"""The rank lifecycle, shared by every provider: spawn a rank group on the nodes, run calls on
+it, fail fast, and stop it.
+
+Layers, after torch.distributed.elastic: a provider gives `NodeLink`s (agent streams); a
+`PoolSession` owns the links of a pool that is up and at most one live `RankGroup`; a
+`RankGroup` is one set of rank processes with one process group, reused across calls in a warm
+pool until a call fails. A failure is a value (`RankFailure`) until the call ends, when the
+first failures become the members of one `DistributedTaskError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import cloudpickle
+
+from skytasks.errors import DistributedTaskError, RankFailure, RankProcessDied, RemoteRankError, RemoteTraceback
+from skytasks.providers import NodeLink, NodeProvider
+from skytasks.rank import rank_environment
+from skytasks.wire import ChannelClosed, FrameWriter, read_frame
+
+# How long stopped ranks may take to be confirmed gone before the call returns anyway.
+STOP_CONFIRM_SECONDS = 10.0
+DEFAULT_INIT_TIMEOUT_SECONDS = 120.0
+
+_group_ids = itertools.count(1)
+_call_ids = itertools.count(1)
+
+
+class CallObserver(Protocol):
+    """What the caller side (console, Prefect) hears while a call runs."""
+
+    def on_output(self, rank: int, stream: str, line: str) -> None: ...
+    def on_log(self, rank: int, level: int, line: str) -> None: ...
+    def on_rank_done(self, rank: int, outcome: RankOutcome) -> None: ...
+
+
+@dataclass
+class GroupSpec:
+    backend: str | None
+    init_torch: bool
+    init_timeout_seconds: float = DEFAULT_INIT_TIMEOUT_SECONDS
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    node_rank: int
+    node_addr: str
+    status: str = "pending"  # pending | completed | failed | stopped
+    value: Any = None
+    failure: RankFailure | None = None
+    started: float | None = None
+    ended: float | None = None
+    stop_reason: str = ""
+
+
+def rebuild_exception(msg: dict[str, Any]) -> BaseException:
+    """The rank's own exception if it can be unpickled here, else a stand-in with its strings."""
+    exc: BaseException | None = None
+    if msg.get("exception") is not None:
+        try:
+            exc = cloudpickle.loads(msg["exception"])
+        except Exception:  # noqa: BLE001 - e.g. its class only exists on the node
+            exc = None
+    if not isinstance(exc, Exception):  # also KeyboardInterrupt/SystemExit: not groupable
+        exc = RemoteRankError(msg["type"], msg["message"], msg.get("traceback", ""))
+    if msg.get("traceback"):
+        exc.__cause__ = RemoteTraceback(msg["traceback"])
+    return exc
+
+
+def _is_collateral(exc: BaseException) -> bool:
+    """Errors a rank raises because a peer vanished under a collective."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & {"DistBackendError", "DistNetworkError", "DistStoreError"}:
+        return True
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL"))
+
+
+class NodeChannel:
+    """The controller's end of one agent stream: a writer, and a reader thread that feeds events."""
+
+    def __init__(self, link: NodeLink, events: queue.Queue):
+        self.link = link
+        self._writer = FrameWriter(link.outbound)
+        self._events = events
+        self.alive = True
+        threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{link.node_rank}").start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = read_frame(self.link.inbound)
+                self._events.put((self.link.node_rank, msg))
+        except (ChannelClosed, OSError, ValueError) as exc:
+            self.alive = False
+            self._events.put((self.link.node_rank, {"op": "lost", "reason": str(exc)}))
+
+    def send(self, msg: dict[str, Any]) -> None:
+        try:
+            self._writer.send(msg)
+        except ChannelClosed:
+            self.alive = False
+
+
+class RankGroup:
+    """One generation of rank processes across the nodes, with one process group."""
+
+    def __init__(self, session: PoolSession, spec: GroupSpec):
+        self.session, self.spec = session, spec
+        self.id = next(_group_ids)
+        self.broken = False
+        self.ready: set[int] = set()
+        self.joining: set[int] = set()
+        self.placement: dict[int, tuple[int, str]] = {}  # rank -> (node_rank, node address)
+        nodes = session.nodes
+        ppn = session.procs_per_node
+        world = len(nodes) * ppn
+        self.world_size = world
+        port = session.provider.free_port()
+        peers = tuple(n.link.address for n in nodes)
+        for node in nodes:
+            ranks = []
+            for local in range(ppn):
+                rank = node.link.node_rank * ppn + local
+                self.placement[rank] = (node.link.node_rank, node.link.address)
+                env = rank_environment(
+                    rank=rank, world_size=world, local_rank=local, local_world_size=ppn,
+                    node_rank=node.link.node_rank, peers=peers, head_port=port,
+                    accelerators=node.link.accelerators,
+                )
+                ranks.append({"rank": rank, "env": env})
+            common = {
+                **session.env,
+                **node.link.env,
+                "SKYTASKS_BACKEND": spec.backend or "",
+                "SKYTASKS_INIT_TORCH": "1" if spec.init_torch else "0",
+                "SKYTASKS_INIT_TIMEOUT_SECONDS": str(spec.init_timeout_seconds),
+            }
+            node.send({"op": "spawn", "group": self.id, "ranks": ranks, "env": common})
+
+    def run(self, payload: bytes, attempt: int, deadline: float | None, observer: CallObserver, label: str) -> list[Any]:
+        call_id = next(_call_ids)
+        outcomes = {r: RankOutcome(rank=r, node_rank=n, node_addr=a) for r, (n, a) in self.placement.items()}
+        for node in self.session.nodes:
+            node.send({"op": "call", "call": call_id, "payload": payload, "attempt": attempt})
+        init_deadline = None
+        if self.spec.init_torch and len(self.ready) < self.world_size:
+            init_deadline = time.monotonic() + self.spec.init_timeout_seconds
+        failures: list[RankFailure] = []
+        aborted_at: float | None = None
+        try:
+            while any(o.status == "pending" for o in outcomes.values()):
+                now = time.monotonic()
+                wait_until = min(d for d in (deadline, init_deadline, now + 3600) if d is not None)
+                try:
+                    node_rank, msg = self.session.events.get(timeout=max(0.0, wait_until - now))
+                except queue.Empty:
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
+                        err = TimeoutError(f"{label}: the call exceeded timeout_seconds; every rank was stopped")
+                        failures.append(RankFailure(-1, -1, "", err, time.time()))
+                    elif init_deadline is not None and now >= init_deadline:
+                        failures.append(RankFailure(-1, -1, "", self._init_timeout_error(), time.time()))
+                    aborted_at = aborted_at or self._abort(outcomes, observer, "the call timed out")
+                    break
+                if msg.get("group", self.id) != self.id:
+                    continue  # late news from a group already discarded
+                self._handle(node_rank, msg, call_id, outcomes, failures, observer)
+                if init_deadline is not None and len(self.ready) == self.world_size:
+                    init_deadline = None
+                if failures and aborted_at is None:
+                    first = failures[0]
+                    aborted_at = self._abort(outcomes, observer, f"rank {first.rank} failed")
+            if aborted_at is not None:
+                self._drain_after_abort(call_id, outcomes, failures, observer)
+        except BaseException:
+            # Ctrl-C, SIGTERM, cancellation: the ranks go before the exception does.
+            if aborted_at is None:
+                self._abort(outcomes, observer, "the caller was interrupted")
+            raise
+        if failures:
+            raise self._error(label, failures, aborted_at)
+        return [outcomes[r].value for r in sorted(outcomes)]
+
+    def _handle(self, node_rank, msg, call_id, outcomes, failures, observer) -> None:
+        op = msg["op"]
+        rank = msg.get("rank")
+        if op == "output":
+            observer.on_output(rank, msg["stream"], msg["line"])
+        elif op == "log":
+            observer.on_log(rank, msg["level"], msg["line"])
+        elif op == "joining":
+            self.joining.add(rank)
+        elif op == "ready":
+            self.ready.add(rank)
+            outcomes[rank].started = outcomes[rank].started or time.time()
+        elif op == "result" and msg["call"] == call_id:
+            o = outcomes[rank]
+            o.status, o.started, o.ended = "completed", msg["started"], msg["ended"]
+            o.value = cloudpickle.loads(msg["value"])
+            observer.on_rank_done(rank, o)
+        elif op == "failed" and msg["call"] in (call_id, None):
+            self._fail(outcomes[rank], rebuild_exception(msg), failures, observer, msg.get("ended"))
+        elif op == "exited":
+            self.broken = True  # whatever the reason, a group missing a rank can serve no more
+            if outcomes[rank].status == "pending":
+                self._fail(outcomes[rank], RankProcessDied(rank, msg["returncode"]), failures, observer, None)
+        elif op == "lost":
+            for o in outcomes.values():
+                if o.node_rank == node_rank and o.status == "pending":
+                    err = ConnectionError(f"lost the agent of node {node_rank} ({o.node_addr}): {msg['reason']}")
+                    self._fail(o, err, failures, observer, None)
+
+    def _fail(self, o: RankOutcome, exc: BaseException, failures, observer, ended: float | None) -> None:
+        self.broken = True
+        now = time.time()
+        o.status, o.ended = "failed", ended or now
+        exc.add_note(f"[skytasks] raised on rank {o.rank} (node {o.node_rank}, {o.node_addr})")
+        exc.skytasks_rank = o.rank  # type: ignore[attr-defined]
+        exc.skytasks_node = o.node_rank  # type: ignore[attr-defined]
+        o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now)
+        failures.append(o.failure)
+        observer.on_rank_done(o.rank, o)
+
+    def _abort(self, outcomes, observer, reason: str) -> float:
+        """Stop every rank of the group now; they never wait for a collective to time out."""
+        self.broken = True
+        for node in self.session.nodes:
+            node.send({"op": "stop", "group": self.id, "grace": 1.0})
+        for o in outcomes.values():
+            if o.status == "pending":
+                o.status, o.stop_reason, o.ended = "stopped", f"stopped because {reason}", time.time()
+                observer.on_rank_done(o.rank, o)
+        return time.time()
+
+    def _drain_after_abort(self, call_id, outcomes, failures, observer) -> None:
+        """Wait until every agent confirms its ranks are gone, keeping failures that raced in."""
+        waiting = {n.link.node_rank for n in self.session.nodes if n.alive}
+        until = time.monotonic() + STOP_CONFIRM_SECONDS
+        while waiting and time.monotonic() < until:
+            try:
+                node_rank, msg = self.session.events.get(timeout=max(0.0, until - time.monotonic()))
+            except queue.Empty:
+                break
+            if msg["op"] in ("stopped", "lost"):
+                waiting.discard(node_rank)
+            elif msg["op"] == "failed" and msg.get("group") == self.id and msg["call"] in (call_id, None):
+                o = outcomes[msg["rank"]]
+                if o.status == "stopped":  # raced the stop: keep it, classified below
+                    o.status = "pending"
+                    self._fail(o, rebuild_exception(msg), failures, observer, msg.get("ended"))
+            elif msg["op"] in ("output", "log") and msg.get("group") == self.id:
+                self._handle(node_rank, msg, call_id, outcomes, failures, observer)
+
+    def _init_timeout_error(self) -> TimeoutError:
+        missing = sorted(set(self.placement) - self.joining - self.ready)
+        waiting = sorted(self.joining - self.ready)
+        return TimeoutError(
+            f"process group initialisation timed out after {self.spec.init_timeout_seconds:g}s: "
+            f"ranks {missing} never joined; ranks {waiting} were waiting for them"
+        )
+
+    def _error(self, label: str, failures: list[RankFailure], aborted_at: float | None) -> DistributedTaskError:
+        first, rest = failures[0], failures[1:]
+        cutoff = aborted_at or float("inf")
+        members = [first] + [f for f in rest if f.at <= cutoff and not _is_collateral(f.exception)]
+        for f in failures:
+            f.collateral = f not in members
+        stopped = [f.rank for f in failures if f.collateral]
+        msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
+        err = DistributedTaskError(msg, [f.exception for f in members], failures=failures)
+        if stopped:
+            err.add_note(f"[skytasks] ranks {stopped} failed afterwards because of it and are not members")
+        return err
+
+    def close(self) -> None:
+        for node in self.session.nodes:
+            node.send({"op": "close", "group": self.id})
+
+
+class PoolSession:
+    """The nodes of a pool that is up, and the rank group that lives on them."""
+
+    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str]):
+        self.provider = provider
+        self.procs_per_node = procs_per_node
+        self.env = dict(env)
+        self.events: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.group: RankGroup | None = None
+        self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
+
+    def call(self, payload: bytes, spec: GroupSpec, *, attempt: int, deadline: float | None,
+             observer: CallObserver, label: str) -> list[Any]:
+        # One call at a time on a pool's ranks: two calls cannot share one process group.
+        with self._lock:
+            g = self.group
+            if g is None or g.broken or g.spec != spec or not all(n.alive for n in self.nodes):
+                if g is not None and not g.broken:
+                    g.close()
+                self.group = g = RankGroup(self, spec)
+            try:
+                return g.run(payload, attempt, deadline, observer, label)
+            finally:
+                if g.broken:
+                    self.group = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self.group is not None and not self.group.broken:
+                self.group.close()
+            self.group = None
+            try:
+                self.provider.stop()
+            finally:
+                for n in self.nodes:
+                    n.link.close()

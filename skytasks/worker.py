@@ -1,0 +1,165 @@
+"""A rank process: initialise torch.distributed once, then run the calls it is sent.
+
+It is started by a node agent with its rank environment already set. It reads frames from the
+agent on stdin and writes frames to the agent on the pipe named by SKYTASKS_CTRL_FD; its own
+stdout and stderr are the user's output, relayed line by line. Inside a warm pool it serves
+many calls with one process group; a failed call is never followed by another in the same
+process (the controller discards the group).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+from skytasks.rank import ENV_ATTEMPT
+from skytasks.wire import ChannelClosed, FrameWriter, read_frame
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """If the agent dies, even by SIGKILL, the kernel kills this rank too (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+class _ShipLogRecords(logging.Handler):
+    """Sends Python logging records to the controller with their level intact."""
+
+    def __init__(self, out: FrameWriter):
+        super().__init__(logging.NOTSET)
+        self._out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._out.send({"op": "log", "level": record.levelno, "logger": record.name, "line": self.format(record)})
+        except Exception:  # noqa: BLE001 - a logging handler must never raise into user code
+            pass
+
+
+def _describe_exception(exc: BaseException) -> dict[str, Any]:
+    import cloudpickle
+
+    described: dict[str, Any] = {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "exception": None,
+    }
+    try:
+        described["exception"] = cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - the controller builds a stand-in from the strings
+        pass
+    return described
+
+
+def _init_process_group(out: FrameWriter) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = os.environ.get("SKYTASKS_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    timeout = timedelta(seconds=float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", "120")))
+    out.send({"op": "joining"})
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+
+
+def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
+    import cloudpickle
+
+    rank = int(os.environ["RANK"])
+    os.environ[ENV_ATTEMPT] = str(msg["attempt"])
+    started = time.time()
+    try:
+        fn, args, kwargs = cloudpickle.loads(msg["payload"])
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - everything, KeyboardInterrupt included, goes back
+        out.send({"op": "failed", "call": msg["call"], "started": started, "ended": time.time(), **_describe_exception(exc)})
+        return False
+    try:
+        blob = cloudpickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001
+        err = TypeError(
+            f"rank {rank} returned a value of type {type(value).__module__}.{type(value).__qualname__} "
+            f"that cannot be pickled: {exc}"
+        )
+        out.send({"op": "failed", "call": msg["call"], "started": started, "ended": time.time(), **_describe_exception(err)})
+        return False
+    out.send({"op": "result", "call": msg["call"], "value": blob, "started": started, "ended": time.time()})
+    return True
+
+
+def main() -> None:
+    _die_with_parent()
+    out = FrameWriter(os.fdopen(int(os.environ["SKYTASKS_CTRL_FD"]), "wb"))
+    inbound = os.fdopen(os.dup(0), "rb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # user code gets an empty stdin, the frames stay ours
+    sys.stdin = open(os.devnull)
+    inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    def read_inbound() -> None:
+        # A closed stream means the agent is gone or wants us gone; a rank blocked in a
+        # collective would never notice otherwise.
+        try:
+            while True:
+                inbox.put(read_frame(inbound))
+        except (ChannelClosed, OSError):
+            os._exit(1)
+
+    threading.Thread(target=read_inbound, daemon=True, name="skytasks-inbound").start()
+
+    root = logging.getLogger()
+    root.addHandler(_ShipLogRecords(out))
+    root.setLevel(logging.INFO)
+
+    init_torch = os.environ.get("SKYTASKS_INIT_TORCH", "1") == "1"
+    if init_torch:
+        try:
+            _init_process_group(out)
+        except BaseException as exc:  # noqa: BLE001
+            out.send({"op": "failed", "call": None, "started": time.time(), "ended": time.time(), **_describe_exception(exc)})
+            sys.exit(1)
+    out.send({"op": "ready", "pid": os.getpid()})
+
+    while True:
+        msg = inbox.get()
+        if msg["op"] == "call":
+            if not _run_call(msg, out):
+                # A rank that failed leaves at once: its peers then fail fast in their
+                # collectives too, and the group is never reused.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
+        elif msg["op"] == "close":
+            break
+
+    if init_torch:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
