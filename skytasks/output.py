@@ -37,15 +37,19 @@ def _selected(only: Selector, info: RankInfo) -> bool:
 
 @contextmanager
 def _muted(fd: int, stream_name: str) -> Iterator[None]:
+    # Both levels: the Python stream (print, tracebacks) and the file descriptor (C code).
     stream = getattr(sys, stream_name)
     stream.flush()
     saved = os.dup(fd)
     devnull = os.open(os.devnull, os.O_WRONLY)
+    sink = open(os.devnull, "w")
     try:
         os.dup2(devnull, fd)
+        setattr(sys, stream_name, sink)
         yield
     finally:
-        getattr(sys, stream_name).flush()
+        setattr(sys, stream_name, stream)
+        sink.close()
         os.dup2(saved, fd)
         os.close(saved)
         os.close(devnull)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import queue
+import sys
 import threading
 from typing import Any, Callable
 
@@ -95,10 +96,14 @@ class PrefectObserver:
             RANK_TASK(label=label, rank=rank, world=world, return_state=True)
 
     def on_output(self, rank: int, stream: str, line: str) -> None:
-        self.views[rank].lines.put((logging.WARNING if stream == "stderr" else logging.INFO, line))
+        self.on_log(rank, logging.WARNING if stream == "stderr" else logging.INFO, line)
 
     def on_log(self, rank: int, level: int, line: str) -> None:
-        self.views[rank].lines.put((level, line))
+        view = self.views[rank]
+        if view.closed:  # a straggler after the rank's run ended: keep it visible on the console
+            print(f"[rank {rank}] {line}", file=sys.stderr)
+        else:
+            view.lines.put((level, line))
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         self.views[rank].finish(outcome)
@@ -141,7 +146,7 @@ def run_as_parent_task(label: str, run_tags: tuple[str, ...], body: Callable[[Ca
         tags=["skytasks", *run_tags],
         cache_policy=NO_CACHE,
         persist_result=True,
-        result_serializer="cloudpickle",
+        result_serializer="pickle",  # Prefect's pickle serializer is cloudpickle,
         retries=0,
     )
     return parent_task(label=label)

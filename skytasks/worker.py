@@ -10,6 +10,7 @@ process (the controller discards the group).
 from __future__ import annotations
 
 import ctypes
+import io
 import logging
 import os
 import queue
@@ -50,6 +51,44 @@ class _ShipLogRecords(logging.Handler):
             self._out.send({"op": "log", "level": record.levelno, "logger": record.name, "line": self.format(record)})
         except Exception:  # noqa: BLE001 - a logging handler must never raise into user code
             pass
+
+
+class _RankStream(io.TextIOBase):
+    """sys.stdout/sys.stderr of a rank: whole lines go out as frames on the same channel as the
+    result, so every line printed before `return` reaches the controller before the result.
+    (Output written straight to fd 1/2 by C code still arrives, through the agent's pipes.)"""
+
+    def __init__(self, out: FrameWriter, name: str):
+        self._out, self._name, self._buf = out, name, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        if "\n" in self._buf:
+            *lines, self._buf = self._buf.split("\n")
+            for line in lines:
+                self._send(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buf:
+            line, self._buf = self._buf, ""
+            self._send(line)
+
+    def _send(self, line: str) -> None:
+        try:
+            self._out.send({"op": "output", "stream": self._name, "line": line})
+        except ChannelClosed:
+            os._exit(1)
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _describe_exception(exc: BaseException) -> dict[str, Any]:
@@ -126,6 +165,8 @@ def main() -> None:
 
     threading.Thread(target=read_inbound, daemon=True, name="skytasks-inbound").start()
 
+    sys.stdout = _RankStream(out, "stdout")
+    sys.stderr = _RankStream(out, "stderr")
     root = logging.getLogger()
     root.addHandler(_ShipLogRecords(out))
     root.setLevel(logging.INFO)

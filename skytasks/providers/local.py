@@ -59,7 +59,9 @@ class LocalProvider:
                     start_new_session=True,
                 )
                 self._procs.append(proc)
-                env = {"CUDA_VISIBLE_DEVICES": ",".join(slices[node_rank])} if gpus else {}
+                env = {"PYTHONPATH": _controller_path()}
+                if gpus:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(slices[node_rank])
                 links.append(
                     NodeLink(
                         node_rank=node_rank,
@@ -88,6 +90,13 @@ class LocalProvider:
         procs, self._procs = self._procs, []
         for p in procs:
             _end(p)
+
+
+def _controller_path() -> str:
+    """The controller's import path, so a function that imports the user's own modules (a
+    sibling file of the flow) finds them on a local rank too."""
+    parts = [os.path.abspath(p or ".") for p in sys.path]
+    return os.pathsep.join(dict.fromkeys(p for p in parts if os.path.isdir(p)))
 
 
 def _end(proc: subprocess.Popen) -> None:
