@@ -1,21 +1,41 @@
-"""skytasks: multi-node PyTorch training as a normal Prefect task."""
+"""skytasks: multi-node PyTorch training as a normal Prefect task.
 
-from skytasks.errors import DistributedTaskError, RankProcessDied, RemoteRankError
-from skytasks.output import silent, stderr, stdout
-from skytasks.rank import RankInfo, rank_info
-from skytasks.shard import shard
-from skytasks.task import DistributedTask, distributed_task
+Names are imported on first use (PEP 562), so the node agent and rank processes, which import
+`skytasks.agent` and `skytasks.worker`, do not pay for the controller's machinery.
+"""
 
-__all__ = [
-    "DistributedTask",
-    "DistributedTaskError",
-    "RankInfo",
-    "RankProcessDied",
-    "RemoteRankError",
-    "distributed_task",
-    "rank_info",
-    "shard",
-    "silent",
-    "stderr",
-    "stdout",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "DistributedTask": "skytasks.task",
+    "distributed_task": "skytasks.task",
+    "DistributedTaskError": "skytasks.errors",
+    "RankProcessDied": "skytasks.errors",
+    "RemoteRankError": "skytasks.errors",
+    "RankInfo": "skytasks.rank",
+    "rank_info": "skytasks.rank",
+    "shard": "skytasks.sharding",
+    "stdout": "skytasks.output",
+    "stderr": "skytasks.output",
+    "silent": "skytasks.output",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from skytasks.errors import DistributedTaskError, RankProcessDied, RemoteRankError
+    from skytasks.output import silent, stderr, stdout
+    from skytasks.rank import RankInfo, rank_info
+    from skytasks.sharding import shard
+    from skytasks.task import DistributedTask, distributed_task
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'skytasks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
