@@ -152,6 +152,10 @@ def ddp_train(epochs: int = 10, nodes: int = 2, samples: int = 1536) -> list[dic
 
 if __name__ == "__main__":
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    out = ddp_train()
+    # Small settings for quick checks (the tests use them); the defaults train for about a minute.
+    out = ddp_train(
+        epochs=int(os.environ.get("SKYTASKS_EXAMPLE_EPOCHS", 10)),
+        samples=int(os.environ.get("SKYTASKS_EXAMPLE_SAMPLES", 1536)),
+    )
     print("\nskytasks ddp_train: per-rank results")
     print(summarize(out))
