@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import site
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable
 
 import cloudpickle
@@ -29,8 +32,55 @@ class CallOptions:
     retry_delay_seconds: float
 
 
+_INSTALLED_ROOTS = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_paths()["stdlib"],
+              sysconfig.get_paths()["platstdlib"]}
+)
+# Installed on every node (the controller's own version is what runs there).
+_SHIPPED_PACKAGES = {"skytasks", "blocks"}
+
+
+def project_modules() -> list[ModuleType]:
+    """Modules of the user's own project: imported from files outside any installed location.
+
+    They are pickled by value, so a function that imports a helper from a sibling file works on a
+    node that does not have the project, and a rank does not re-import the caller's module (and
+    with it prefect, pytest, ...) just to find one function.
+    """
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name not in _IS_PROJECT:
+            file = getattr(module, "__file__", None)
+            _IS_PROJECT[name] = bool(
+                file and name != "__main__" and name.partition(".")[0] not in _SHIPPED_PACKAGES
+                and not os.path.realpath(file).startswith(_INSTALLED_ROOTS)
+            )
+        if _IS_PROJECT[name]:
+            found.append(module)
+    return found
+
+
+_IS_PROJECT: dict[str, bool] = {}  # module name -> from the user's project (files never move)
+
+
 def pack_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     """cloudpickle the call, or say exactly which part cannot travel, before any rank starts."""
+    registered = []
+    for module in project_modules():
+        try:
+            cloudpickle.register_pickle_by_value(module)
+            registered.append(module)
+        except ValueError:
+            pass
+    try:
+        return _dumps_or_explain(fn, args, kwargs)
+    finally:
+        for module in registered:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _dumps_or_explain(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     try:
         return cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as whole:  # noqa: BLE001 - find the culprit for the message

@@ -223,7 +223,7 @@ class RankGroup:
         self.broken = True
         now = time.time()
         o.status, o.ended = "failed", ended or now
-        exc.add_note(f"[skytasks] raised on rank {o.rank} (node {o.node_rank}, {o.node_addr})")
+        exc.add_note(f"[skytasks] rank {o.rank} failed (node {o.node_rank}, {o.node_addr})")
         exc.skytasks_rank = o.rank  # type: ignore[attr-defined]
         exc.skytasks_node = o.node_rank  # type: ignore[attr-defined]
         o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now)

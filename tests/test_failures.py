@@ -1,0 +1,220 @@
+"""Failure semantics: a distributed call fails fast, says why, and leaves nothing running."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from blocks import GPUPool
+from skytasks import DistributedTaskError, RankProcessDied, RemoteRankError, distributed_task, rank_info
+from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+FAIL_FAST_SECONDS = 5.0  # the target: from the failure to the caller seeing it
+
+
+def call_and_time_failure(task, *args) -> tuple[DistributedTaskError, float]:
+    with pytest.raises(DistributedTaskError) as caught:
+        task(*args)
+    seen = time.time()
+    failed_at = caught.value.failures[0].at
+    return caught.value, seen - failed_at
+
+
+def raise_on_rank_1_while_head_sleeps() -> int:
+    if rank_info().rank == 1:
+        time.sleep(0.5)
+        raise KeyError("no such shard on rank 1")
+    time.sleep(600)
+    return 0
+
+
+def test_a_rank_raises_while_the_head_sleeps_ten_minutes():
+    task = distributed_task(raise_on_rank_1_while_head_sleeps, pool=GPUPool(nodes=2))
+    err, delay = call_and_time_failure(task)
+    assert len(err.exceptions) == 1
+    exc = err.exceptions[0]
+    assert type(exc) is KeyError and exc.args == ("no such shard on rank 1",)
+    assert exc.skytasks_rank == 1 and exc.skytasks_node == 1
+    assert "raise KeyError" in str(exc.__cause__)  # the remote traceback
+    assert any("rank 1 failed" in n for n in exc.__notes__)
+    assert delay < FAIL_FAST_SECONDS
+
+
+def exit_17_while_head_all_reduces() -> float:
+    import torch
+    import torch.distributed as dist
+
+    if rank_info().rank == 1:
+        time.sleep(0.5)
+        os._exit(17)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # blocks: rank 1 never joins
+    return t.item()
+
+
+def test_a_rank_calls_os_exit_while_the_head_is_blocked_in_all_reduce():
+    err, delay = call_and_time_failure(distributed_task(exit_17_while_head_all_reduces, pool=GPUPool(nodes=2)))
+    [exc] = err.exceptions  # the head's broken all_reduce is a consequence, not a member
+    assert isinstance(exc, RankProcessDied) and exc.rank == 1 and exc.returncode == 17
+    assert "exited with code 17" in str(exc)
+    assert delay < FAIL_FAST_SECONDS
+
+
+def block_forever_writing_pid(marker_dir: str) -> None:
+    Path(marker_dir, f"rank{rank_info().rank}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_a_rank_killed_from_outside(tmp_path):
+    import threading
+
+    def kill_rank_1_when_it_runs():
+        marker = tmp_path / "rank1"
+        while not marker.exists() or not marker.read_text():
+            time.sleep(0.05)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+
+    threading.Thread(target=kill_rank_1_when_it_runs, daemon=True).start()
+    err, delay = call_and_time_failure(distributed_task(block_forever_writing_pid, pool=GPUPool(nodes=3)), str(tmp_path))
+    [exc] = err.exceptions
+    assert isinstance(exc, RankProcessDied) and exc.rank == 1 and exc.returncode == -signal.SIGKILL
+    assert "SIGKILL" in str(exc)
+    assert delay < FAIL_FAST_SECONDS
+
+
+def test_a_call_times_out_and_every_rank_is_stopped(tmp_path):
+    task = distributed_task(block_forever_writing_pid, pool=GPUPool(nodes=2), timeout_seconds=4)
+    started = time.monotonic()
+    with pytest.raises(DistributedTaskError) as caught:
+        task(str(tmp_path))
+    assert time.monotonic() - started < 4 + FAIL_FAST_SECONDS
+    [exc] = caught.value.exceptions
+    assert isinstance(exc, TimeoutError) and "timeout_seconds" in str(exc)
+    for pid_file in tmp_path.iterdir():
+        assert not psutil.pid_exists(int(pid_file.read_text())) or psutil.Process(int(pid_file.read_text())).status() == psutil.STATUS_ZOMBIE
+
+
+def fail_on_first_attempt(marker_dir: str) -> dict:
+    info = rank_info()
+    if info.attempt == 1 and info.rank == 1:
+        raise RuntimeError("transient failure on attempt 1")
+    return {"rank": info.rank, "attempt": info.attempt, "pid": os.getpid()}
+
+
+def test_retries_restart_the_whole_group_and_tell_the_attempt():
+    pool = GPUPool(nodes=2)
+    task = distributed_task(fail_on_first_attempt, pool=pool, retries=1, retry_delay_seconds=0.1)
+    with pool:
+        results = task("x")
+    assert [(r["rank"], r["attempt"]) for r in results] == [(0, 2), (1, 2)]
+    with pytest.raises(DistributedTaskError, match="1 rank"):
+        distributed_task(fail_on_first_attempt, pool=GPUPool(nodes=2), retries=0)("x")
+
+
+def pid_or_fail(fail: bool) -> int:
+    if fail and rank_info().rank == 0:
+        raise ValueError("boom")
+    return os.getpid()
+
+
+def test_a_warm_pool_gets_fresh_ranks_after_a_failure():
+    pool = GPUPool(nodes=2)
+    task = distributed_task(pid_or_fail, pool=pool)
+    with pool:
+        first = task(False)
+        assert task(False) == first  # warm
+        with pytest.raises(DistributedTaskError):
+            task(True)
+        after = task(False)
+    assert set(after).isdisjoint(first)
+
+
+class NeedsTwoArgs(Exception):
+    def __init__(self, a, b):  # unpickling calls NeedsTwoArgs(a): fails on the caller's side
+        super().__init__(f"{a}/{b}")
+
+
+def raise_unpicklable_exception() -> None:
+    if rank_info().rank == 0:
+        raise NeedsTwoArgs("left", "right")
+    time.sleep(60)
+
+
+def test_an_exception_that_cannot_be_unpickled_becomes_a_stand_in():
+    with pytest.raises(DistributedTaskError) as caught:
+        distributed_task(raise_unpicklable_exception, pool=GPUPool(nodes=2))()
+    [exc] = caught.value.exceptions
+    assert isinstance(exc, RemoteRankError)
+    assert exc.type_name.endswith("NeedsTwoArgs") and exc.remote_message == "left/right"
+    assert "raise NeedsTwoArgs" in exc.remote_traceback
+
+
+def test_in_a_flow_the_parent_and_failing_rank_fail_and_the_others_say_why_they_stopped():
+    task = distributed_task(raise_on_rank_1_while_head_sleeps, pool=GPUPool(nodes=3), name="fragile")
+
+    @flow
+    def fragile_flow():
+        return task()
+
+    state = fragile_flow(return_state=True)
+    assert state.is_failed()
+
+    async def read_runs():
+        async with get_client() as client:
+            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+
+    runs = {r.name: r for r in asyncio.run(read_runs())}
+    assert runs["fragile"].state.is_failed()
+    assert runs["fragile[rank 1/3]"].state.is_failed()
+    for other in ("fragile[rank 0/3]", "fragile[rank 2/3]"):
+        assert runs[other].state.is_cancelled()
+        assert "rank 1 failed" in runs[other].state.message
+
+
+def test_the_controller_killed_with_sigkill_leaves_no_rank_running(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/programs/long_call.py"), str(tmp_path)], cwd=ROOT)
+    try:
+        wait_for_files(tmp_path, ["rank0.pid", "rank1.pid"], proc)
+        assert len(skytasks_processes()) >= 4  # 2 agents, 2 ranks
+        proc.kill()
+        proc.wait()
+        assert wait_for_no_skytasks_processes(timeout=10) == []
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_and_sigterm_of_the_controller_tear_everything_down(tmp_path, sig):
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests/programs/long_call.py"), str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for_files(tmp_path, ["rank0.pid", "rank1.pid"], proc)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        assert "TEARDOWN" in out  # the controller unwound through its finally blocks
+        assert proc.returncode != 0
+        assert wait_for_no_skytasks_processes(timeout=10) == []
+    finally:
+        proc.kill()
+
+
+def wait_for_files(folder: Path, names: list[str], proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((folder / n).exists() for n in names):
+        assert proc.poll() is None, f"controller exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.1)
