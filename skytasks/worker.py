@@ -117,9 +117,17 @@ def _init_process_group(out: FrameWriter) -> None:
     if backend == "nccl":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    timeout = timedelta(seconds=float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", "120")))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Only the rendezvous is bounded by the init timeout (the controller's clock fires first and
+    # names the missing ranks); collectives keep torch's own default timeout, since a long
+    # checkpoint on the head must not break a barrier. Fail-fast never waits on either.
+    init_timeout = float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", "120")) + 10
     out.send({"op": "joining"})
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
+        timeout=timedelta(seconds=init_timeout), wait_for_workers=True,
+    )
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 
 def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:

@@ -218,3 +218,56 @@ def wait_for_files(folder: Path, names: list[str], proc: subprocess.Popen, timeo
         assert proc.poll() is None, f"controller exited early with {proc.returncode}"
         assert time.monotonic() < deadline, "ranks never started"
         time.sleep(0.1)
+
+
+def test_a_peer_that_never_arrives_fails_initialisation_naming_the_missing_rank(tmp_path, monkeypatch):
+    # A real slow start: rank 1's interpreter sleeps in sitecustomize, before skytasks runs.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('SKYTASKS_RANK') == '1':\n    time.sleep(120)\n"
+    )
+    monkeypatch.setenv("SKYTASKS_INIT_TIMEOUT_SECONDS", "4")
+    task = distributed_task(lambda: 1, pool=GPUPool(nodes=3, env={"PYTHONPATH": str(tmp_path)}))
+    with pytest.raises(DistributedTaskError) as caught:
+        task()
+    [exc] = caught.value.exceptions
+    assert isinstance(exc, TimeoutError)
+    assert "ranks [1] never joined" in str(exc) and "ranks [0, 2] were waiting" in str(exc)
+
+
+def test_a_cancelled_flow_run_stops_every_rank(tmp_path):
+    """Cancel from Prefect: the served flow's runner ends the flow process, the ranks go with it."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Cancelling
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests/served_flow.py")], cwd=ROOT, env=env)
+    try:
+        flow_run = None
+        deadline = time.monotonic() + 120
+        while flow_run is None:
+            assert server.poll() is None and time.monotonic() < deadline
+            try:
+                flow_run = run_deployment("sleepy-flow/cancel-me", timeout=0)
+            except Exception:  # noqa: BLE001 - the deployment is not registered yet
+                time.sleep(1)
+        while sum("skytasks.worker" in " ".join(p.cmdline()) for p in skytasks_processes()) < 2:
+            assert time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.2)
+
+        async def cancel_and_wait():
+            async with get_client() as client:
+                await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+                while True:
+                    run = await client.read_flow_run(flow_run.id)
+                    if run.state.is_final():
+                        return run.state
+                    assert time.monotonic() < deadline + 60
+                    await asyncio.sleep(0.5)
+
+        final = asyncio.run(cancel_and_wait())
+        assert final.is_cancelled()
+        assert wait_for_no_skytasks_processes(timeout=15) == []
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -59,7 +59,8 @@ class LocalProvider:
                     start_new_session=True,
                 )
                 self._procs.append(proc)
-                env = {"PYTHONPATH": _controller_path()}
+                user_path = self._pool.env.get("PYTHONPATH")
+                env = {"PYTHONPATH": os.pathsep.join(p for p in (user_path, _controller_path()) if p)}
                 if gpus:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(slices[node_rank])
                 links.append(

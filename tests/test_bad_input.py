@@ -1,0 +1,117 @@
+"""Bad input gets a clear error naming what is wrong, before anything is launched."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from pydantic import ValidationError
+
+from blocks import GPUPool
+from skytasks import DistributedTaskError, distributed_task, rank_info
+from tests.conftest import skytasks_processes
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"nodes": 0}, "nodes"),
+        ({"provider": "gcp"}, "provider"),
+        ({"procs_per_node": 0}, "procs_per_node"),
+        ({"provider": "ssh"}, "hosts"),
+        ({"provider": "ssh", "hosts": ["a", "b", "c"], "nodes": 2}, "hosts"),
+        ({"hosts": ["user@host:99999"]}, "hosts"),
+        ({"hosts": ["two words"]}, "hosts"),
+        ({"ready_timeout_seconds": -1}, "ready_timeout_seconds"),
+        ({"idle_minutes": 0}, "idle_minutes"),
+        ({"max_lifetime_minutes": -5}, "max_lifetime_minutes"),
+        ({"accelerators_per_node": 0}, "accelerators_per_node"),
+        ({"root_volume_gb": 1}, "root_volume_gb"),
+    ],
+)
+def test_invalid_pool_fields_are_refused_at_construction(fields, named):
+    with pytest.raises(ValidationError) as caught:
+        GPUPool(**fields)
+    assert named in str(caught.value)
+
+
+def test_valid_pools_fill_in_defaults():
+    assert GPUPool(accelerator="A100").accelerators_per_node == 1
+    assert GPUPool(provider="ssh", nodes=2, hosts=["me@10.0.0.1:2222", "[::1]"]).hosts[0] == "me@10.0.0.1:2222"
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [({"nodes": 0}, "nodes"), ({"procs_per_node": -1}, "procs_per_node"), ({"retries": -1}, "retries"),
+     ({"timeout_seconds": 0}, "timeout_seconds"), ({"retry_delay_seconds": -1}, "retry_delay_seconds"),
+     ({"backend": "carrier-pigeon"}, "backend")],
+)
+def test_invalid_task_options_are_refused_at_decoration(options, named):
+    with pytest.raises(ValueError, match=named):
+        distributed_task(lambda: None, **options)
+
+
+def test_with_options_refuses_unknown_names():
+    with pytest.raises(TypeError, match="nodez"):
+        distributed_task(lambda: None).with_options(nodez=2)
+
+
+def test_an_unpicklable_argument_is_refused_before_any_rank_starts():
+    task = distributed_task(lambda lock: None, pool=GPUPool(nodes=2))
+    with pytest.raises(TypeError, match="positional argument 0.*lock.*cannot be pickled"):
+        task(threading.Lock())
+    assert skytasks_processes() == []
+
+
+def test_an_unpicklable_keyword_argument_is_named():
+    task = distributed_task(lambda **kw: None, pool=GPUPool(nodes=2))
+    with pytest.raises(TypeError, match="argument 'sync'"):
+        task(sync=threading.Event()._cond)
+
+
+def test_an_unpicklable_closure_is_refused_before_any_rank_starts():
+    lock = threading.Lock()
+
+    def uses_a_lock() -> None:
+        with lock:
+            pass
+
+    with pytest.raises(TypeError, match="the function .*uses_a_lock.*cannot be pickled"):
+        distributed_task(uses_a_lock, pool=GPUPool(nodes=2))()
+    assert skytasks_processes() == []
+
+
+def returns_a_lock():
+    return threading.Lock()
+
+
+def test_an_unpicklable_return_value_names_the_rank_and_the_type():
+    with pytest.raises(DistributedTaskError) as caught:
+        distributed_task(returns_a_lock, pool=GPUPool(nodes=2), init_torch=False)()
+    exc = caught.value.exceptions[0]
+    assert isinstance(exc, TypeError)
+    assert "rank 0 returned a value of type _thread.lock that cannot be pickled" in str(exc) or "rank 1 returned" in str(exc)
+
+
+def test_rank_info_outside_a_rank_says_so():
+    with pytest.raises(RuntimeError, match="outside a skytasks rank"):
+        rank_info()
+
+
+inner = distributed_task(lambda: 1, pool=GPUPool(nodes=1))
+
+
+def calls_a_distributed_task():
+    return inner()
+
+
+def test_a_distributed_task_inside_a_rank_is_refused():
+    with pytest.raises(DistributedTaskError) as caught:
+        distributed_task(calls_a_distributed_task, pool=GPUPool(nodes=2), init_torch=False)()
+    exc = caught.value.exceptions[0]
+    assert isinstance(exc, RuntimeError) and "nested fan-out" in str(exc)
+
+
+def test_no_pool_and_no_active_pool_names_both_ways_to_give_one():
+    with pytest.raises(ValueError, match=r"pass pool= .*or call it inside `with pool:`"):
+        distributed_task(lambda: None)()
