@@ -114,12 +114,29 @@ def train(epochs: int = 3) -> dict:
     def is_up(self) -> bool:
         return self._session is not None
 
+    @property
+    def display_name(self) -> str:
+        """The saved block's name, or the provider's for an unsaved pool (tags, events)."""
+        return getattr(self, "_block_document_name", None) or f"{self.provider}-pool"
+
     def _start_session(self):
+        from skytasks.events import emit, pool_resource
         from skytasks.lifecycle import PoolSession
         from skytasks.providers import provider_for
 
-        env = dict(self.env)
-        return PoolSession(provider_for(self), self.procs_per_node, env)
+        session = PoolSession(provider_for(self), self.procs_per_node, dict(self.env))
+        emit("skytasks.pool.up", pool_resource(self.display_name),
+             payload={"provider": self.provider, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
+                      "addresses": [n.link.address for n in session.nodes]})
+        return session
+
+    def _close_session(self, session) -> None:
+        from skytasks.events import emit, pool_resource
+
+        try:
+            session.close()
+        finally:
+            emit("skytasks.pool.down", pool_resource(self.display_name), payload={"provider": self.provider})
 
     @contextmanager
     def _nodes(self) -> Iterator[Any]:
@@ -131,7 +148,7 @@ def train(epochs: int = 3) -> dict:
         try:
             yield session
         finally:
-            session.close()
+            self._close_session(session)
 
     def _push_active(self) -> None:
         self._depth += 1
@@ -168,7 +185,7 @@ def train(epochs: int = 3) -> dict:
         if self._depth == 0:
             try:
                 if session is not None:
-                    session.close()
+                    self._close_session(session)
             finally:
                 self._restore_sigterm()
 
@@ -182,7 +199,7 @@ def train(epochs: int = 3) -> dict:
         session = self._pop_active()
         if session is not None:
             # shield: teardown finishes even when the awaiting task is being cancelled.
-            await asyncio.shield(asyncio.to_thread(session.close))
+            await asyncio.shield(asyncio.to_thread(self._close_session, session))
 
     def _trap_sigterm(self) -> None:
         # Python's default SIGTERM ends the process without unwinding, which would skip

@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone, no install needed
 
 from blocks import GPUPool  # noqa: E402
-from skytasks import distributed_task, rank_info, stdout  # noqa: E402
+from skytasks import distributed_task, rank_info, report, stdout  # noqa: E402
 
 TEXT_PATH = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 
@@ -104,6 +104,7 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
         dist.all_reduce(total)  # the mean loss over every rank's samples
         epoch_losses.append(round((total[0] / total[1]).item(), 4))
         print(f"epoch {epoch + 1}/{epochs}  loss {epoch_losses[-1]:.3f}  ({info.world_size} ranks)")
+        report(epoch=epoch + 1, epochs=epochs, loss=epoch_losses[-1])  # live metrics artifact (head only)
 
     checkpoint = None
     if info.is_head:

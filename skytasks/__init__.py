@@ -18,6 +18,7 @@ _EXPORTS = {
     "RankInfo": "skytasks.rank",
     "rank_info": "skytasks.rank",
     "shard": "skytasks.sharding",
+    "report": "skytasks.metrics",
     "stdout": "skytasks.output",
     "stderr": "skytasks.output",
     "silent": "skytasks.output",
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from skytasks.errors import DistributedTaskError, RankProcessDied, RemoteRankError
     from skytasks.output import silent, stderr, stdout
     from skytasks.rank import RankInfo, rank_info
+    from skytasks.metrics import report
     from skytasks.sharding import shard
     from skytasks.task import DistributedTask, distributed_task
 

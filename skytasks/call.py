@@ -161,3 +161,7 @@ class ConsoleObserver:
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         pass
+
+    def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
+        shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        print(f"[rank {rank}] report: {shown}", flush=True)

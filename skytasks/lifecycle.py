@@ -38,6 +38,7 @@ class CallObserver(Protocol):
     def on_output(self, rank: int, stream: str, line: str) -> None: ...
     def on_log(self, rank: int, level: int, line: str) -> None: ...
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None: ...
+    def on_report(self, rank: int, metrics: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -197,6 +198,8 @@ class RankGroup:
             observer.on_output(rank, msg["stream"], msg["line"])
         elif op == "log":
             observer.on_log(rank, msg["level"], msg["line"])
+        elif op == "report":
+            observer.on_report(rank, msg["metrics"])
         elif op == "joining":
             self.joining.add(rank)
         elif op == "ready":

@@ -1,4 +1,5 @@
-"""Prefect bookkeeping for a distributed call: one parent task run, one child task run per rank.
+"""Prefect bookkeeping for a distributed call: one parent task run, one child task run per rank,
+artifacts and events.
 
 The ranks run in their own processes; a child task run is the rank's face in Prefect. It is
 created in a thread of its own (with a copy of the parent's context, so Prefect links it to the
@@ -13,20 +14,25 @@ from __future__ import annotations
 import contextvars
 import logging
 import queue
+import re
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from prefect import Task, tags as prefect_tags
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.states import Cancelled
 
+from skytasks.events import emit, pool_resource, rank_resource
 from skytasks.lifecycle import RankOutcome
 
 _DONE = object()
 _VIEWS: contextvars.ContextVar[dict[int, "RankView"]] = contextvars.ContextVar("skytasks_rank_views")
 RANK_RUN_JOIN_SECONDS = 60.0
+METRICS_ARTIFACT_EVERY_SECONDS = 1.0
 
 
 class RankView:
@@ -49,7 +55,7 @@ def _rank_run(label: str, rank: int, world: int) -> Any:
     logger = get_run_logger()
     while (item := view.lines.get()) is not _DONE:
         level, line = item
-        logger.log(level, line)
+        logger.log(level, "[rank %d] %s", rank, line)
     outcome = view.outcome
     assert outcome is not None
     if outcome.status == "completed":
@@ -71,20 +77,86 @@ RANK_TASK = Task(
 )
 
 
+def _artifact_key(label: str, suffix: str) -> str:
+    # Artifact keys: lowercase letters, digits and dashes only.
+    return re.sub(r"[^a-z0-9-]+", "-", f"{label}-{suffix}".lower()).strip("-")
+
+
+def _summary(outcome: RankOutcome) -> str:
+    if outcome.status == "failed" and outcome.failure is not None:
+        text = f"{type(outcome.failure.exception).__name__}: {outcome.failure.exception}"
+    elif outcome.status == "completed":
+        text = repr(outcome.value)
+    else:
+        text = outcome.stop_reason
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+class CallRecord:
+    """Artifacts and events of one call, across its attempts: a live progress bar, a live
+    metrics table from `skytasks.report`, and a final table with one row per rank."""
+
+    def __init__(self, label: str, pool_name: str):
+        self.label, self.pool_name = label, pool_name
+        self.started = time.monotonic()
+        self.metrics: list[dict[str, Any]] = []
+        self._metrics_written_at = 0.0
+        self.progress_id = create_progress_artifact(
+            0.0, key=_artifact_key(label, "progress"), description=f"{label}: progress of the distributed call"
+        )
+
+    def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
+        self.metrics.append({"rank": rank, **metrics})
+        progress = metrics.get("progress")
+        if progress is None and "epoch" in metrics and metrics.get("epochs"):
+            progress = metrics["epoch"] / metrics["epochs"]
+        if isinstance(progress, (int, float)):
+            update_progress_artifact(self.progress_id, max(0.0, min(100.0, progress * 100 if progress <= 1 else progress)))
+        if time.monotonic() - self._metrics_written_at >= METRICS_ARTIFACT_EVERY_SECONDS:
+            self.write_metrics()
+
+    def write_metrics(self) -> None:
+        if self.metrics:
+            self._metrics_written_at = time.monotonic()
+            create_table_artifact(self.metrics, key=_artifact_key(self.label, "metrics"),
+                                  description=f"{self.label}: metrics reported by the ranks (skytasks.report)")
+
+    def on_rank_failed(self, outcome: RankOutcome) -> None:
+        exc = outcome.failure.exception if outcome.failure else None
+        emit("skytasks.rank.failed", rank_resource(self.label, outcome.rank),
+             related=[pool_resource(self.pool_name)],
+             payload={"task": self.label, "rank": outcome.rank, "node": outcome.node_rank, "address": outcome.node_addr,
+                      "exception_type": type(exc).__name__, "message": str(exc)[:500]})
+
+    def finish(self, outcomes: list[RankOutcome], error: BaseException | None) -> None:
+        self.write_metrics()
+        rows = [{"rank": o.rank, "node": o.node_rank, "address": o.node_addr, "outcome": o.status,
+                 "seconds": round(o.ended - o.started, 3) if o.started and o.ended else None,
+                 "summary": _summary(o)} for o in outcomes]
+        create_table_artifact(rows, key=_artifact_key(self.label, "ranks"),
+                              description=f"{self.label}: one row per rank")
+        if error is None:
+            update_progress_artifact(self.progress_id, 100.0)
+        emit("skytasks.call.failed" if error else "skytasks.call.completed",
+             {"prefect.resource.id": f"skytasks.call.{self.label}", "prefect.resource.name": self.label},
+             related=[pool_resource(self.pool_name)],
+             payload={"task": self.label, "ranks": len(outcomes), "seconds": round(time.monotonic() - self.started, 3),
+                      "error": repr(error)[:500] if error else None})
+
+
 class PrefectObserver:
     """Routes one attempt's rank output to the rank task runs, and starts those runs."""
 
-    def __init__(self, label: str, world: int, run_tags: tuple[str, ...]):
+    def __init__(self, label: str, world: int, run_tags: tuple[str, ...], record: CallRecord):
+        self.record = record
         self.views = {r: RankView() for r in range(world)}
         self.threads: list[threading.Thread] = []
         token = _VIEWS.set(self.views)
         try:
             for r in range(world):
                 ctx = contextvars.copy_context()
-                t = threading.Thread(
-                    target=ctx.run, args=(self._run_rank, label, r, world, run_tags),
-                    daemon=True, name=f"skytasks-rank-run-{r}",
-                )
+                t = threading.Thread(target=ctx.run, args=(self._run_rank, label, r, world, run_tags),
+                                     daemon=True, name=f"skytasks-rank-run-{r}")
                 t.start()
                 self.threads.append(t)
         finally:
@@ -107,37 +179,46 @@ class PrefectObserver:
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         self.views[rank].finish(outcome)
+        if outcome.status == "failed":
+            self.record.on_rank_failed(outcome)
 
-    def close(self, reason: str) -> None:
+    def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
+        self.record.on_report(rank, metrics)
+
+    def close(self, reason: str) -> list[RankOutcome]:
         """Whatever happened, every rank run ends and is joined before the parent ends."""
         for r, view in self.views.items():
             if not view.closed:
                 view.finish(RankOutcome(rank=r, node_rank=-1, node_addr="", status="stopped", stop_reason=reason))
         for t in self.threads:
             t.join(timeout=RANK_RUN_JOIN_SECONDS)
+        return [self.views[r].outcome for r in sorted(self.views)]  # type: ignore[misc]
 
 
-def run_as_parent_task(label: str, run_tags: tuple[str, ...], body: Callable[[Callable[[int, int], PrefectObserver]], list[Any]]) -> list[Any]:
+def run_as_parent_task(label: str, pool_name: str, run_tags: tuple[str, ...],
+                       body: Callable[[Callable[[int, int], PrefectObserver]], list[Any]]) -> list[Any]:
     """Run `body` inside a parent task run named after the task; its result is persisted."""
-    observers: list[PrefectObserver] = []
-
-    def observer_for_attempt(attempt: int, world: int) -> PrefectObserver:
-        if observers:
-            observers[-1].close(f"attempt {attempt - 1} ended")
-        observers.append(PrefectObserver(label, world, run_tags))
-        return observers[-1]
 
     def parent(label: str) -> list[Any]:
+        record = CallRecord(label, pool_name)
+        observers: list[PrefectObserver] = []
+
+        def observer_for_attempt(attempt: int, world: int) -> PrefectObserver:
+            if observers:
+                observers[-1].close(f"attempt {attempt - 1} ended")
+            observers.append(PrefectObserver(label, world, run_tags, record))
+            return observers[-1]
+
+        error: BaseException | None = None
         try:
             return body(observer_for_attempt)
         except BaseException as exc:
-            reason = f"the call ended: {type(exc).__name__}"
-            for o in observers:
-                o.close(reason)
+            error = exc
             raise
         finally:
-            for o in observers:
-                o.close("the call ended")
+            reason = f"the call ended: {type(error).__name__}" if error else "the call ended"
+            outcomes = [o.close(reason) for o in observers][-1] if observers else []
+            record.finish(outcomes, error)
 
     parent_task = Task(
         parent,
@@ -146,7 +227,7 @@ def run_as_parent_task(label: str, run_tags: tuple[str, ...], body: Callable[[Ca
         tags=["skytasks", *run_tags],
         cache_policy=NO_CACHE,
         persist_result=True,
-        result_serializer="pickle",  # Prefect's pickle serializer is cloudpickle,
+        result_serializer="pickle",  # Prefect's pickle serializer is cloudpickle
         retries=0,
     )
     return parent_task(label=label)

@@ -80,9 +80,10 @@ class DistributedTask:
 
         from skytasks.prefect_runs import run_as_parent_task
 
-        pool_name = getattr(pool, "_block_document_name", None) or f"{pool.provider}-pool"
-        run_tags = (*self.tags, f"pool:{pool_name}")
-        return run_as_parent_task(self.name, run_tags, lambda observer_for: run_call(pool, payload, options, observer_for))
+        run_tags = (*self.tags, f"pool:{pool.display_name}")
+        return run_as_parent_task(
+            self.name, pool.display_name, run_tags, lambda observer_for: run_call(pool, payload, options, observer_for)
+        )
 
     def __repr__(self) -> str:
         return f"DistributedTask({self.name!r})"

@@ -175,6 +175,9 @@ def main() -> None:
 
     threading.Thread(target=read_inbound, daemon=True, name="skytasks-inbound").start()
 
+    from skytasks import metrics
+
+    metrics._channel = out
     sys.stdout = _RankStream(out, "stdout")
     sys.stderr = _RankStream(out, "stderr")
     root = logging.getLogger()

@@ -1,0 +1,42 @@
+"""skytasks.report(**metrics): training metrics from a rank to the caller, live.
+
+Called on the head it updates the call's live metrics artifact in the Prefect UI (and prints
+outside a flow). Other ranks are a no-op unless they pass `all_ranks=True`, so the usual
+`report(epoch=e, loss=l)` in every rank's loop sends one row, not one per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from skytasks.rank import rank_info
+
+_channel: Any = None  # the rank's FrameWriter, set by skytasks.worker
+
+
+def _plain(value: Any) -> Any:
+    """Numbers, strings and bools travel; tensors and numpy scalars become Python numbers."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):
+            pass
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Real):
+        value = float(value) if not isinstance(value, numbers.Integral) else int(value)
+        return None if isinstance(value, float) and math.isnan(value) else value
+    return str(value)
+
+
+def report(*, all_ranks: bool = False, **metrics: Any) -> None:
+    info = rank_info()  # raises the clear outside-a-rank error
+    if not (info.is_head or all_ranks):
+        return
+    if not metrics:
+        raise TypeError("report: give at least one metric, e.g. report(epoch=1, loss=0.5)")
+    if _channel is None:
+        raise RuntimeError("report: this rank has no channel to the controller")
+    _channel.send({"op": "report", "metrics": {k: _plain(v) for k, v in metrics.items()}})

@@ -1,0 +1,89 @@
+"""A real `prefect server start`, `prefect deploy` from deployments/prefect.yaml, and a worker run."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
+    )
+    api = env["PREFECT_API_URL"]
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        try:
+            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "prefect server did not start"
+        time.sleep(0.5)
+    try:
+        yield api, env
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def prefect(env, *args, timeout=300) -> str:
+    proc = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"prefect {' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def test_deploy_schedule_and_run_through_a_worker(prefect_server):
+    api, env = prefect_server
+    # The package's prefect.collections entry point: the server knows GPU Pool unasked.
+    assert httpx.get(f"{api}/block_types/slug/gpu-pool").status_code == 200
+
+    prefect(env, "work-pool", "create", "skytasks-local", "--type", "process")
+    out = prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    assert "ddp-train/ddp-train-nightly" in out
+
+    deployment = httpx.get(f"{api}/deployments/name/ddp-train/ddp-train-nightly").json()
+    assert deployment["work_pool_name"] == "skytasks-local"
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
+    assert deployment["parameters"]["nodes"] == 2
+
+    out = prefect(env, "deployment", "run", "ddp-train/ddp-train-nightly", "--param", "epochs=2", "--param", "samples=256")
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    prefect(env, "worker", "start", "--pool", "skytasks-local", "--run-once", timeout=400)
+
+    run = httpx.get(f"{api}/flow_runs/{flow_run_id}").json()
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}).json()
+    names = {t["name"]: t["state"]["type"] for t in task_runs}
+    assert names.get("train[rank 0/2]") == "COMPLETED" and names.get("train[rank 1/2]") == "COMPLETED"
+    assert names.get("train") == "COMPLETED"
