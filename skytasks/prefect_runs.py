@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from prefect import Task, tags as prefect_tags
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.logging import get_run_logger
 from prefect.states import Cancelled
 
@@ -75,6 +75,18 @@ RANK_TASK = Task(
     persist_result=False,
     retries=0,
 )
+
+
+class _ThisTaskRunOnly(CachePolicy):
+    """A key unique to one task run: the parent's result is written to storage (NO_CACHE would
+    leave it unwritten) and no other call, even an identical one in the same flow run, can be
+    served from it. Prefect's RUN_ID is keyed on the flow run, so it would do exactly that."""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
+        return f"skytasks-call-{task_ctx.task_run.id}" if task_ctx else None
+
+
+_THIS_TASK_RUN_ONLY = _ThisTaskRunOnly()
 
 
 def _artifact_key(label: str, suffix: str) -> str:
@@ -225,7 +237,7 @@ def run_as_parent_task(label: str, pool_name: str, run_tags: tuple[str, ...],
         name=label,
         task_run_name=label,
         tags=["skytasks", *run_tags],
-        cache_policy=NO_CACHE,
+        cache_policy=_THIS_TASK_RUN_ONLY,
         persist_result=True,
         result_serializer="pickle",  # Prefect's pickle serializer is cloudpickle
         retries=0,

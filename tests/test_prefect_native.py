@@ -185,7 +185,7 @@ def test_events_for_pool_up_down_rank_failed_and_call_completed():
     wanted = {"skytasks.pool.up", "skytasks.pool.down", "skytasks.rank.failed", "skytasks.call.completed", "skytasks.call.failed"}
     events = _wait_for_events("skytasks.", since, wanted)
     by_name = {e["event"]: e for e in events}
-    assert wanted <= set(by_name)
+    assert wanted <= set(by_name), [(e["event"], e["occurred"]) for e in events]
     assert by_name["skytasks.pool.up"]["resource"]["prefect.resource.id"] == "skytasks.pool.local-pool"
     failed = by_name["skytasks.rank.failed"]
     assert failed["resource"]["prefect.resource.id"] == "skytasks.rank.evented-bad.1"
