@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any, BinaryIO
 
 from skytasks.wire import ChannelClosed, FrameWriter, encode, read_frame
@@ -116,23 +117,30 @@ class NodeAgent:
             while True:
                 msg = read_frame(self._inbound)
                 op = msg["op"]
-                if op == "spawn":
-                    self._spawn(msg)
-                elif op == "call":
-                    self._forward(msg)
-                elif op == "stop":
-                    self.stop_ranks(grace=msg.get("grace", TERM_GRACE_SECONDS))
-                    self.emit({"op": "stopped", "group": msg.get("group")})
-                elif op == "close":
-                    self._close_group(msg)
-                elif op == "ping":
-                    self.emit({"op": "pong", "t": msg.get("t")})
-                elif op == "shutdown":
+                try:
+                    self._dispatch(op, msg)
+                except Exception:  # noqa: BLE001 - reported, then this node's ranks are stopped
+                    self.emit({"op": "agent_error", "error": traceback.format_exc()})
+                    self.stop_ranks(grace=0.0)
+                if op == "shutdown":
                     break
         except ChannelClosed:
             pass
         finally:
             self.stop_ranks(grace=TERM_GRACE_SECONDS)
+
+    def _dispatch(self, op: str, msg: dict[str, Any]) -> None:
+        if op == "spawn":
+            self._spawn(msg)
+        elif op == "call":
+            self._forward(msg)
+        elif op == "stop":
+            self.stop_ranks(grace=msg.get("grace", TERM_GRACE_SECONDS))
+            self.emit({"op": "stopped", "group": msg.get("group")})
+        elif op == "close":
+            self._close_group(msg)
+        elif op == "ping":
+            self.emit({"op": "pong", "t": msg.get("t")})
 
     def _spawn(self, msg: dict[str, Any]) -> None:
         # Start every rank before waiting on any: torch import dominates and runs in parallel.
@@ -151,7 +159,7 @@ class NodeAgent:
         frame = encode(msg)
         for rp in list(self._ranks.values()):
             try:
-                rp.to_rank.send_raw(frame)
+                rp.to_rank.send_encoded(frame)
             except ChannelClosed:
                 pass  # its exit is reported by its own watcher
 
@@ -161,7 +169,7 @@ class NodeAgent:
         frame = encode({"op": "close"})
         for rp in ranks:
             try:
-                rp.to_rank.send_raw(frame)
+                rp.to_rank.send_encoded(frame)
             except ChannelClosed:
                 pass
         deadline = time.monotonic() + msg.get("grace", 5.0)

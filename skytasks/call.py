@@ -6,6 +6,7 @@ called directly with a console observer.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import site
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from skytasks.errors import DistributedTaskError, PoolConfigError
+from skytasks.wire import BlobRef
 from skytasks.lifecycle import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
 
 
@@ -64,7 +66,18 @@ def project_modules() -> list[ModuleType]:
 _IS_PROJECT: dict[str, bool] = {}  # module name -> from the user's project (files never move)
 
 
-def pack_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+# Top-level arguments whose pickle is at least this large travel as content-addressed blobs:
+# once per node, and not again while a warm rank group still holds them.
+BLOB_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    head: bytes  # cloudpickle of (fn, args, kwargs), large arguments replaced by BlobRef
+    blobs: dict[str, bytes]  # sha256 -> cloudpickle of one large argument
+
+
+def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
     """cloudpickle the call, or say exactly which part cannot travel, before any rank starts."""
     registered = []
     for module in project_modules():
@@ -74,10 +87,27 @@ def pack_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         except ValueError:
             pass
     try:
-        return _dumps_or_explain(fn, args, kwargs)
+        blobs: dict[str, bytes] = {}
+        args = tuple(_as_blob(a, blobs) for a in args)
+        kwargs = {k: _as_blob(v, blobs) for k, v in kwargs.items()}
+        return PackedCall(_dumps_or_explain(fn, args, kwargs), blobs)
     finally:
         for module in registered:
             cloudpickle.unregister_pickle_by_value(module)
+
+
+def _as_blob(value: Any, blobs: dict[str, bytes]) -> Any:
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    try:
+        data = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - left in place; _dumps_or_explain names it
+        return value
+    if len(data) < BLOB_BYTES:
+        return value
+    key = hashlib.sha256(data).hexdigest()
+    blobs[key] = data
+    return BlobRef(key)
 
 
 def _dumps_or_explain(fn: Callable, args: tuple, kwargs: dict) -> bytes:
@@ -122,7 +152,7 @@ def resolve_pool(pool: Any):
 
 def run_call(
     pool: Any,
-    payload: bytes,
+    payload: PackedCall,
     options: CallOptions,
     observer_for_attempt: Callable[[int, int], CallObserver],
 ) -> list[Any]:

@@ -118,6 +118,7 @@ class RankGroup:
         self.session, self.spec = session, spec
         self.id = next(_group_ids)
         self.broken = False
+        self.blob_keys: set[str] = set()
         self.ready: set[int] = set()
         self.joining: set[int] = set()
         self.placement: dict[int, tuple[int, str]] = {}  # rank -> (node_rank, node address)
@@ -147,11 +148,16 @@ class RankGroup:
             }
             node.send({"op": "spawn", "group": self.id, "ranks": ranks, "env": common})
 
-    def run(self, payload: bytes, attempt: int, deadline: float | None, observer: CallObserver, label: str) -> list[Any]:
+    def run(self, payload: Any, attempt: int, deadline: float | None, observer: CallObserver, label: str) -> list[Any]:
         call_id = next(_call_ids)
         outcomes = {r: RankOutcome(rank=r, node_rank=n, node_addr=a) for r, (n, a) in self.placement.items()}
+        # Large arguments the ranks still hold from the last call are not sent again.
+        fresh = {k: v for k, v in payload.blobs.items() if k not in self.blob_keys}
+        msg = {"op": "call", "call": call_id, "head": payload.head, "blobs": fresh,
+               "keep": list(payload.blobs), "attempt": attempt}
         for node in self.session.nodes:
-            node.send({"op": "call", "call": call_id, "payload": payload, "attempt": attempt})
+            node.send(msg)
+        self.blob_keys = set(payload.blobs)
         init_deadline = None
         if self.spec.init_torch and len(self.ready) < self.world_size:
             init_deadline = time.monotonic() + self.spec.init_timeout_seconds
@@ -216,11 +222,13 @@ class RankGroup:
             self.broken = True  # whatever the reason, a group missing a rank can serve no more
             if outcomes[rank].status == "pending":
                 self._fail(outcomes[rank], RankProcessDied(rank, msg["returncode"]), failures, observer, None)
-        elif op == "lost":
+        elif op in ("lost", "agent_error"):
+            # The node itself failed: that is the root cause, not the ranks it took with it.
+            what = f"lost the agent of node {node_rank}" if op == "lost" else f"the agent of node {node_rank} failed"
+            detail = msg.get("reason") or msg.get("error", "")
             for o in outcomes.values():
                 if o.node_rank == node_rank and o.status == "pending":
-                    err = ConnectionError(f"lost the agent of node {node_rank} ({o.node_addr}): {msg['reason']}")
-                    self._fail(o, err, failures, observer, None)
+                    self._fail(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), failures, observer, None)
 
     def _fail(self, o: RankOutcome, exc: BaseException, failures, observer, ended: float | None) -> None:
         self.broken = True
@@ -301,7 +309,7 @@ class PoolSession:
         self.group: RankGroup | None = None
         self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
 
-    def call(self, payload: bytes, spec: GroupSpec, *, attempt: int, deadline: float | None,
+    def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
              observer: CallObserver, label: str) -> list[Any]:
         # One call at a time on a pool's ranks: two calls cannot share one process group.
         with self._lock:

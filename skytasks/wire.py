@@ -1,10 +1,13 @@
 """Framed messages over a byte stream: the one way the controller, node agents and ranks talk.
 
-A frame is an 8-byte big-endian length followed by a stdlib pickle of a dict with an ``op`` key.
-The same framing runs over pipes (local nodes) and over an SSH channel (remote nodes), so the
-rank lifecycle does not care how a node was reached. Payloads from user code (the function and
-its arguments, return values) are already cloudpickled bytes inside a frame: the agent forwards
-them without unpickling, which keeps cloudpickle and torch out of the agent.
+A frame is a stdlib pickle (protocol 5) of a dict with an ``op`` key, followed by its
+out-of-band buffers: large byte payloads (a cloudpickled argument, a return value) are wrapped in
+`pickle.PickleBuffer` and written straight from their memory, never copied into the pickle
+stream. The same framing runs over pipes (local nodes) and over an SSH channel (remote nodes),
+so the rank lifecycle does not care how a node was reached. The agent forwards payloads without
+unpickling them, which keeps cloudpickle and torch out of the agent.
+
+Layout: header (meta length, buffer count), meta, then per buffer (length, bytes).
 
 Pickle here is code execution, which is why the stream must always be an authenticated channel
 (a pipe to a child process, or SSH with pinned host keys), never a listening socket.
@@ -15,24 +18,54 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
-_HEADER = struct.Struct(">Q")
+_HEADER = struct.Struct(">QI")
+_LENGTH = struct.Struct(">Q")
 # A frame larger than this is a corrupted stream, not a message: fail loudly instead of
 # trying to allocate it.
 MAX_FRAME = 1 << 40
+# Byte payloads at least this large travel out of band (no copy into the pickle stream).
+OUT_OF_BAND_BYTES = 64 * 1024
+
+
+class BlobRef(NamedTuple):
+    """Stands in a call for a large argument that travels (and is cached) on its own."""
+
+    key: str
 
 
 class ChannelClosed(EOFError):
     """The other end of the stream has gone away."""
 
 
-def encode(msg: dict[str, Any]) -> bytes:
-    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
+def _out_of_band(value: Any, depth: int = 0) -> Any:
+    """Wrap large byte payloads (in dicts, lists and tuples) so pickle leaves them out of band."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if len(value) >= OUT_OF_BAND_BYTES:
+            return pickle.PickleBuffer(value)
+        return bytes(value) if isinstance(value, memoryview) else value
+    if depth > 4:
+        return value
+    if isinstance(value, dict):
+        return {k: _out_of_band(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_out_of_band(v, depth + 1) for v in value)
+    return value
 
 
-def _read_exact(stream: BinaryIO, n: int) -> bytes:
+def encode(msg: dict[str, Any]) -> list[Any]:
+    """The frame as a list of byte chunks, ready for writelines (no concatenation copies)."""
+    buffers: list[pickle.PickleBuffer] = []
+    meta = pickle.dumps(_out_of_band(msg), protocol=5, buffer_callback=buffers.append)
+    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers)), meta]
+    for buf in buffers:
+        view = buf.raw()
+        chunks += [_LENGTH.pack(view.nbytes), view]
+    return chunks
+
+
+def _read_exact(stream: BinaryIO, n: int) -> bytearray:
     # readinto a preallocated buffer: one copy of a large payload, not a list of chunks.
     buf = bytearray(n)
     view = memoryview(buf)
@@ -42,15 +75,22 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
         if not k:
             raise ChannelClosed(f"stream closed after {got} of {n} bytes")
         got += k
-    return bytes(buf) if n < 4096 else buf  # type: ignore[return-value]
+    return buf
 
 
 def read_frame(stream: BinaryIO) -> dict[str, Any]:
     """Block until one whole message arrives; raise ChannelClosed at end of stream."""
-    (size,) = _HEADER.unpack(_read_exact(stream, _HEADER.size))
-    if size > MAX_FRAME:
-        raise ChannelClosed(f"frame of {size} bytes: the stream is corrupt")
-    return pickle.loads(_read_exact(stream, size))
+    meta_len, count = _HEADER.unpack(_read_exact(stream, _HEADER.size))
+    if meta_len > MAX_FRAME:
+        raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
+    meta = _read_exact(stream, meta_len)
+    buffers = []
+    for _ in range(count):
+        (size,) = _LENGTH.unpack(_read_exact(stream, _LENGTH.size))
+        if size > MAX_FRAME:
+            raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
+        buffers.append(_read_exact(stream, size))
+    return pickle.loads(meta, buffers=buffers)
 
 
 class FrameWriter:
@@ -61,12 +101,12 @@ class FrameWriter:
         self._lock = threading.Lock()
 
     def send(self, msg: dict[str, Any]) -> None:
-        self.send_raw(encode(msg))
+        self.send_encoded(encode(msg))
 
-    def send_raw(self, frame: bytes) -> None:
+    def send_encoded(self, chunks: list[Any]) -> None:
         with self._lock:
             try:
-                self._stream.write(frame)
+                self._stream.writelines(chunks)
                 self._stream.flush()
             except (BrokenPipeError, ValueError, OSError) as exc:
                 raise ChannelClosed(str(exc)) from exc

@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from skytasks.rank import ENV_ATTEMPT
-from skytasks.wire import ChannelClosed, FrameWriter, read_frame
+from skytasks.wire import BlobRef, ChannelClosed, FrameWriter, read_frame
 
 _PR_SET_PDEATHSIG = 1
 
@@ -130,6 +130,25 @@ def _init_process_group(out: FrameWriter) -> None:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 
+_BLOBS: dict[str, Any] = {}  # this call's large arguments, kept for the next call
+
+
+def _unpack(msg: dict[str, Any]) -> tuple[Any, tuple, dict]:
+    import cloudpickle
+
+    keep = set(msg["keep"])
+    for key in list(_BLOBS):
+        if key not in keep:
+            del _BLOBS[key]
+    _BLOBS.update(msg["blobs"])
+    fn, args, kwargs = cloudpickle.loads(msg["head"])
+
+    def resolve(value: Any) -> Any:
+        return cloudpickle.loads(_BLOBS[value.key]) if isinstance(value, BlobRef) else value
+
+    return fn, tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
+
+
 def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
     import cloudpickle
 
@@ -137,7 +156,7 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
     os.environ[ENV_ATTEMPT] = str(msg["attempt"])
     started = time.time()
     try:
-        fn, args, kwargs = cloudpickle.loads(msg["payload"])
+        fn, args, kwargs = _unpack(msg)
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything, KeyboardInterrupt included, goes back
         out.send({"op": "failed", "call": msg["call"], "started": started, "ended": time.time(), **_describe_exception(exc)})
