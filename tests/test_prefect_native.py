@@ -157,10 +157,12 @@ def _read_events(prefix: str, since: datetime) -> list[dict]:
     return asyncio.run(read())
 
 
-def _wait_for_events(prefix: str, since: datetime, names: set[str], timeout: float = 30) -> list[dict]:
+def _wait_for_events(prefix: str, since: datetime, names: set[str], flow_run_id: str, timeout: float = 30) -> list[dict]:
+    """The events related to one flow run (other tests' events may share the time window)."""
     deadline = time.monotonic() + timeout
     while True:
-        events = _read_events(prefix, since)
+        events = [e for e in _read_events(prefix, since)
+                  if any(r["prefect.resource.id"] == f"prefect.flow-run.{flow_run_id}" for r in e["related"])]
         if names <= {e["event"] for e in events} or time.monotonic() > deadline:
             return events
         time.sleep(0.5)
@@ -181,9 +183,9 @@ def test_events_for_pool_up_down_rank_failed_and_call_completed():
             except Exception:  # noqa: BLE001
                 pass
 
-    evented_flow()
+    flow_run_id = str(evented_flow(return_state=True).state_details.flow_run_id)
     wanted = {"skytasks.pool.up", "skytasks.pool.down", "skytasks.rank.failed", "skytasks.call.completed", "skytasks.call.failed"}
-    events = _wait_for_events("skytasks.", since, wanted)
+    events = _wait_for_events("skytasks.", since, wanted, flow_run_id)
     by_name = {e["event"]: e for e in events}
     assert wanted <= set(by_name), [(e["event"], e["occurred"]) for e in events]
     assert by_name["skytasks.pool.up"]["resource"]["prefect.resource.id"] == "skytasks.pool.local-pool"

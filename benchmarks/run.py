@@ -1,0 +1,165 @@
+"""skytasks against torchrun, measured side by side in one run on this machine.
+
+    make bench            # or: .venv/bin/python benchmarks/run.py [--quick]
+
+Prints one table per figure with ratios, and writes benchmarks/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+import workloads  # noqa: E402
+
+from blocks import GPUPool  # noqa: E402
+from skytasks import distributed_task  # noqa: E402
+
+
+def torchrun(kind: str) -> tuple[float, float]:
+    """Wall time of a whole torchrun job, and the RESULT it printed."""
+    started = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(HERE / "torchrun_job.py"), kind],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    elapsed = time.perf_counter() - started
+    return elapsed, float(out.split("RESULT")[1].split()[0])
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return time.perf_counter() - started, result
+
+
+def dispatch(repeats: int) -> dict:
+    all_reduce = distributed_task(workloads.all_reduce_once, name="all_reduce")
+    torchrun_s = statistics.median(torchrun("all_reduce")[0] for _ in range(repeats))
+    cold_s = statistics.median(timed(all_reduce.with_options(pool=GPUPool(nodes=1, procs_per_node=2)))[0] for _ in range(repeats))
+    pool = GPUPool(nodes=1, procs_per_node=2)
+    with pool:
+        all_reduce.with_options(pool=pool)()
+        warm_s = statistics.median(timed(all_reduce.with_options(pool=pool))[0] for _ in range(max(10, repeats * 5)))
+    return {"torchrun_s": torchrun_s, "cold_s": cold_s, "warm_s": warm_s,
+            "cold_ratio": cold_s / torchrun_s, "warm_ratio": warm_s / torchrun_s}
+
+
+def throughput(repeats: int) -> dict:
+    task = distributed_task(workloads.ddp_steps_per_second, pool=GPUPool(nodes=1, procs_per_node=2), name="ddp")
+    torchrun_sps = statistics.median(torchrun("ddp")[1] for _ in range(repeats))
+    skytasks_sps = statistics.median(task()[0] for _ in range(repeats))
+    return {"torchrun_steps_per_s": torchrun_sps, "skytasks_steps_per_s": skytasks_sps,
+            "ratio": skytasks_sps / torchrun_sps}
+
+
+def fan_out(sizes: list[int]) -> list[dict]:
+    from prefect import flow
+
+    rows = []
+    for n in sizes:
+        ppn = min(n, 8)
+        pool = GPUPool(nodes=n // ppn, procs_per_node=ppn)
+        task = distributed_task(workloads.started_at, pool=pool, init_torch=False, name=f"fanout-{n}")
+
+        t0 = time.time()
+        plain_s, starts = timed(task)
+        running_s = max(starts) - t0
+
+        @flow(name=f"fanout-{n}")
+        def in_a_flow():
+            return timed(task)
+
+        flow_s, flow_starts = in_a_flow()[0], None
+        rows.append({"ranks": n, "all_running_s": running_s, "call_s": plain_s, "call_in_flow_s": flow_s,
+                     "prefect_s": flow_s - plain_s})
+    return rows
+
+
+def raw_pipe_mb_per_s(mb: int) -> float:
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nb=bytearray(1<<20)\nr=sys.stdin.buffer.raw\nwhile r.readinto(b): pass"],
+        stdin=subprocess.PIPE,
+    )
+    chunk = b"x" * (1 << 20)
+    started = time.perf_counter()
+    for _ in range(mb):
+        reader.stdin.write(chunk)
+    reader.stdin.close()
+    reader.wait()
+    return mb / (time.perf_counter() - started)
+
+
+def broadcast(sizes_mb: list[int], node_counts: list[int]) -> dict:
+    import numpy as np
+
+    rows = []
+    pipe = raw_pipe_mb_per_s(max(sizes_mb))
+    for nodes in node_counts:
+        pool = GPUPool(nodes=nodes)
+        task = distributed_task(workloads.payload_size, pool=pool, init_torch=False, name="broadcast")
+        with pool:
+            empty_s = statistics.median(timed(task, b"")[0] for _ in range(5))
+            for mb in sizes_mb:
+                data = np.frombuffer(os.urandom(mb << 20), dtype=np.uint8)
+                first_s, sizes = timed(task, data)
+                assert sizes == [len(data)] * nodes
+                repeat_s, _ = timed(task, data)
+                moved = mb * nodes
+                rows.append({"nodes": nodes, "mb": mb, "first_s": first_s, "repeat_s": repeat_s,
+                             "empty_call_s": empty_s, "mb_per_s": moved / max(first_s - empty_s, 1e-9),
+                             "fraction_of_pipe": moved / max(first_s - empty_s, 1e-9) / pipe})
+                del data
+    return {"raw_pipe_mb_per_s": pipe, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
+    args = parser.parse_args()
+    repeats = 1 if args.quick else 3
+    results: dict = {"machine": f"{os.cpu_count()} cores", "python": sys.version.split()[0]}
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    results["dispatch"] = d = dispatch(repeats)
+    print("\n1. trivial 2-rank all_reduce (median seconds)")
+    print(f"   torchrun {d['torchrun_s']:.2f}   skytasks cold {d['cold_s']:.2f} ({d['cold_ratio']:.2f}x)"
+          f"   skytasks warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
+
+    results["throughput"] = t = throughput(repeats)
+    print("\n2. DDP training throughput (steps/s, same model and data)")
+    print(f"   torchrun {t['torchrun_steps_per_s']:.1f}   skytasks {t['skytasks_steps_per_s']:.1f} ({t['ratio']:.3f}x)")
+
+    with prefect_test_harness(server_startup_timeout=120):
+        results["fan_out"] = rows = fan_out([2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64])
+    print("\n3. fan-out on the local pool, init_torch=False (seconds)")
+    print("   ranks  all running  call  call in flow  Prefect part")
+    for r in rows:
+        print(f"   {r['ranks']:>5}  {r['all_running_s']:>11.2f}  {r['call_s']:>4.2f}  {r['call_in_flow_s']:>12.2f}  {r['prefect_s']:>12.2f}")
+
+    results["broadcast"] = b = broadcast([10, 100] if args.quick else [10, 100, 500], [2] if args.quick else [2, 4])
+    print(f"\n4. argument broadcast (raw pipe on this machine: {b['raw_pipe_mb_per_s']:.0f} MB/s)")
+    print("   nodes    MB  first call  MB/s moved  of pipe  warm repeat")
+    for r in b["rows"]:
+        print(f"   {r['nodes']:>5} {r['mb']:>5}  {r['first_s']:>10.2f}  {r['mb_per_s']:>10.0f}  {r['fraction_of_pipe']:>6.0%}  {r['repeat_s']:>11.3f}")
+
+    out = HERE / "results.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwritten {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Workloads shared by torchrun and skytasks in the benchmarks, so both run the same code."""
+
+from __future__ import annotations
+
+import time
+
+
+def all_reduce_once() -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def ddp_steps_per_second(steps: int = 60, warmup: int = 5) -> float:
+    """Steps per second of a small MLP under DDP, timed inside the rank (no startup)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, 256)
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            started = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dist.barrier()
+    return steps / (time.perf_counter() - started)
+
+
+def started_at() -> float:
+    return time.time()
+
+
+def payload_size(data) -> int:
+    return len(data)
