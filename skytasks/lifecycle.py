@@ -22,11 +22,12 @@ import cloudpickle
 from skytasks.errors import DistributedTaskError, RankFailure, RankProcessDied, RemoteRankError, RemoteTraceback
 from skytasks.providers import NodeLink, NodeProvider
 from skytasks.rank import rank_environment
-from skytasks.wire import ChannelClosed, FrameWriter, read_frame
+from skytasks.wire import ChannelClosed, FrameWriter, encode, read_frame
 
 # How long stopped ranks may take to be confirmed gone before the call returns anyway.
 STOP_CONFIRM_SECONDS = 10.0
 DEFAULT_INIT_TIMEOUT_SECONDS = 120.0
+BROADCAST_IN_PARALLEL_BYTES = 1 << 20
 
 _group_ids = itertools.count(1)
 _call_ids = itertools.count(1)
@@ -105,10 +106,28 @@ class NodeChannel:
             self._events.put((self.link.node_rank, {"op": "lost", "reason": str(exc)}))
 
     def send(self, msg: dict[str, Any]) -> None:
+        self.send_encoded(encode(msg))
+
+    def send_encoded(self, chunks: list[Any]) -> None:
         try:
-            self._writer.send(msg)
+            self._writer.send_encoded(chunks)
         except ChannelClosed:
             self.alive = False
+
+
+def broadcast(nodes: list[NodeChannel], msg: dict[str, Any]) -> None:
+    """One message to every node, encoded once; large ones go to all nodes at the same time."""
+    chunks = encode(msg)
+    size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
+    if len(nodes) < 2 or size < BROADCAST_IN_PARALLEL_BYTES:
+        for node in nodes:
+            node.send_encoded(chunks)
+        return
+    threads = [threading.Thread(target=n.send_encoded, args=(chunks,), daemon=True) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 class RankGroup:
@@ -155,8 +174,7 @@ class RankGroup:
         fresh = {k: v for k, v in payload.blobs.items() if k not in self.blob_keys}
         msg = {"op": "call", "call": call_id, "head": payload.head, "blobs": fresh,
                "keep": list(payload.blobs), "attempt": attempt}
-        for node in self.session.nodes:
-            node.send(msg)
+        broadcast(self.session.nodes, msg)
         self.blob_keys = set(payload.blobs)
         init_deadline = None
         if self.spec.init_torch and len(self.ready) < self.world_size:
