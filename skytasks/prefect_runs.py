@@ -27,7 +27,7 @@ from skytasks.events import emit, pool_resource, rank_resource
 from skytasks.lifecycle import RankOutcome
 
 RANK_RUN_JOIN_SECONDS = 60.0
-METRICS_ARTIFACT_EVERY_SECONDS = 1.0
+METRICS_ARTIFACT_EVERY_SECONDS = 5.0  # each write is a new artifact version: keep the graph readable
 
 
 def _rank_run(label: str, rank: int, world: int) -> None:
