@@ -108,12 +108,13 @@ def _describe_exception(exc: BaseException) -> dict[str, Any]:
 
 
 def _init_process_group(out: FrameWriter) -> None:
+    # nccl: a failed or stuck collective raises instead of hanging the rank forever. Set before
+    # torch reads it, whatever the backend, so code that makes its own nccl groups gets it too.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     import torch
     import torch.distributed as dist
 
     backend = os.environ.get("SKYTASKS_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-    # nccl: a failed or stuck collective raises instead of hanging the rank forever.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if backend == "nccl":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

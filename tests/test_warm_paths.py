@@ -1,0 +1,68 @@
+"""The paths that make calls cheap: light agents, warm ranks, large arguments sent once."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import skytasks.lifecycle as lifecycle
+from blocks import GPUPool
+from skytasks import distributed_task
+from skytasks.providers.local import split_gpus
+from tests.conftest import skytasks_processes
+
+
+def test_local_nodes_split_the_gpus_between_them():
+    assert split_gpus(["0", "1", "2", "3"], nodes=2, procs_per_node=2) == [["0", "1"], ["2", "3"]]
+    assert split_gpus(["0", "1", "2", "3"], nodes=4, procs_per_node=1) == [["0"], ["1"], ["2"], ["3"]]
+    assert split_gpus(["0"], nodes=1, procs_per_node=2) == [["0"]]  # a 2-rank smoke run on one GPU
+    assert split_gpus(["0", "1"], nodes=2, procs_per_node=2) == [["0", "1"], ["0", "1"]]
+    assert split_gpus([], nodes=3, procs_per_node=2) == [[], [], []]
+
+
+def rank_env() -> dict:
+    return {"nccl_async": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), "pid": os.getpid()}
+
+
+def test_agents_stay_light_and_ranks_keep_their_process_group_across_calls():
+    pool = GPUPool(nodes=2)
+    task = distributed_task(rank_env, pool=pool)
+    with pool:
+        first = task()
+        agents = [p for p in skytasks_processes() if "skytasks.agent" in " ".join(p.cmdline())]
+        assert len(agents) == 2
+        for agent in agents:  # the agent never loads torch: it starts in milliseconds
+            maps = open(f"/proc/{agent.pid}/maps").read()
+            assert "libtorch" not in maps and "torch/_C" not in maps
+        second = task()
+    assert [r["pid"] for r in first] == [r["pid"] for r in second]
+    assert {r["nccl_async"] for r in first} == {"1"}
+
+
+def checksum(data: np.ndarray, salt: int) -> float:
+    return float(data[:1000].sum()) + salt
+
+
+def test_a_large_argument_travels_once_per_node_and_not_again_while_warm(monkeypatch):
+    sent: list[int] = []
+    real_broadcast = lifecycle.broadcast
+
+    def spy(nodes, msg):
+        if msg["op"] == "call":
+            sent.append(sum(len(b) for b in msg["blobs"].values()) * len(nodes))
+        return real_broadcast(nodes, msg)
+
+    monkeypatch.setattr(lifecycle, "broadcast", spy)
+    data = np.arange(4_000_000, dtype=np.float64)  # 32 MB
+    pool = GPUPool(nodes=2, procs_per_node=2)
+    task = distributed_task(checksum, pool=pool, init_torch=False)
+    with pool:
+        assert task(data, 1) == [float(data[:1000].sum()) + 1] * 4
+        assert task(data, 2) == [float(data[:1000].sum()) + 2] * 4  # same data: not resent
+        data[0] = 1e9
+        assert task(data, 3) == [float(data[:1000].sum()) + 3] * 4  # changed: sent again
+    big = data.nbytes
+    assert sent[0] >= 2 * big and sent[0] < 3 * big  # once per node (2), not once per rank (4)
+    assert sent[1] == 0
+    assert sent[2] >= 2 * big
