@@ -6,7 +6,6 @@ called directly with a console observer.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import site
@@ -66,15 +65,15 @@ def project_modules() -> list[ModuleType]:
 _IS_PROJECT: dict[str, bool] = {}  # module name -> from the user's project (files never move)
 
 
-# Top-level arguments whose pickle is at least this large travel as content-addressed blobs:
-# once per node, and not again while a warm rank group still holds them.
+# Top-level arguments whose pickle is at least this large travel as blobs of their own: once per
+# node, and not again while a warm rank group still holds the same bytes (see RankGroup.run).
 BLOB_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class PackedCall:
-    head: bytes  # cloudpickle of (fn, args, kwargs), large arguments replaced by BlobRef
-    blobs: dict[str, bytes]  # sha256 -> cloudpickle of one large argument
+    head: bytes  # cloudpickle of (fn, args, kwargs), large arguments replaced by BlobRef(i)
+    blobs: list[bytes]  # blobs[i]: cloudpickle of one large argument
 
 
 def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
@@ -87,7 +86,7 @@ def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
         except ValueError:
             pass
     try:
-        blobs: dict[str, bytes] = {}
+        blobs: list[bytes] = []
         args = tuple(_as_blob(a, blobs) for a in args)
         kwargs = {k: _as_blob(v, blobs) for k, v in kwargs.items()}
         return PackedCall(_dumps_or_explain(fn, args, kwargs), blobs)
@@ -96,7 +95,7 @@ def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
             cloudpickle.unregister_pickle_by_value(module)
 
 
-def _as_blob(value: Any, blobs: dict[str, bytes]) -> Any:
+def _as_blob(value: Any, blobs: list[bytes]) -> Any:
     if isinstance(value, (int, float, str, bool, type(None))):
         return value
     try:
@@ -105,9 +104,8 @@ def _as_blob(value: Any, blobs: dict[str, bytes]) -> Any:
         return value
     if len(data) < BLOB_BYTES:
         return value
-    key = hashlib.sha256(data).hexdigest()
-    blobs[key] = data
-    return BlobRef(key)
+    blobs.append(data)
+    return BlobRef(len(blobs) - 1)
 
 
 def _dumps_or_explain(fn: Callable, args: tuple, kwargs: dict) -> bytes:

@@ -31,6 +31,7 @@ BROADCAST_IN_PARALLEL_BYTES = 1 << 20
 
 _group_ids = itertools.count(1)
 _call_ids = itertools.count(1)
+_blob_ids = itertools.count(1)
 
 
 class CallObserver(Protocol):
@@ -137,7 +138,7 @@ class RankGroup:
         self.session, self.spec = session, spec
         self.id = next(_group_ids)
         self.broken = False
-        self.blob_keys: set[str] = set()
+        self.blobs_held: dict[str, bytes] = {}  # what the ranks keep from the last call
         self.ready: set[int] = set()
         self.joining: set[int] = set()
         self.placement: dict[int, tuple[int, str]] = {}  # rank -> (node_rank, node address)
@@ -170,12 +171,20 @@ class RankGroup:
     def run(self, payload: Any, attempt: int, deadline: float | None, observer: CallObserver, label: str) -> list[Any]:
         call_id = next(_call_ids)
         outcomes = {r: RankOutcome(rank=r, node_rank=n, node_addr=a) for r, (n, a) in self.placement.items()}
-        # Large arguments the ranks still hold from the last call are not sent again.
-        fresh = {k: v for k, v in payload.blobs.items() if k not in self.blob_keys}
-        msg = {"op": "call", "call": call_id, "head": payload.head, "blobs": fresh,
-               "keep": list(payload.blobs), "attempt": attempt}
+        # Large arguments the ranks still hold from the last call are not sent again. Equality
+        # of the pickled bytes (a memcmp) decides, not a digest: hashing 500 MB costs half a
+        # second, comparing it a few milliseconds.
+        refs, fresh, kept = [], {}, {}
+        for data in payload.blobs:
+            key = next((k for k, old in self.blobs_held.items() if len(old) == len(data) and old == data), None)
+            if key is None:
+                key = f"{self.id}.{next(_blob_ids)}"
+                fresh[key] = data
+            refs.append(key)
+            kept[key] = data
+        msg = {"op": "call", "call": call_id, "head": payload.head, "refs": refs, "blobs": fresh, "attempt": attempt}
         broadcast(self.session.nodes, msg)
-        self.blob_keys = set(payload.blobs)
+        self.blobs_held = kept
         init_deadline = None
         if self.spec.init_torch and len(self.ready) < self.world_size:
             init_deadline = time.monotonic() + self.spec.init_timeout_seconds

@@ -32,7 +32,7 @@ OUT_OF_BAND_BYTES = 64 * 1024
 class BlobRef(NamedTuple):
     """Stands in a call for a large argument that travels (and is cached) on its own."""
 
-    key: str
+    index: int  # into the call's blob references
 
 
 class ChannelClosed(EOFError):

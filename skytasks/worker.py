@@ -137,15 +137,14 @@ _BLOBS: dict[str, Any] = {}  # this call's large arguments, kept for the next ca
 def _unpack(msg: dict[str, Any]) -> tuple[Any, tuple, dict]:
     import cloudpickle
 
-    keep = set(msg["keep"])
-    for key in list(_BLOBS):
-        if key not in keep:
-            del _BLOBS[key]
+    refs = msg["refs"]
+    for key in set(_BLOBS) - set(refs):  # the controller keeps exactly this call's blobs too
+        del _BLOBS[key]
     _BLOBS.update(msg["blobs"])
     fn, args, kwargs = cloudpickle.loads(msg["head"])
 
     def resolve(value: Any) -> Any:
-        return cloudpickle.loads(_BLOBS[value.key]) if isinstance(value, BlobRef) else value
+        return cloudpickle.loads(_BLOBS[refs[value.index]]) if isinstance(value, BlobRef) else value
 
     return fn, tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
