@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from skytasks.wire import ChannelClosed, FrameWriter, encode, read_frame
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_frame, read_header, relay_frame
 
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
@@ -115,7 +115,11 @@ class NodeAgent:
         self.emit({"op": "hello", "pid": os.getpid(), "python": sys.executable})
         try:
             while True:
-                msg = read_frame(self._inbound)
+                header = read_header(self._inbound)
+                if header[2] & RELAY:  # a call: streamed to the ranks, never held whole here
+                    relay_frame(self._inbound, header, [rp.to_rank for rp in list(self._ranks.values())])
+                    continue
+                msg = read_body(self._inbound, *header)
                 op = msg["op"]
                 try:
                     self._dispatch(op, msg)

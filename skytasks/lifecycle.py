@@ -116,9 +116,10 @@ class NodeChannel:
             self.alive = False
 
 
-def broadcast(nodes: list[NodeChannel], msg: dict[str, Any]) -> None:
-    """One message to every node, encoded once; large ones go to all nodes at the same time."""
-    chunks = encode(msg)
+def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False) -> None:
+    """One message to every node, encoded once; large ones go to all nodes at the same time.
+    With `relay`, each agent streams it on to its ranks as it arrives."""
+    chunks = encode(msg, relay=relay)
     size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
     if len(nodes) < 2 or size < BROADCAST_IN_PARALLEL_BYTES:
         for node in nodes:
@@ -183,7 +184,7 @@ class RankGroup:
             refs.append(key)
             kept[key] = data
         msg = {"op": "call", "call": call_id, "head": payload.head, "refs": refs, "blobs": fresh, "attempt": attempt}
-        broadcast(self.session.nodes, msg)
+        broadcast(self.session.nodes, msg, relay=True)
         self.blobs_held = kept
         init_deadline = None
         if self.spec.init_torch and len(self.ready) < self.world_size:

@@ -20,7 +20,9 @@ import struct
 import threading
 from typing import Any, BinaryIO, NamedTuple
 
-_HEADER = struct.Struct(">QI")
+_HEADER = struct.Struct(">QIB")  # meta length, buffer count, flags
+RELAY = 1  # flag: a node agent streams this frame on to its ranks as it arrives
+RELAY_CHUNK = 1 << 20
 _LENGTH = struct.Struct(">Q")
 # A frame larger than this is a corrupted stream, not a message: fail loudly instead of
 # trying to allocate it.
@@ -54,11 +56,11 @@ def _out_of_band(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def encode(msg: dict[str, Any]) -> list[Any]:
+def encode(msg: dict[str, Any], relay: bool = False) -> list[Any]:
     """The frame as a list of byte chunks, ready for writelines (no concatenation copies)."""
     buffers: list[pickle.PickleBuffer] = []
     meta = pickle.dumps(_out_of_band(msg), protocol=5, buffer_callback=buffers.append)
-    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers)), meta]
+    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers), RELAY if relay else 0), meta]
     for buf in buffers:
         view = buf.raw()
         chunks += [_LENGTH.pack(view.nbytes), view]
@@ -78,11 +80,19 @@ def _read_exact(stream: BinaryIO, n: int) -> bytearray:
     return buf
 
 
-def read_frame(stream: BinaryIO) -> dict[str, Any]:
-    """Block until one whole message arrives; raise ChannelClosed at end of stream."""
-    meta_len, count = _HEADER.unpack(_read_exact(stream, _HEADER.size))
+def read_header(stream: BinaryIO) -> tuple[int, int, int]:
+    meta_len, count, flags = _HEADER.unpack(_read_exact(stream, _HEADER.size))
     if meta_len > MAX_FRAME:
         raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
+    return meta_len, count, flags
+
+
+def read_frame(stream: BinaryIO) -> dict[str, Any]:
+    """Block until one whole message arrives; raise ChannelClosed at end of stream."""
+    return read_body(stream, *read_header(stream))
+
+
+def read_body(stream: BinaryIO, meta_len: int, count: int, flags: int = 0) -> dict[str, Any]:
     meta = _read_exact(stream, meta_len)
     buffers = []
     for _ in range(count):
@@ -93,26 +103,76 @@ def read_frame(stream: BinaryIO) -> dict[str, Any]:
     return pickle.loads(meta, buffers=buffers)
 
 
+def relay_frame(stream: BinaryIO, header: tuple[int, int, int], targets: list[FrameWriter]) -> None:
+    """Stream one frame from `stream` to every target as it arrives (cut-through): a large
+    payload crosses the agent without waiting for its last byte, and is never held whole.
+    A target that has gone away is dropped; its rank's exit is reported elsewhere."""
+    meta_len, count, flags = header
+    live = list(targets)
+
+    def fan_out(chunk: Any) -> None:
+        for t in list(live):
+            try:
+                t.write_raw(chunk)
+            except ChannelClosed:
+                live.remove(t)
+
+    for t in live:
+        t.lock.acquire()
+    try:
+        fan_out(_HEADER.pack(meta_len, count, flags & ~RELAY))
+        fan_out(_read_exact(stream, meta_len))
+        for _ in range(count):
+            size_bytes = _read_exact(stream, _LENGTH.size)
+            fan_out(size_bytes)
+            (left,) = _LENGTH.unpack(size_bytes)
+            while left:
+                chunk = _read_exact(stream, min(left, RELAY_CHUNK))
+                fan_out(chunk)
+                left -= len(chunk)
+        for t in live:
+            try:
+                t.flush_raw()
+            except ChannelClosed:
+                pass
+    finally:
+        for t in targets:
+            t.lock.release()
+
+
 class FrameWriter:
     """Thread-safe writer: several threads (heartbeat, log relays, results) share one stream."""
 
     def __init__(self, stream: BinaryIO):
         self._stream = stream
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def send(self, msg: dict[str, Any]) -> None:
         self.send_encoded(encode(msg))
 
     def send_encoded(self, chunks: list[Any]) -> None:
-        with self._lock:
+        with self.lock:
             try:
                 self._stream.writelines(chunks)
                 self._stream.flush()
             except (BrokenPipeError, ValueError, OSError) as exc:
                 raise ChannelClosed(str(exc)) from exc
 
+    def write_raw(self, chunk: Any) -> None:
+        """Part of a frame; the caller holds `lock` for the whole frame (see relay_frame)."""
+        try:
+            self._stream.write(chunk)
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            raise ChannelClosed(str(exc)) from exc
+
+    def flush_raw(self) -> None:
+        try:
+            self._stream.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            raise ChannelClosed(str(exc)) from exc
+
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             try:
                 self._stream.close()
             except OSError:

@@ -48,10 +48,10 @@ def test_a_large_argument_travels_once_per_node_and_not_again_while_warm(monkeyp
     sent: list[int] = []
     real_broadcast = lifecycle.broadcast
 
-    def spy(nodes, msg):
+    def spy(nodes, msg, relay=False):
         if msg["op"] == "call":
             sent.append(sum(len(b) for b in msg["blobs"].values()) * len(nodes))
-        return real_broadcast(nodes, msg)
+        return real_broadcast(nodes, msg, relay)
 
     monkeypatch.setattr(lifecycle, "broadcast", spy)
     data = np.arange(4_000_000, dtype=np.float64)  # 32 MB
