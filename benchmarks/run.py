@@ -106,7 +106,7 @@ def broadcast(sizes_mb: list[int], node_counts: list[int]) -> dict:
     import numpy as np
 
     rows = []
-    pipe = raw_pipe_mb_per_s(max(sizes_mb))
+    pipe = max(raw_pipe_mb_per_s(max(sizes_mb)) for _ in range(3))  # best of 3: the machine is noisy
     for nodes in node_counts:
         pool = GPUPool(nodes=nodes)
         task = distributed_task(workloads.payload_size, pool=pool, init_torch=False, name="broadcast")

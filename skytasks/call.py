@@ -19,6 +19,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from skytasks.errors import DistributedTaskError, PoolConfigError
+from skytasks.serialization import Blob, blob_size, dumps_out_of_band
 from skytasks.wire import BlobRef
 from skytasks.lifecycle import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
 
@@ -73,7 +74,7 @@ BLOB_BYTES = 1 << 20
 @dataclass(frozen=True)
 class PackedCall:
     head: bytes  # cloudpickle of (fn, args, kwargs), large arguments replaced by BlobRef(i)
-    blobs: list[bytes]  # blobs[i]: cloudpickle of one large argument
+    blobs: list[Blob]  # blobs[i]: one large argument, pickled with out-of-band buffers
 
 
 def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
@@ -86,7 +87,7 @@ def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
         except ValueError:
             pass
     try:
-        blobs: list[bytes] = []
+        blobs: list[Blob] = []
         args = tuple(_as_blob(a, blobs) for a in args)
         kwargs = {k: _as_blob(v, blobs) for k, v in kwargs.items()}
         return PackedCall(_dumps_or_explain(fn, args, kwargs), blobs)
@@ -95,16 +96,16 @@ def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
             cloudpickle.unregister_pickle_by_value(module)
 
 
-def _as_blob(value: Any, blobs: list[bytes]) -> Any:
+def _as_blob(value: Any, blobs: list[Blob]) -> Any:
     if isinstance(value, (int, float, str, bool, type(None))):
         return value
     try:
-        data = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = dumps_out_of_band(value)
     except Exception:  # noqa: BLE001 - left in place; _dumps_or_explain names it
         return value
-    if len(data) < BLOB_BYTES:
+    if blob_size(blob) < BLOB_BYTES:
         return value
-    blobs.append(data)
+    blobs.append(blob)
     return BlobRef(len(blobs) - 1)
 
 

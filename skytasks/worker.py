@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from skytasks.rank import ENV_ATTEMPT
+from skytasks.serialization import dumps_out_of_band, loads_out_of_band
 from skytasks.wire import BlobRef, ChannelClosed, FrameWriter, read_frame
 
 _PR_SET_PDEATHSIG = 1
@@ -144,14 +145,13 @@ def _unpack(msg: dict[str, Any]) -> tuple[Any, tuple, dict]:
     fn, args, kwargs = cloudpickle.loads(msg["head"])
 
     def resolve(value: Any) -> Any:
-        return cloudpickle.loads(_BLOBS[refs[value.index]]) if isinstance(value, BlobRef) else value
+        # A copy each call: the function may change its argument in place, the cache must not.
+        return loads_out_of_band(_BLOBS[refs[value.index]], copy=True) if isinstance(value, BlobRef) else value
 
     return fn, tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
 
 def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
-    import cloudpickle
-
     rank = int(os.environ["RANK"])
     os.environ[ENV_ATTEMPT] = str(msg["attempt"])
     started = time.time()
@@ -162,7 +162,7 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
         out.send({"op": "failed", "call": msg["call"], "started": started, "ended": time.time(), **_describe_exception(exc)})
         return False
     try:
-        blob = cloudpickle.dumps(value)
+        blob = dumps_out_of_band(value)
     except Exception as exc:  # noqa: BLE001
         err = TypeError(
             f"rank {rank} returned a value of type {type(value).__module__}.{type(value).__qualname__} "

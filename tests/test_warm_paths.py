@@ -10,6 +10,7 @@ import skytasks.lifecycle as lifecycle
 from blocks import GPUPool
 from skytasks import distributed_task
 from skytasks.providers.local import split_gpus
+from skytasks.serialization import blob_size
 from tests.conftest import skytasks_processes
 
 
@@ -50,7 +51,7 @@ def test_a_large_argument_travels_once_per_node_and_not_again_while_warm(monkeyp
 
     def spy(nodes, msg, relay=False):
         if msg["op"] == "call":
-            sent.append(sum(len(b) for b in msg["blobs"].values()) * len(nodes))
+            sent.append(sum(blob_size(b) for b in msg["blobs"].values()) * len(nodes))
         return real_broadcast(nodes, msg, relay)
 
     monkeypatch.setattr(lifecycle, "broadcast", spy)
