@@ -59,8 +59,12 @@ def dispatch(repeats: int) -> dict:
 
 def throughput(repeats: int) -> dict:
     task = distributed_task(workloads.ddp_steps_per_second, pool=GPUPool(nodes=1, procs_per_node=2), name="ddp")
-    torchrun_sps = statistics.median(torchrun("ddp")[1] for _ in range(repeats))
-    skytasks_sps = statistics.median(task()[0] for _ in range(repeats))
+    # Alternate the two, so a noisy moment on this shared machine does not land on one side.
+    torchrun_runs, skytasks_runs = [], []
+    for _ in range(repeats):
+        torchrun_runs.append(torchrun("ddp")[1])
+        skytasks_runs.append(task()[0])
+    torchrun_sps, skytasks_sps = statistics.median(torchrun_runs), statistics.median(skytasks_runs)
     return {"torchrun_steps_per_s": torchrun_sps, "skytasks_steps_per_s": skytasks_sps,
             "ratio": skytasks_sps / torchrun_sps}
 

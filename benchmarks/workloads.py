@@ -14,7 +14,7 @@ def all_reduce_once() -> float:
     return t.item()
 
 
-def ddp_steps_per_second(steps: int = 60, warmup: int = 5) -> float:
+def ddp_steps_per_second(steps: int = 200, warmup: int = 10) -> float:
     """Steps per second of a small MLP under DDP, timed inside the rank (no startup)."""
     import torch
     import torch.distributed as dist

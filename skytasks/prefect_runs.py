@@ -49,6 +49,7 @@ class RankRun:
         self.logger: Any = None
         self.buffered: list[tuple[int, str]] = []
         self.outcome: RankOutcome | None = None
+        self.recorded: RankOutcome | None = None  # the outcome the API holds
         self.lock = threading.Lock()
 
     def log(self, level: int, line: str) -> None:
@@ -65,7 +66,7 @@ class RankRuns:
     Why not run each rank as a Prefect task in a thread: the task engine makes several API calls
     per run, and acquires tag concurrency slots for every tagged run (`rank:R`, `skytasks`,
     ...); run concurrently, those calls contend for the server's database. Direct creation is
-    two API calls per rank, made in order on one thread, off the ranks' critical path."""
+    one or two API calls per rank, made in order on one thread, off the ranks' critical path."""
 
     def __init__(self, label: str, world: int, attempt: int, run_tags: tuple[str, ...], record: CallRecord):
         from prefect.client.orchestration import get_client
@@ -93,33 +94,51 @@ class RankRuns:
         from prefect.logging.loggers import task_run_logger
         from prefect.states import Running
 
+        run = self.runs[rank]
+        # A rank that already ended (a short call) is created in its final state: one API call.
+        outcome = run.outcome
         task_run = self._client.create_task_run(
             task=RANK_TASK, flow_run_id=self._flow_run, dynamic_key=f"{parent_id}-{attempt}-{rank}",
-            name=f"{label}[rank {rank}/{world}]", extra_tags=list(tags), state=Running(),
+            name=f"{label}[rank {rank}/{world}]", extra_tags=list(tags),
+            state=Running() if outcome is None else self._final_state(rank, outcome),
             task_inputs={"__parents__": [TaskRunResult(id=parent_id)]},
         )
-        run = self.runs[rank]
         logger = task_run_logger(task_run, task=RANK_TASK)
         with run.lock:
             pending, run.buffered = run.buffered, []
             run.logger = logger
         for level, line in pending:
             logger.log(level, "[rank %d] %s", rank, line)
+        if outcome is not None:
+            self._log_end(rank, outcome)
+            run.recorded = outcome
         return task_run
+
+    @staticmethod
+    def _final_state(rank: int, outcome: RankOutcome) -> Any:
+        if outcome.status == "completed":
+            return Completed()
+        if outcome.status == "failed" and outcome.failure is not None:
+            exc = outcome.failure.exception
+            return Failed(message=f"rank {rank} failed: {type(exc).__name__}: {exc}")
+        return Cancelled(message=f"rank {rank}: {outcome.stop_reason or 'stopped'}")
+
+    def _log_end(self, rank: int, outcome: RankOutcome) -> None:
+        logger = self.runs[rank].logger
+        state = self._final_state(rank, outcome)
+        if outcome.status == "failed" and outcome.failure is not None:
+            exc = outcome.failure.exception
+            logger.error("[rank %d] failed", rank, exc_info=(type(exc), exc, exc.__traceback__))
+        logger.log(logging.ERROR if state.is_failed() else logging.INFO, "Finished in state %s", state.name)
 
     def _finish(self, rank: int, outcome: RankOutcome) -> None:
         task_run = self._created[rank].result()
-        logger = self.runs[rank].logger
-        if outcome.status == "completed":
-            state = Completed()
-        elif outcome.status == "failed" and outcome.failure is not None:
-            exc = outcome.failure.exception
-            logger.error("[rank %d] failed", rank, exc_info=(type(exc), exc, exc.__traceback__))
-            state = Failed(message=f"rank {rank} failed: {type(exc).__name__}: {exc}")
-        else:
-            state = Cancelled(message=f"rank {rank}: {outcome.stop_reason or 'stopped'}")
-        logger.log(logging.ERROR if state.is_failed() else logging.INFO, "Finished in state %s", state.name)
-        self._client.set_task_run_state(task_run.id, state, force=True)
+        run = self.runs[rank]
+        if run.recorded is outcome:  # created in this very state
+            return
+        self._log_end(rank, outcome)
+        self._client.set_task_run_state(task_run.id, self._final_state(rank, outcome), force=True)
+        run.recorded = outcome
 
     def on_output(self, rank: int, stream: str, line: str) -> None:
         self.runs[rank].log(logging.WARNING if stream == "stderr" else logging.INFO, line)
