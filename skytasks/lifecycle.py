@@ -14,7 +14,7 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import cloudpickle
