@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+from prefect.client.schemas.sorting import LogSort
 from prefect.settings import PREFECT_API_URL
 from prefect_aws import AwsCredentials
 
@@ -120,7 +121,8 @@ def test_logs_reach_the_rank_run_while_the_rank_is_still_running(tmp_path):
             async with get_client() as client:
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
-                    logs = await client.read_logs(log_filter=LogFilter())
+                    # Newest first: other tests' logs share this API.
+                    logs = await client.read_logs(log_filter=LogFilter(), sort=LogSort.TIMESTAMP_DESC, limit=200)
                     if any(LIVE_MARK in log.message for log in logs):
                         return True
                     await asyncio.sleep(0.3)
