@@ -4,9 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test bench clean
+.PHONY: setup system-deps run test bench clean
 
 setup: $(VENV)/.installed
+
+# The ssh tests start a real OpenSSH server on loopback (root, as on the dev and CI machines).
+system-deps:
+	@test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null)
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -16,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 run: setup
 	$(PY) flows/ddp_train.py
 
-test: setup
+test: setup system-deps
 	$(PY) -m pytest
 
 bench: setup

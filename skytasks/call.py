@@ -51,7 +51,7 @@ def project_modules() -> list[ModuleType]:
     with it prefect, pytest, ...) just to find one function.
     """
     found = []
-    for name, module in list(sys.modules.items()):
+    for name, module in sys.modules.copy().items():  # copy(): other threads may be importing
         if name not in _IS_PROJECT:
             file = getattr(module, "__file__", None)
             _IS_PROJECT[name] = bool(

@@ -191,7 +191,10 @@ class RankGroup:
         self.blobs_held = kept
         init_deadline = None
         if self.spec.init_torch and len(self.ready) < self.world_size:
-            init_deadline = time.monotonic() + self.spec.init_timeout_seconds
+            # The clock starts when the first rank is ready to rendezvous, so a slow torch import
+            # on a busy machine is not mistaken for a missing peer; a group where no rank ever
+            # gets that far is still bounded, at three times the timeout.
+            init_deadline = time.monotonic() + 3 * self.spec.init_timeout_seconds
         failures: list[RankFailure] = []
         aborted_at: float | None = None
         try:
@@ -214,6 +217,8 @@ class RankGroup:
                 self._handle(node_rank, msg, call_id, outcomes, failures, observer)
                 if init_deadline is not None and len(self.ready) == self.world_size:
                     init_deadline = None
+                elif init_deadline is not None and msg["op"] == "joining" and len(self.joining) == 1:
+                    init_deadline = min(init_deadline, time.monotonic() + self.spec.init_timeout_seconds)
                 if failures and aborted_at is None:
                     first = failures[0]
                     aborted_at = self._abort(outcomes, observer, f"rank {first.rank} failed")

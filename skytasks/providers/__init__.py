@@ -40,6 +40,10 @@ def provider_for(pool) -> NodeProvider:
         from skytasks.providers.local import LocalProvider
 
         return LocalProvider(pool)
+    if pool.provider == "ssh":
+        from skytasks.providers.ssh import SSHProvider
+
+        return SSHProvider(pool)
     raise NotImplementedError(
         f"provider={pool.provider!r} is declared but not implemented in this version of skytasks"
     )

@@ -1,0 +1,190 @@
+"""provider="ssh": machines you already have, reached with asyncssh; host keys always checked.
+
+Each node's agent runs as `remote_python -m skytasks.agent` on an SSH channel. The controller's
+own skytasks is shipped to `~/.cache/skytasks/<content hash>` on each node first, so a node
+always runs the controller's version. The channel is bridged to a pair of local pipes, so the
+shared rank lifecycle reads and writes it exactly like a local node's pipes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import os
+import tarfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from skytasks.providers import NodeLink
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+CHUNK = 1 << 20
+
+
+def parse_host(spec: str, default_user: str | None) -> tuple[str | None, str, int]:
+    user, _, rest = spec.rpartition("@") if "@" in spec else (default_user, "", spec)
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = rest.partition(":")
+    return user or default_user, host, int(port or 22)
+
+
+def package_bundle() -> tuple[bytes, str]:
+    """The controller's skytasks as a tar.gz, and its content hash (the cache key on nodes)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(PACKAGE_DIR.rglob("*.py")):
+            info = tar.gettarinfo(str(path), arcname=f"skytasks/{path.relative_to(PACKAGE_DIR)}")
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()[:16]
+
+
+class SSHProvider:
+    def __init__(self, pool):
+        self._pool = pool
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-ssh")
+        self._conns: list[Any] = []
+        self._closers: list[Any] = []
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def start(self) -> list[NodeLink]:
+        self._thread.start()
+        try:
+            return self._run(self._start_all(), timeout=self._pool.ready_timeout_seconds)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _start_all(self) -> list[NodeLink]:
+        hosts = [parse_host(h, self._pool.ssh_user) for h in self._pool.hosts]
+        # All nodes in parallel: the slowest node, not the sum, sets the start time.
+        self._conns = list(await asyncio.gather(*(self._connect(*h) for h in hosts)))
+        bundle, digest = package_bundle()
+        return list(await asyncio.gather(*(
+            self._start_agent(conn, node_rank, host, bundle, digest)
+            for node_rank, (conn, (_, host, _)) in enumerate(zip(self._conns, hosts))
+        )))
+
+    def _known_hosts(self) -> Any:
+        import asyncssh
+
+        text = self._pool.known_hosts
+        if not text:
+            raise ValueError("known_hosts: provider='ssh' needs known_hosts (text or a path); host keys are never trusted blindly")
+        if "\n" not in text.strip() and os.path.exists(os.path.expanduser(text)):
+            text = Path(os.path.expanduser(text)).read_text()
+        return asyncssh.import_known_hosts(text)
+
+    async def _connect(self, user: str | None, host: str, port: int) -> Any:
+        import asyncssh
+
+        keys = None
+        if self._pool.ssh_private_key is not None:
+            keys = [asyncssh.import_private_key(self._pool.ssh_private_key.get_secret_value())]
+        try:
+            return await asyncssh.connect(host, port=port, username=user, known_hosts=self._known_hosts(),
+                                          client_keys=keys, agent_path=None, keepalive_interval=10,
+                                          keepalive_count_max=3)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise ConnectionRefusedError(
+                f"host key of {host}:{port} does not match known_hosts (or the host is not in it): refused ({exc})"
+            ) from None
+
+    async def _start_agent(self, conn: Any, node_rank: int, host: str, bundle: bytes, digest: str) -> NodeLink:
+        remote_dir = f".cache/skytasks/{digest}"
+        await conn.run(f"test -d {remote_dir}/skytasks || (mkdir -p {remote_dir} && tar -xzf - -C {remote_dir})",
+                       input=bundle, encoding=None, check=True)
+        proc = await conn.create_process(
+            f"cd && PYTHONPATH=$HOME/{remote_dir} exec {self._pool.remote_python} -m skytasks.agent", encoding=None
+        )
+        from_agent_r, from_agent_w = os.pipe()
+        to_agent_r, to_agent_w = os.pipe()
+        loop = asyncio.get_running_loop()
+
+        async def agent_to_controller() -> None:
+            try:
+                while data := await proc.stdout.read(CHUNK):
+                    await loop.run_in_executor(None, _write_all, from_agent_w, data)
+            finally:
+                os.close(from_agent_w)  # the controller sees the node as lost
+
+        async def agent_stderr() -> None:
+            while line := await proc.stderr.readline():
+                print(f"[node {node_rank} {host}] {line.decode(errors='replace').rstrip()}", flush=True)
+
+        def controller_to_agent() -> None:
+            try:
+                while data := os.read(to_agent_r, CHUNK):
+                    asyncio.run_coroutine_threadsafe(_write_drain(proc.stdin, data), loop).result()
+            except Exception:  # noqa: BLE001 - the channel is gone; the reader reports it
+                pass
+            finally:
+                os.close(to_agent_r)
+                asyncio.run_coroutine_threadsafe(_eof(proc.stdin), loop)
+
+        tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr())]
+        threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-ssh-out{node_rank}").start()
+        outbound = os.fdopen(to_agent_w, "wb")
+        self._closers.append((proc, tasks))
+        return NodeLink(node_rank=node_rank, address=host, inbound=os.fdopen(from_agent_r, "rb"), outbound=outbound,
+                        close=lambda: _close_quietly(outbound))
+
+    def free_port(self) -> int:
+        python = self._pool.remote_python
+        code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+        result = self._run(self._conns[0].run(f'{python} -c "{code}"', check=True), timeout=60)
+        return int(result.stdout.strip())
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def close_all() -> None:
+            for proc, tasks in self._closers:
+                proc.stdin.write_eof() if not proc.stdin.is_closing() else None
+            await asyncio.sleep(0)
+            for conn in self._conns:
+                conn.close()
+            await asyncio.gather(*(c.wait_closed() for c in self._conns), return_exceptions=True)
+
+        try:
+            self._run(close_all(), timeout=30)
+        except Exception:  # noqa: BLE001 - teardown goes on
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+async def _write_drain(stream: Any, data: bytes) -> None:
+    stream.write(data)
+    await stream.drain()
+
+
+async def _eof(stream: Any) -> None:
+    try:
+        stream.write_eof()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _close_quietly(f: Any) -> None:
+    try:
+        f.close()
+    except OSError:
+        pass

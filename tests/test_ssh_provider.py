@@ -1,0 +1,144 @@
+"""provider="ssh" against a real OpenSSH server on two loopback addresses (two "hosts")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from blocks import GPUPool
+from skytasks import DistributedTaskError, RankProcessDied, distributed_task, rank_info
+from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+HOSTS = ("127.0.0.1", "127.0.0.2")
+
+
+def keygen(path: Path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return path.with_suffix(".pub").read_text().strip() if path.suffix else Path(f"{path}.pub").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    if not os.path.exists(SSHD):
+        pytest.fail("openssh-server is not installed (.ci/run installs it)")
+    d = tmp_path_factory.mktemp("sshd")
+    host_pub = keygen(d / "host_key")
+    client_pub = keygen(d / "client_key")
+    (d / "authorized_keys").write_text(client_pub + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (d / "sshd_config").write_text("\n".join([
+        *(f"ListenAddress {h}:{port}" for h in HOSTS),
+        f"HostKey {d / 'host_key'}", f"AuthorizedKeysFile {d / 'authorized_keys'}", f"PidFile {d / 'sshd.pid'}",
+        "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
+        "UsePAM no", "StrictModes no", "AllowTcpForwarding no", "X11Forwarding no", "PrintMotd no",
+        # Forward the rank environment the controller sets: nothing needed, the agent gets it in frames.
+    ]) + "\n")
+    os.makedirs("/run/sshd", exist_ok=True)
+    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=open(d / "sshd.log", "w"))
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection((HOSTS[1], port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, (d / "sshd.log").read_text()
+            time.sleep(0.1)
+    known = "".join(f"[{h}]:{port} {' '.join(host_pub.split()[:2])}\n" for h in HOSTS)
+    yield {"port": port, "key": (d / "client_key").read_text(), "known_hosts": known, "dir": d}
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def ssh_pool(sshd, **overrides) -> GPUPool:
+    fields = dict(provider="ssh", nodes=2, hosts=[f"root@{h}:{sshd['port']}" for h in HOSTS],
+                  ssh_private_key=sshd["key"], known_hosts=sshd["known_hosts"], remote_python=sys.executable)
+    return GPUPool(**{**fields, **overrides})
+
+
+def where() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank_info().rank + 1)])
+    dist.all_reduce(t)
+    return {"rank": rank_info().rank, "addr": rank_info().peers[rank_info().node_rank], "sum": t.item(),
+            "skytasks_from": __import__("skytasks").__file__}
+
+
+def test_a_two_node_gloo_job_across_two_ssh_hosts(sshd):
+    results = distributed_task(where, pool=ssh_pool(sshd))()
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["addr"] for r in results] == list(HOSTS)
+    assert {r["sum"] for r in results} == {3.0}
+    # The node ran the controller's own skytasks, shipped and cached by content hash.
+    assert all("/.cache/skytasks/" in r["skytasks_from"] for r in results)
+
+
+def test_a_wrong_host_key_is_refused_naming_the_host(sshd, tmp_path):
+    other = keygen(tmp_path / "other_host_key")
+    wrong = "".join(f"[{h}]:{sshd['port']} {' '.join(other.split()[:2])}\n" for h in HOSTS)
+    with pytest.raises(ConnectionRefusedError, match=r"host key of 127\.0\.0\.\d"):
+        distributed_task(where, pool=ssh_pool(sshd, known_hosts=wrong))()
+
+
+def test_an_unknown_host_is_refused(sshd):
+    only_first = sshd["known_hosts"].splitlines()[0] + "\n"
+    with pytest.raises(ConnectionRefusedError, match=r"host key of 127\.0\.0\.2"):
+        distributed_task(where, pool=ssh_pool(sshd, known_hosts=only_first))()
+
+
+def kill_rank_1() -> int:
+    if rank_info().rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+    return 0
+
+
+def test_a_killed_remote_rank_fails_fast(sshd):
+    started = time.monotonic()
+    with pytest.raises(DistributedTaskError) as caught:
+        distributed_task(kill_rank_1, pool=ssh_pool(sshd), init_torch=False)()
+    [exc] = caught.value.exceptions
+    assert isinstance(exc, RankProcessDied) and exc.rank == 1
+    assert time.monotonic() - started < 60  # bounded: not the 600 s sleep of rank 0
+
+
+def test_the_controller_disappearing_kills_the_remote_ranks(sshd, tmp_path):
+    script = tmp_path / "controller.py"
+    script.write_text(f"""
+import sys, time, os
+sys.path.insert(0, {str(ROOT)!r})
+from blocks import GPUPool
+from skytasks import distributed_task, rank_info
+def forever():
+    open(os.path.join({str(tmp_path)!r}, f"rank{{rank_info().rank}}"), "w").write(str(os.getpid()))
+    time.sleep(3600)
+pool = GPUPool(provider="ssh", nodes=2, hosts={[f"root@{h}:{sshd['port']}" for h in HOSTS]!r},
+               ssh_private_key={sshd['key']!r}, known_hosts={sshd['known_hosts']!r}, remote_python={sys.executable!r})
+distributed_task(forever, pool=pool, init_torch=False)()
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "rank0").exists() and (tmp_path / "rank1").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert len(skytasks_processes()) >= 4
+        proc.kill()
+        proc.wait()
+        assert wait_for_no_skytasks_processes(timeout=30) == []
+    finally:
+        proc.kill()
