@@ -68,7 +68,11 @@ class SSHProvider:
     async def _start_all(self) -> list[NodeLink]:
         hosts = [parse_host(h, self._pool.ssh_user) for h in self._pool.hosts]
         # All nodes in parallel: the slowest node, not the sum, sets the start time.
-        self._conns = list(await asyncio.gather(*(self._connect(*h) for h in hosts)))
+        connected = await asyncio.gather(*(self._connect(*h) for h in hosts), return_exceptions=True)
+        self._conns = [c for c in connected if not isinstance(c, BaseException)]
+        failed = [c for c in connected if isinstance(c, BaseException)]
+        if failed:  # all or nothing; stop() closes the connections that did open
+            raise failed[0]
         bundle, digest = package_bundle()
         return list(await asyncio.gather(*(
             self._start_agent(conn, node_rank, host, bundle, digest)
@@ -130,7 +134,8 @@ class SSHProvider:
                 pass
             finally:
                 os.close(to_agent_r)
-                asyncio.run_coroutine_threadsafe(_eof(proc.stdin), loop)
+                if loop.is_running():  # after stop() there is no channel left to end
+                    asyncio.run_coroutine_threadsafe(_eof(proc.stdin), loop)
 
         tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr())]
         threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-ssh-out{node_rank}").start()
@@ -150,8 +155,9 @@ class SSHProvider:
             return
 
         async def close_all() -> None:
-            for proc, tasks in self._closers:
-                proc.stdin.write_eof() if not proc.stdin.is_closing() else None
+            for proc, _pumps in self._closers:
+                if not proc.stdin.is_closing():
+                    proc.stdin.write_eof()
             await asyncio.sleep(0)
             for conn in self._conns:
                 conn.close()
