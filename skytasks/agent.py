@@ -143,8 +143,6 @@ class NodeAgent:
             self.emit({"op": "stopped", "group": msg.get("group")})
         elif op == "close":
             self._close_group(msg)
-        elif op == "ping":
-            self.emit({"op": "pong", "t": msg.get("t")})
 
     def _spawn(self, msg: dict[str, Any]) -> None:
         # Start every rank before waiting on any: torch import dominates and runs in parallel.

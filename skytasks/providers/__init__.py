@@ -21,7 +21,6 @@ class NodeLink:
     env: dict[str, str] = field(default_factory=dict)  # node-specific rank environment
     accelerators: int = 0
     close: Callable[[], None] = lambda: None  # release the transport (process, SSH channel)
-    is_alive: Callable[[], bool] = lambda: True
 
 
 class NodeProvider(Protocol):

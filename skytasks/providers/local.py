@@ -72,7 +72,6 @@ class LocalProvider:
                         env=env,
                         accelerators=len(slices[node_rank]),
                         close=lambda p=proc: _end(p),
-                        is_alive=lambda p=proc: p.poll() is None,
                     )
                 )
         except BaseException:
