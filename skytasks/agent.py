@@ -6,7 +6,8 @@ local node and an SSH channel for a remote one. It imports only the standard lib
 `skytasks.wire`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
 payload passes through it untouched.
 
-Why it kills everything when its stream closes: the controller (the flow process) is the only
+Why it kills everything when its stream closes, or when the controller falls silent past the
+heartbeat timeout (a dropped network closes nothing): the controller (the flow process) is the only
 one who knows whether a call is still wanted. If it vanishes, by crash, SIGKILL or a dropped
 network, ranks that keep running would hang in a collective or bill for a GPU forever.
 """
@@ -22,7 +23,8 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_frame, read_header, relay_frame
+from skytasks.wire import (RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_frame, read_header,
+                           relay_frame)
 
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
@@ -97,22 +99,55 @@ class RankProcess:
 
 
 class NodeAgent:
-    def __init__(self, inbound: BinaryIO, outbound: BinaryIO):
-        self._inbound = inbound
+    def __init__(self, inbound: BinaryIO, outbound: BinaryIO, heartbeat_seconds: float = 5.0,
+                 heartbeat_timeout: float = 60.0, heartbeat_file: str | None = None):
+        self._inbound = HeardStream(inbound)
         self._out = FrameWriter(outbound)
         self._ranks: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
+        self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
 
     def emit(self, msg: dict[str, Any]) -> None:
         try:
             self._out.send(msg)
         except ChannelClosed:
-            # The controller is gone: nobody wants these ranks any more.
-            self.stop_ranks(grace=0.0)
-            os._exit(0)
+            self._controller_gone("the stream to the controller closed")
+
+    def _controller_gone(self, why: str) -> None:
+        # Nobody wants these ranks any more.
+        print(f"skytasks agent: {why}; stopping this node's ranks", file=sys.stderr, flush=True)
+        self.stop_ranks(grace=0.0)
+        os._exit(0)
+
+    def _send_heartbeats(self) -> None:
+        while True:
+            time.sleep(self._interval)
+            try:
+                self._out.send_if_idle({"op": "heartbeat"})
+            except ChannelClosed:
+                self._controller_gone("the stream to the controller closed")
+
+    def _watch_controller(self) -> None:
+        """A separate thread from the sender: a send stuck on a dead link must not stop the check.
+        The heartbeat file tells the node's own watchdog (launched nodes) that a controller lives."""
+        touched = None
+        while True:
+            time.sleep(min(1.0, self._interval))
+            silent = self._inbound.silent_for()
+            if silent > self._timeout:
+                self._controller_gone(f"no word from the controller for {silent:.0f}s")
+            if self._heartbeat_file and self._inbound.last_heard != touched:
+                touched = self._inbound.last_heard
+                try:
+                    with open(self._heartbeat_file, "w") as f:
+                        f.write(f"{time.time():.0f}\n")
+                except OSError:
+                    pass
 
     def serve(self) -> None:
         self.emit({"op": "hello", "pid": os.getpid(), "python": sys.executable})
+        for target in (self._send_heartbeats, self._watch_controller):
+            threading.Thread(target=target, daemon=True, name=target.__name__).start()
         try:
             while True:
                 header = read_header(self._inbound)
@@ -208,7 +243,14 @@ def _end_on_sigterm(signum: int, frame: object) -> None:
     raise ChannelClosed("SIGTERM")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m skytasks.agent")
+    parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
+    parser.add_argument("--heartbeat-timeout", type=float, default=60.0)
+    parser.add_argument("--heartbeat-file", default=None)
+    args = parser.parse_args(argv)
     # Frames own the real stdout; anything else printed here (a warning, a stray print) goes to
     # stderr so it cannot corrupt the stream.
     outbound = os.fdopen(os.dup(1), "wb")
@@ -221,7 +263,7 @@ def main() -> None:
     # decides when ranks stop. It does end on SIGTERM, taking its ranks with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _end_on_sigterm)
-    agent = NodeAgent(inbound, outbound)
+    agent = NodeAgent(inbound, outbound, args.heartbeat_seconds, args.heartbeat_timeout, args.heartbeat_file)
     agent.serve()
 
 

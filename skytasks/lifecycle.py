@@ -20,15 +20,14 @@ from typing import Any, Protocol
 import cloudpickle
 
 from skytasks.errors import DistributedTaskError, RankFailure, RankProcessDied, RemoteRankError, RemoteTraceback
-from skytasks.providers import NodeLink, NodeProvider
+from skytasks.channel import NodeChannel, broadcast, keep_heartbeats
+from skytasks.providers import NodeProvider
 from skytasks.serialization import Blob, loads_out_of_band, same_blob, snapshot
 from skytasks.rank import rank_environment
-from skytasks.wire import ChannelClosed, FrameWriter, encode, read_frame
 
 # How long stopped ranks may take to be confirmed gone before the call returns anyway.
 STOP_CONFIRM_SECONDS = 10.0
 DEFAULT_INIT_TIMEOUT_SECONDS = 120.0
-BROADCAST_IN_PARALLEL_BYTES = 1 << 20
 
 _group_ids = itertools.count(1)
 _call_ids = itertools.count(1)
@@ -86,51 +85,6 @@ def _is_collateral(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL"))
-
-
-class NodeChannel:
-    """The controller's end of one agent stream: a writer, and a reader thread that feeds events."""
-
-    def __init__(self, link: NodeLink, events: queue.Queue):
-        self.link = link
-        self._writer = FrameWriter(link.outbound)
-        self._events = events
-        self.alive = True
-        threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{link.node_rank}").start()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                msg = read_frame(self.link.inbound)
-                self._events.put((self.link.node_rank, msg))
-        except (ChannelClosed, OSError, ValueError) as exc:
-            self.alive = False
-            self._events.put((self.link.node_rank, {"op": "lost", "reason": str(exc)}))
-
-    def send(self, msg: dict[str, Any]) -> None:
-        self.send_encoded(encode(msg))
-
-    def send_encoded(self, chunks: list[Any]) -> None:
-        try:
-            self._writer.send_encoded(chunks)
-        except ChannelClosed:
-            self.alive = False
-
-
-def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False) -> None:
-    """One message to every node, encoded once; large ones go to all nodes at the same time.
-    With `relay`, each agent streams it on to its ranks as it arrives."""
-    chunks = encode(msg, relay=relay)
-    size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
-    if len(nodes) < 2 or size < BROADCAST_IN_PARALLEL_BYTES:
-        for node in nodes:
-            node.send_encoded(chunks)
-        return
-    threads = [threading.Thread(target=n.send_encoded, args=(chunks,), daemon=True) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 class RankGroup:
@@ -344,6 +298,8 @@ class PoolSession:
         self._lock = threading.Lock()
         self.group: RankGroup | None = None
         self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
+        self._closed = threading.Event()
+        keep_heartbeats(self.nodes, self._closed)
 
     def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
              observer: CallObserver, label: str) -> list[Any]:
@@ -361,6 +317,7 @@ class PoolSession:
                     self.group = None
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             if self.group is not None and not self.group.broken:
                 self.group.close()

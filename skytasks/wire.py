@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
+import time
 from typing import Any, BinaryIO, NamedTuple
 
 _HEADER = struct.Struct(">QIB")  # meta length, buffer count, flags
@@ -140,6 +141,27 @@ def relay_frame(stream: BinaryIO, header: tuple[int, int, int], targets: list[Fr
             t.lock.release()
 
 
+class HeardStream:
+    """A reading stream that remembers when bytes last arrived. Any byte proves the far end is
+    alive, so a frame of 500 MB that takes a minute to cross is never mistaken for silence."""
+
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+        self.last_heard = time.monotonic()
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._stream.readinto(buffer)
+        if n:
+            self.last_heard = time.monotonic()
+        return n
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 class FrameWriter:
     """Thread-safe writer: several threads (heartbeat, log relays, results) share one stream."""
 
@@ -149,6 +171,13 @@ class FrameWriter:
 
     def send(self, msg: dict[str, Any]) -> None:
         self.send_encoded(encode(msg))
+
+    def send_if_idle(self, msg: dict[str, Any]) -> None:
+        """Send unless another frame is on its way (a heartbeat: that frame proves as much)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        self.lock.release()
+        self.send(msg)
 
     def send_encoded(self, chunks: list[Any]) -> None:
         with self.lock:

@@ -195,6 +195,21 @@ def test_the_controller_killed_with_sigkill_leaves_no_rank_running(tmp_path):
         proc.kill()
 
 
+def test_a_frozen_controller_is_given_up_by_its_agents_after_the_heartbeat_timeout(tmp_path):
+    """SIGSTOP closes nothing: only the missing heartbeats tell the agents the controller is gone."""
+    env = {**os.environ, "SKYTASKS_HEARTBEAT_SECONDS": "0.5", "SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS": "3"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/programs/long_call.py"), str(tmp_path)], cwd=ROOT, env=env)
+    try:
+        wait_for_files(tmp_path, ["rank0.pid", "rank1.pid"], proc)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        assert len(skytasks_processes()) >= 4, "the agents gave up before the heartbeat timeout"
+        assert wait_for_no_skytasks_processes(timeout=15) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_and_sigterm_of_the_controller_tear_everything_down(tmp_path, sig):
     proc = subprocess.Popen(

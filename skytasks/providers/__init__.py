@@ -6,6 +6,7 @@ processes) is the shared rank lifecycle in `skytasks.lifecycle`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Protocol
 
@@ -21,6 +22,20 @@ class NodeLink:
     env: dict[str, str] = field(default_factory=dict)  # node-specific rank environment
     accelerators: int = 0
     close: Callable[[], None] = lambda: None  # release the transport (process, SSH channel)
+
+
+def heartbeat_settings() -> tuple[float, float]:
+    """(interval, timeout) in seconds: both ends send a heartbeat every interval, and each
+    gives the other up after `timeout` of silence. Environment knobs, for tests and slow links."""
+    interval = float(os.environ.get("SKYTASKS_HEARTBEAT_SECONDS", "5"))
+    timeout = float(os.environ.get("SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS", "60"))
+    return interval, max(timeout, 2 * interval)
+
+
+def agent_args(heartbeat_file: str | None = None) -> list[str]:
+    interval, timeout = heartbeat_settings()
+    args = ["-m", "skytasks.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}"]
+    return args + (["--heartbeat-file", heartbeat_file] if heartbeat_file else [])
 
 
 class NodeProvider(Protocol):

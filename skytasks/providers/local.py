@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from skytasks.providers import NodeLink
+from skytasks.providers import NodeLink, agent_args
 
 LOOPBACK = "127.0.0.1"
 
@@ -51,7 +51,7 @@ class LocalProvider:
         try:
             for node_rank in range(self._pool.nodes):
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "skytasks.agent"],
+                    [sys.executable, *agent_args()],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     # A session of its own: Ctrl-C at the terminal reaches the controller only,

@@ -1,0 +1,103 @@
+"""The controller's end of the agent streams: framed messages both ways, and heartbeats.
+
+A stream that closes is a lost node at once. A stream that merely falls silent (a cable pulled,
+a VM frozen, a link down: nothing closes) is a lost node once no byte has arrived for the
+heartbeat timeout; the agent at the far end applies the same rule to us and stops its ranks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from skytasks.providers import NodeLink, heartbeat_settings
+from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
+
+BROADCAST_IN_PARALLEL_BYTES = 1 << 20
+
+
+class NodeChannel:
+    """One agent stream: a writer, and a reader thread that feeds the session's event queue."""
+
+    def __init__(self, link: NodeLink, events: queue.Queue):
+        self.link = link
+        self.inbound = HeardStream(link.inbound)
+        self._writer = FrameWriter(link.outbound)
+        self._events = events
+        self._lost_lock = threading.Lock()
+        self.alive = True
+        threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{link.node_rank}").start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = read_frame(self.inbound)
+                if msg["op"] != "heartbeat":
+                    self._events.put((self.link.node_rank, msg))
+        except (ChannelClosed, OSError, ValueError) as exc:
+            self.mark_lost(str(exc))
+
+    def mark_lost(self, reason: str) -> None:
+        """Report the node lost, once, however many ways it was found out."""
+        with self._lost_lock:
+            if not self.alive:
+                return
+            self.alive = False
+        self._events.put((self.link.node_rank, {"op": "lost", "reason": reason}))
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.send_encoded(encode(msg))
+
+    def send_encoded(self, chunks: list[Any]) -> None:
+        if not self.alive:  # a silent link may block a write forever; nobody is listening anyway
+            return
+        try:
+            self._writer.send_encoded(chunks)
+        except ChannelClosed as exc:
+            self.mark_lost(str(exc))
+
+    def send_heartbeat(self) -> None:
+        if self.alive:
+            try:
+                self._writer.send_if_idle({"op": "heartbeat"})
+            except ChannelClosed as exc:
+                self.mark_lost(str(exc))
+
+
+def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False) -> None:
+    """One message to every node, encoded once; large ones go to all nodes at the same time.
+    With `relay`, each agent streams it on to its ranks as it arrives."""
+    chunks = encode(msg, relay=relay)
+    size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
+    if len(nodes) < 2 or size < BROADCAST_IN_PARALLEL_BYTES:
+        for node in nodes:
+            node.send_encoded(chunks)
+        return
+    threads = [threading.Thread(target=n.send_encoded, args=(chunks,), daemon=True) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def keep_heartbeats(nodes: list[NodeChannel], closed: threading.Event) -> None:
+    """Until `closed`: a heartbeat to every node each interval (one sender thread per node, so
+    one stuck link delays no other), and a watch that gives up a node silent past the timeout."""
+    interval, timeout = heartbeat_settings()
+
+    def send(node: NodeChannel) -> None:
+        while not closed.wait(interval) and node.alive:
+            node.send_heartbeat()
+
+    def watch() -> None:
+        while not closed.wait(min(1.0, interval)):
+            for node in nodes:
+                silent = node.inbound.silent_for()
+                if node.alive and silent > timeout:
+                    node.mark_lost(f"no heartbeat from the node for {silent:.0f}s (the network or the machine is gone)")
+
+    for node in nodes:
+        threading.Thread(target=send, args=(node,), daemon=True, name=f"skytasks-beat{node.link.node_rank}").start()
+    threading.Thread(target=watch, daemon=True, name="skytasks-beat-watch").start()
