@@ -142,3 +142,47 @@ distributed_task(forever, pool=pool, init_torch=False)()
         assert wait_for_no_skytasks_processes(timeout=30) == []
     finally:
         proc.kill()
+
+
+def make_wheel(folder: Path, name: str, value: int) -> Path:
+    """A real, minimal wheel on disk, so installing it needs no package index (no network)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        f"{name}/__init__.py": f"VALUE = {value}\n",
+        f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    record.append(f"{name}-1.0.dist-info/RECORD,,")
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in {**files, f"{name}-1.0.dist-info/RECORD": "\n".join(record) + "\n"}.items():
+            z.writestr(path, text)
+    return wheel
+
+
+def test_pip_packages_and_env_apply_on_the_ssh_nodes(sshd, tmp_path):
+    wheel = make_wheel(tmp_path, "skytasks_probe_pkg", 42)
+
+    def probe() -> tuple:
+        import skytasks_probe_pkg
+
+        return skytasks_probe_pkg.VALUE, os.environ["PROBE_SETTING"], skytasks_probe_pkg.__file__
+
+    # PIP_NO_INDEX is an env entry like any other: it reaches pip on the node too.
+    pool = ssh_pool(sshd, pip_packages=[str(wheel)], env={"PROBE_SETTING": "on", "PIP_NO_INDEX": "1"})
+    results = distributed_task(probe, pool=pool, init_torch=False)()
+    assert [r[:2] for r in results] == [(42, "on"), (42, "on")]
+    assert all("/.cache/skytasks/pip-" in r[2] for r in results)
+
+
+def test_a_package_that_cannot_be_installed_fails_the_start_naming_pip_packages(sshd):
+    pool = ssh_pool(sshd, pip_packages=["/nonexistent/skytasks_missing-1.0-py3-none-any.whl"], env={"PIP_NO_INDEX": "1"})
+    with pytest.raises(RuntimeError, match="pip_packages"):
+        distributed_task(lambda: 1, pool=pool, init_torch=False)()

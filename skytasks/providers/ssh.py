@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import os
+import shlex
 import tarfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skytasks.providers import NodeLink
+from skytasks.providers import NodeLink, agent_args
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
@@ -46,9 +49,25 @@ def package_bundle() -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()[:16]
 
 
-class SSHProvider:
-    def __init__(self, pool):
-        self._pool = pool
+@dataclass
+class SSHLogin:
+    """How to reach a set of nodes: shared by provider="ssh" and the instances aws launches."""
+
+    targets: list[tuple[str | None, str, int]]  # (user, host, port), head first
+    known_hosts: str  # known_hosts text or a path to one
+    private_key: str | None
+    python: str
+    pip_packages: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # applies on the node, pip included
+    heartbeat_file: str | None = None
+    timeout: float = 900.0
+
+
+class SSHNodes:
+    """Connect to every target in parallel and start a node agent on each over SSH."""
+
+    def __init__(self, login: SSHLogin):
+        self._login = login
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-ssh")
         self._conns: list[Any] = []
@@ -60,13 +79,13 @@ class SSHProvider:
     def start(self) -> list[NodeLink]:
         self._thread.start()
         try:
-            return self._run(self._start_all(), timeout=self._pool.ready_timeout_seconds)
+            return self._run(self._start_all(), timeout=self._login.timeout)
         except BaseException:
             self.stop()
             raise
 
     async def _start_all(self) -> list[NodeLink]:
-        hosts = [parse_host(h, self._pool.ssh_user) for h in self._pool.hosts]
+        hosts = self._login.targets
         # All nodes in parallel: the slowest node, not the sum, sets the start time.
         connected = await asyncio.gather(*(self._connect(*h) for h in hosts), return_exceptions=True)
         self._conns = [c for c in connected if not isinstance(c, BaseException)]
@@ -82,7 +101,7 @@ class SSHProvider:
     def _known_hosts(self) -> Any:
         import asyncssh
 
-        text = self._pool.known_hosts
+        text = self._login.known_hosts
         if not text:
             raise ValueError("known_hosts: provider='ssh' needs known_hosts (text or a path); host keys are never trusted blindly")
         if "\n" not in text.strip() and os.path.exists(os.path.expanduser(text)):
@@ -93,8 +112,8 @@ class SSHProvider:
         import asyncssh
 
         keys = None
-        if self._pool.ssh_private_key is not None:
-            keys = [asyncssh.import_private_key(self._pool.ssh_private_key.get_secret_value())]
+        if self._login.private_key is not None:
+            keys = [asyncssh.import_private_key(self._login.private_key)]
         try:
             return await asyncssh.connect(host, port=port, username=user, known_hosts=self._known_hosts(),
                                           client_keys=keys, agent_path=None, keepalive_interval=10,
@@ -105,11 +124,19 @@ class SSHProvider:
             ) from None
 
     async def _start_agent(self, conn: Any, node_rank: int, host: str, bundle: bytes, digest: str) -> NodeLink:
+        login = self._login
         remote_dir = f".cache/skytasks/{digest}"
         await conn.run(f"test -d {remote_dir}/skytasks || (mkdir -p {remote_dir} && tar -xzf - -C {remote_dir})",
                        input=bundle, encoding=None, check=True)
+        paths = [f"$HOME/{remote_dir}"]
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in login.env.items() if k != "PYTHONPATH")
+        if login.pip_packages:
+            paths.append("$HOME/" + await self._install_packages(conn, env))
+        if login.env.get("PYTHONPATH"):
+            paths.append(shlex.quote(login.env["PYTHONPATH"]))
+        agent = " ".join(shlex.quote(a) for a in agent_args(login.heartbeat_file))
         proc = await conn.create_process(
-            f"cd && PYTHONPATH=$HOME/{remote_dir} exec {self._pool.remote_python} -m skytasks.agent", encoding=None
+            f"cd && {env} PYTHONPATH={':'.join(paths)} exec {login.python} {agent}", encoding=None
         )
         from_agent_r, from_agent_w = os.pipe()
         to_agent_r, to_agent_w = os.pipe()
@@ -144,8 +171,27 @@ class SSHProvider:
         return NodeLink(node_rank=node_rank, address=host, inbound=os.fdopen(from_agent_r, "rb"), outbound=outbound,
                         close=lambda: _close_quietly(outbound))
 
+    async def _install_packages(self, conn: Any, env: str) -> str:
+        """`pip_packages` into a folder of their own, cached by what was asked for: a warm node
+        installs nothing, and the node's own Python stays untouched."""
+        login = self._login
+        key = hashlib.sha256(json.dumps([login.python, login.pip_packages]).encode()).hexdigest()[:16]
+        target = f".cache/skytasks/pip-{key}"
+        packages = " ".join(shlex.quote(p) for p in login.pip_packages)
+        result = await conn.run(
+            # Nodes may share a home (NFS, or two "hosts" on one machine): each installs into a
+            # folder of its own and the first to finish renames it into place.
+            f"cd && (test -f {target}/.done || (tmp={target}.$$ && {env} {login.python} -m pip install -q "
+            f"--disable-pip-version-check --target $tmp {packages} && touch $tmp/.done && "
+            f"(mv -T $tmp {target} 2>/dev/null || rm -rf $tmp)) && test -f {target}/.done)"
+        )
+        if result.exit_status != 0:
+            raise RuntimeError(f"pip_packages: installing {login.pip_packages} on {conn.get_extra_info('peername')} "
+                               f"failed: {str(result.stderr).strip()[-2000:]}")
+        return target
+
     def free_port(self) -> int:
-        python = self._pool.remote_python
+        python = self._login.python
         code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
         result = self._run(self._conns[0].run(f'{python} -c "{code}"', check=True), timeout=60)
         return int(result.stdout.strip())
@@ -161,14 +207,29 @@ class SSHProvider:
             await asyncio.sleep(0)
             for conn in self._conns:
                 conn.close()
-            await asyncio.gather(*(c.wait_closed() for c in self._conns), return_exceptions=True)
+            # A node behind a dead link never acknowledges the close; do not wait for it long.
+            if self._conns:
+                await asyncio.wait([asyncio.ensure_future(c.wait_closed()) for c in self._conns], timeout=5)
 
         try:
-            self._run(close_all(), timeout=30)
+            self._run(close_all(), timeout=15)
         except Exception:  # noqa: BLE001 - teardown goes on
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+class SSHProvider(SSHNodes):
+    """provider="ssh": the pool's own hosts, login and known_hosts."""
+
+    def __init__(self, pool):
+        super().__init__(SSHLogin(
+            targets=[parse_host(h, pool.ssh_user) for h in pool.hosts],
+            known_hosts=pool.known_hosts or "",
+            private_key=pool.ssh_private_key.get_secret_value() if pool.ssh_private_key else None,
+            python=pool.remote_python, pip_packages=list(pool.pip_packages), env=dict(pool.env),
+            timeout=pool.ready_timeout_seconds,
+        ))
 
 
 def _write_all(fd: int, data: bytes) -> None:
