@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ipaddress
 import re
 import signal
 import threading
@@ -106,7 +107,20 @@ def train(epochs: int = 3) -> dict:
                 raise ValueError("hosts: provider='ssh' needs one host per node, head first")
             if len(self.hosts) != self.nodes:
                 raise ValueError(f"hosts: {len(self.hosts)} host(s) given for nodes={self.nodes}; give one per node")
+        if self.provider == "aws":
+            if self.key_name and self.ssh_private_key is None:
+                raise ValueError("ssh_private_key: key_name names your own key pair; give its private key too")
         return self
+
+    @field_validator("ssh_ingress_cidr")
+    @classmethod
+    def _cidr_is_a_network(cls, cidr: Optional[str]) -> Optional[str]:
+        if cidr is not None:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"ssh_ingress_cidr: {cidr!r} is not a network such as 203.0.113.7/32") from None
+        return cidr
 
     # -- bringing nodes up and down ---------------------------------------------------------
 
@@ -144,11 +158,17 @@ def train(epochs: int = 3) -> dict:
         if self._session is not None:
             yield self._session
             return
-        session = self._start_session()
+        # A pool brought up for one call owns launched machines too: SIGTERM must unwind
+        # through the teardown here exactly as it does for `with pool:`.
+        self._trap_sigterm()
         try:
-            yield session
+            session = self._start_session()
+            try:
+                yield session
+            finally:
+                self._close_session(session)
         finally:
-            self._close_session(session)
+            self._restore_sigterm()
 
     def _push_active(self) -> None:
         self._depth += 1

@@ -58,6 +58,8 @@ def provider_for(pool) -> NodeProvider:
         from skytasks.providers.ssh import SSHProvider
 
         return SSHProvider(pool)
-    raise NotImplementedError(
-        f"provider={pool.provider!r} is declared but not implemented in this version of skytasks"
-    )
+    if pool.provider == "aws":
+        from skytasks.providers.aws import AWSProvider
+
+        return AWSProvider(pool)
+    raise ValueError(f"provider: unknown provider {pool.provider!r}")

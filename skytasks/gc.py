@@ -1,0 +1,123 @@
+"""`skytasks gc`: find what aws pools left in EC2 and delete it.
+
+A pool tears itself down on every path its controller lives through, and its nodes end
+themselves when the controller goes quiet. This sweep is the third line: everything a pool makes
+carries `skytasks:pool` and `skytasks:expires-at` tags, so a pool whose time is up (expired), or
+whose instances are all gone while its security group or key pair remain (orphaned), is found by
+tags alone and deleted in dependency order. Run it by hand, or deploy `flows/gc_sweep.py` on a
+schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+from skytasks.providers.aws_resources import CREATED_TAG, EXPIRES_TAG, POOL_TAG, PoolResources, parse_time
+
+LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+
+
+@dataclass
+class FoundPool:
+    resources: PoolResources
+    expires_at: datetime | None = None
+    created_at: datetime | None = None
+
+    def note_tags(self, tags: list[dict] | None) -> None:
+        values = {t["Key"]: t["Value"] for t in tags or []}
+        for attr, key in (("expires_at", EXPIRES_TAG), ("created_at", CREATED_TAG)):
+            when = parse_time(values.get(key))
+            if when and (getattr(self, attr) is None or when < getattr(self, attr)):
+                setattr(self, attr, when)
+
+
+def find_pools(ec2: Any, log: Callable[[str], None] = print) -> dict[str, FoundPool]:
+    pools: dict[str, FoundPool] = {}
+
+    def pool_of(tags: list[dict] | None) -> FoundPool | None:
+        pool_id = next((t["Value"] for t in tags or [] if t["Key"] == POOL_TAG), None)
+        if pool_id is None:
+            return None
+        found = pools.setdefault(pool_id, FoundPool(PoolResources(ec2, pool_id)))
+        found.note_tags(tags)
+        return found
+
+    tagged = [{"Name": "tag-key", "Values": [POOL_TAG]}]
+    for page in ec2.get_paginator("describe_instances").paginate(
+            Filters=tagged + [{"Name": "instance-state-name", "Values": LIVE_STATES}]):
+        for reservation in page["Reservations"]:
+            for instance in reservation["Instances"]:
+                if found := pool_of(instance.get("Tags")):
+                    found.resources.instance_ids.append(instance["InstanceId"])
+    for sg in ec2.describe_security_groups(Filters=tagged)["SecurityGroups"]:
+        if found := pool_of(sg.get("Tags")):
+            found.resources.security_group_id = sg["GroupId"]
+    for key in ec2.describe_key_pairs(Filters=tagged)["KeyPairs"]:
+        if found := pool_of(key.get("Tags")):
+            found.resources.key_name = key["KeyName"]
+    try:
+        for group in ec2.describe_placement_groups(Filters=tagged)["PlacementGroups"]:
+            if found := pool_of(group.get("Tags")):
+                found.resources.placement_group = group["GroupName"]
+    except Exception as exc:  # noqa: BLE001 - some EC2 look-alikes lack placement groups
+        log(f"skytasks gc: placement groups not listed ({type(exc).__name__})")
+    return pools
+
+
+def sweep(ec2: Any, *, now: datetime | None = None, grace_minutes: float = 15, dry_run: bool = False,
+          log: Callable[[str], None] = print) -> list[str]:
+    """Delete expired and orphaned pools; returns the ids of the pools swept.
+
+    `grace_minutes` spares a pool being launched right now: its security group and key pair
+    exist a few seconds before its instances do."""
+    now = now or datetime.now(timezone.utc)
+    swept = []
+    for pool_id, found in sorted(find_pools(ec2, log).items()):
+        r = found.resources
+        expired = found.expires_at is not None and found.expires_at <= now
+        young = found.created_at is not None and found.created_at > now - timedelta(minutes=grace_minutes)
+        orphaned = not r.instance_ids and not young
+        if not (expired or orphaned):
+            continue
+        what = (f"{len(r.instance_ids)} instance(s), security group {r.security_group_id}, key pair {r.key_name}, "
+                f"placement group {r.placement_group}")
+        log(f"skytasks gc: {'would sweep' if dry_run else 'sweeping'} {pool_id} "
+            f"({'expired' if expired else 'orphaned'}): {what}")
+        if not dry_run:
+            for error in r.teardown():
+                log(f"skytasks gc: {pool_id}: {error}")
+        swept.append(pool_id)
+    return swept
+
+
+def credentials_from(args: argparse.Namespace) -> Any:
+    from prefect_aws import AwsCredentials
+
+    if args.aws_credentials:
+        return AwsCredentials.load(args.aws_credentials)
+    params = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    return AwsCredentials(region_name=args.region, aws_client_parameters=params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="skytasks")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gc = commands.add_parser("gc", help="delete EC2 resources of aws pools that are expired or orphaned")
+    gc.add_argument("--aws-credentials", help="name of a saved AwsCredentials block (default: the environment's)")
+    gc.add_argument("--region", default=None)
+    gc.add_argument("--endpoint-url", default=None, help="an EC2-compatible endpoint (tests use moto's)")
+    gc.add_argument("--grace-minutes", type=float, default=15)
+    gc.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    args = parser.parse_args(argv)
+    ec2 = credentials_from(args).get_client("ec2")
+    swept = sweep(ec2, grace_minutes=args.grace_minutes, dry_run=args.dry_run)
+    print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""provider="aws": EC2 instances the pool launches, reaches over SSH, and always terminates.
+
+Start: plan and validate (`aws_plan`), make the pool's own key pair, security group and (GPU)
+placement group, launch every node in one RunInstances call (all or nothing), wait until each
+node answers SSH with the host key the controller gave it and reports its bootstrap done, then
+hand the addresses to the shared SSH layer, which starts the node agents.
+
+Stop, on every path: terminate the instances, wait until they are gone, then delete the security
+group, key pair and placement group. What survives a controller that cannot run this (SIGKILL,
+power loss) is ended by the node's own watchdog, and anything left behind is found by its tags
+(`skytasks:pool`, `skytasks:expires-at`) and deleted by `skytasks gc`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from skytasks.providers import NodeLink
+from skytasks.providers.aws_plan import LaunchPlan, plan_launch
+from skytasks.providers.aws_resources import POLL_SECONDS, PoolResources, pool_tags
+from skytasks.providers.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON, render_user_data
+from skytasks.providers.ssh import SSHLogin, SSHNodes
+
+
+
+class AWSProvider:
+    def __init__(self, pool: Any, *, progress: Callable[[int, int, str], None] | None = None):
+        self._pool = pool
+        self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
+        self._ec2 = pool.aws_credentials.get_client("ec2")
+        self._ssm = pool.aws_credentials.get_client("ssm")
+        self._progress = progress or LaunchProgress(self.pool_id)
+        self.owned = PoolResources(self._ec2, self.pool_id)
+        self._nodes: SSHNodes | None = None
+        self._teardown_lock = threading.Lock()
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> list[NodeLink]:
+        pool = self._pool
+        plan = plan_launch(pool, self._ec2, self._ssm)  # raises before anything exists
+        self._progress(0, pool.nodes, plan.cost_line(pool.nodes, pool.max_lifetime_minutes / 60, pool.spot))
+        try:
+            login_key, host_key = self._make_keys()
+            self._launch(plan, host_key)
+            addresses = self._wait_until_ready(plan, login_key, host_key)
+            self._nodes = SSHNodes(SSHLogin(
+                targets=[(plan.login, a, 22) for a in addresses], known_hosts=_known_hosts(addresses, host_key),
+                private_key=login_key.export_private_key().decode(), python=self._python(),
+                env=dict(pool.env), heartbeat_file=HEARTBEAT_FILE, timeout=pool.ready_timeout_seconds,
+            ))
+            links = self._nodes.start()
+            for link in links:
+                link.accelerators = plan.gpus_per_node
+            return links
+        except BaseException:
+            self.stop()
+            raise
+
+    def _python(self) -> str:
+        # remote_python, when the user set it, names an interpreter the image already has;
+        # otherwise it is the venv the bootstrap built.
+        return self._pool.remote_python if "remote_python" in self._pool.model_fields_set else VENV_PYTHON
+
+    def _tags(self, resource_type: str) -> list[dict]:
+        tags = pool_tags(self.pool_id, self._pool.max_lifetime_minutes, self._pool.tags, _flow_run_id())
+        return [{"ResourceType": resource_type, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
+
+    def _make_keys(self) -> tuple[Any, Any]:
+        import asyncssh
+
+        pool = self._pool
+        host_key = asyncssh.generate_private_key("ssh-ed25519")
+        if pool.key_name:  # the user's own key pair; its private half is ssh_private_key
+            return asyncssh.import_private_key(pool.ssh_private_key.get_secret_value()), host_key
+        login_key = asyncssh.generate_private_key("ssh-ed25519")
+        self._ec2.import_key_pair(KeyName=self.pool_id, PublicKeyMaterial=login_key.export_public_key(),
+                                  TagSpecifications=self._tags("key-pair"))
+        self.owned.key_name = self.pool_id
+        return login_key, host_key
+
+    def _launch(self, plan: LaunchPlan, host_key: Any) -> None:
+        pool, ec2 = self._pool, self._ec2
+        sg = ec2.create_security_group(GroupName=self.pool_id, VpcId=plan.vpc_id, TagSpecifications=self._tags("security-group"),
+                                       Description=f"skytasks pool {self.pool_id}: SSH from the controller, all traffic inside")
+        sg_id = self.owned.security_group_id = sg["GroupId"]
+        ec2.authorize_security_group_ingress(GroupId=sg_id, IpPermissions=[
+            {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
+             "IpRanges": [{"CidrIp": plan.ssh_ingress_cidr, "Description": "skytasks controller"}]},
+            {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": sg_id}]},  # rendezvous, NCCL
+        ])
+        if plan.placement_group:
+            ec2.create_placement_group(GroupName=self.pool_id, Strategy="cluster",
+                                       TagSpecifications=self._tags("placement-group"))
+            self.owned.placement_group = self.pool_id
+        groups = [sg_id, *pool.security_group_ids]
+        request: dict[str, Any] = dict(
+            ImageId=plan.image_id, InstanceType=plan.instance_type, MinCount=pool.nodes, MaxCount=pool.nodes,
+            KeyName=self.owned.key_name or pool.key_name,
+            UserData=render_user_data(pool, plan.cuda, host_key.export_private_key().decode(),
+                                      host_key.export_public_key().decode()),
+            InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's shutdown ends the instance
+            BlockDeviceMappings=[{"DeviceName": "/dev/sda1",
+                                  "Ebs": {"VolumeSize": pool.root_volume_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}],
+            TagSpecifications=self._tags("instance") + self._tags("volume"),
+        )
+        if plan.efa:  # EFA needs the interface spelled out; the subnet and groups move into it
+            request["NetworkInterfaces"] = [{"DeviceIndex": 0, "InterfaceType": "efa", "SubnetId": plan.subnet_id,
+                                             "Groups": groups, "DeleteOnTermination": True}]
+        else:
+            request.update(SubnetId=plan.subnet_id, SecurityGroupIds=groups)
+        if self.owned.placement_group:
+            request["Placement"] = {"GroupName": self.owned.placement_group}
+        if pool.spot:
+            request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+        if pool.iam_instance_profile:
+            key = "Arn" if pool.iam_instance_profile.startswith("arn:") else "Name"
+            request["IamInstanceProfile"] = {key: pool.iam_instance_profile}
+        reservation = ec2.run_instances(**request)
+        self.owned.instance_ids = [i["InstanceId"] for i in reservation["Instances"]]
+
+    def _wait_until_ready(self, plan: LaunchPlan, login_key: Any, host_key: Any) -> list[str]:
+        """Until every node answers SSH with its pinned host key and says its bootstrap is done."""
+        pool = self._pool
+        deadline = time.monotonic() + pool.ready_timeout_seconds
+        ids = list(self.owned.instance_ids)
+        state: dict[str, str] = {i: "launching" for i in ids}
+        addresses: dict[str, str] = {}
+        ready: set[str] = set()
+        while True:
+            for instance in self.owned.describe_instances():
+                iid, name = instance["InstanceId"], instance["State"]["Name"]
+                if name in ("shutting-down", "terminated", "stopped", "stopping"):
+                    reason = instance.get("StateReason", {}).get("Message", "no reason given")
+                    raise RuntimeError(f"node {iid} is {name} before it was ready: {reason}")
+                address = instance.get("PublicIpAddress") or instance.get("PrivateIpAddress")
+                if name == "running" and address:
+                    addresses[iid] = address
+                    state.setdefault(iid, "running")
+            waiting = [i for i in ids if i in addresses and i not in ready]
+            if waiting:
+                answers = _run_async(_probe_all([addresses[i] for i in waiting], plan.login, login_key, host_key))
+                for iid, answer in zip(waiting, answers):
+                    if answer.startswith("failed"):
+                        raise RuntimeError(f"node {iid} ({addresses[iid]}): bootstrap {answer}")
+                    state[iid] = answer
+                    if answer == "ready":
+                        ready.add(iid)
+            self._progress(len(ready), pool.nodes, "; ".join(f"{i}: {state[i]}" for i in ids))
+            if len(ready) == pool.nodes:
+                return [addresses[i] for i in ids]
+            if time.monotonic() >= deadline:
+                late = [f"{i} ({state[i]})" for i in ids if i not in ready]
+                raise TimeoutError(
+                    f"ready_timeout_seconds: {len(late)} of {pool.nodes} node(s) not ready after "
+                    f"{pool.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
+                )
+            time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+    def free_port(self) -> int:
+        assert self._nodes is not None
+        return self._nodes.free_port()
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Tear everything down. Runs in a thread of its own and is waited for through Ctrl-C:
+        a second interrupt must not abandon running instances half way."""
+        worker = threading.Thread(target=self._teardown, name="skytasks-aws-teardown")
+        worker.start()
+        while worker.is_alive():
+            try:
+                worker.join()
+            except KeyboardInterrupt:
+                print("skytasks: still terminating the pool's instances; please wait", flush=True)
+
+    def _teardown(self) -> None:
+        with self._teardown_lock:
+            if self._nodes is not None:
+                self._nodes.stop()
+                self._nodes = None
+            errors = self.owned.teardown()
+            if errors:
+                print(f"skytasks: teardown of {self.pool_id} left something behind ({'; '.join(errors)}); "
+                      f"`skytasks gc` will find it by its tags", flush=True)
+
+
+async def _probe_all(addresses: list[str], login: str, login_key: Any, host_key: Any) -> list[str]:
+    return list(await asyncio.gather(*(_probe(a, login, login_key, host_key) for a in addresses)))
+
+
+async def _probe(address: str, login: str, login_key: Any, host_key: Any) -> str:
+    """One look at a node: "ready", "failed: ...", or what it is still doing."""
+    import asyncssh
+
+    try:
+        async with asyncssh.connect(address, port=22, username=login, client_keys=[login_key], agent_path=None,
+                                    known_hosts=asyncssh.import_known_hosts(_known_hosts([address], host_key)),
+                                    connect_timeout=5) as conn:
+            result = await conn.run(f"cat {STATE_DIR}/status 2>/dev/null || echo bootstrapping", timeout=10)
+            return str(result.stdout).strip() or "bootstrapping"
+    except asyncssh.HostKeyNotVerifiable:
+        return "ssh up, host key not yet the pinned one"
+    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+        return f"waiting for ssh ({type(exc).__name__})"
+
+
+def _known_hosts(addresses: list[str], host_key: Any) -> str:
+    public = host_key.export_public_key().decode().strip()
+    return "".join(f"{a} {public}\n" for a in addresses)
+
+
+def _flow_run_id() -> str | None:
+    try:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _run_async(coro: Any) -> Any:
+    """Run a coroutine to the end from sync code, even when this thread already has a loop."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class LaunchProgress:
+    """Launch progress on the console (rich), and as a Prefect progress artifact inside a flow."""
+
+    def __init__(self, pool_id: str):
+        from rich.console import Console
+
+        self._console = Console(stderr=True)
+        self._pool_id = pool_id
+        self._artifact = None
+        self._last = None
+
+    def __call__(self, ready: int, total: int, detail: str) -> None:
+        if (ready, detail) == self._last:
+            return  # print changes only
+        self._last = (ready, detail)
+        self._console.print(f"[bold]skytasks aws[/bold] {self._pool_id}: {ready}/{total} nodes ready - {detail}",
+                            highlight=False, markup=True)
+        if _flow_run_id() is None:
+            return
+        try:
+            from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+            percent = 100.0 * ready / max(total, 1)
+            if self._artifact is None:
+                self._artifact = create_progress_artifact(
+                    percent, key=f"{self._pool_id}-launch", description=f"nodes of {self._pool_id} ready")
+            else:
+                update_progress_artifact(self._artifact, percent)
+        except Exception:  # noqa: BLE001 - progress display never fails a launch
+            pass

@@ -1,0 +1,102 @@
+"""What one aws pool owns in EC2, and how it all goes away: shared by the provider's teardown
+and by `skytasks gc`, which rebuilds it from tags for pools whose controller never came back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+POOL_TAG, EXPIRES_TAG, CREATED_TAG = "skytasks:pool", "skytasks:expires-at", "skytasks:created-at"
+FLOW_RUN_TAG = "prefect.io/flow-run-id"
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+POLL_SECONDS = 2.0
+TERMINATE_WAIT_SECONDS = 600.0
+
+
+def pool_tags(pool_id: str, lifetime_minutes: float, extra: dict[str, str], flow_run_id: str | None) -> dict[str, str]:
+    now = datetime.now(timezone.utc)
+    tags = {**extra, "Name": pool_id, POOL_TAG: pool_id, CREATED_TAG: now.strftime(TIME_FORMAT),
+            EXPIRES_TAG: (now + timedelta(minutes=lifetime_minutes)).strftime(TIME_FORMAT)}
+    if flow_run_id:
+        tags[FLOW_RUN_TAG] = flow_run_id
+    return tags
+
+
+def parse_time(text: str | None) -> datetime | None:
+    try:
+        return datetime.strptime(text, TIME_FORMAT).replace(tzinfo=timezone.utc) if text else None
+    except ValueError:
+        return None
+
+
+@dataclass
+class PoolResources:
+    ec2: Any
+    pool_id: str
+    instance_ids: list[str] = field(default_factory=list)
+    security_group_id: str | None = None
+    key_name: str | None = None  # only a key pair the pool made; never the user's own
+    placement_group: str | None = None
+
+    def describe_instances(self) -> list[dict]:
+        if not self.instance_ids:
+            return []
+        pages = self.ec2.describe_instances(InstanceIds=self.instance_ids)["Reservations"]
+        return [i for r in pages for i in r["Instances"]]
+
+    def teardown(self) -> list[str]:
+        """Delete everything, in dependency order; every step is attempted. Returns what failed."""
+        errors = []
+        for step in (self.terminate_instances, self.delete_security_group, self.delete_key_pair,
+                     self.delete_placement_group):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the next steps still run
+                errors.append(f"{step.__name__}: {exc}")
+        return errors
+
+    def terminate_instances(self) -> None:
+        if not self.instance_ids:
+            return
+        self.ec2.terminate_instances(InstanceIds=self.instance_ids)
+        deadline = time.monotonic() + TERMINATE_WAIT_SECONDS
+        # The security group cannot go while an instance still uses it.
+        while any(i["State"]["Name"] != "terminated" for i in self.describe_instances()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"instances {self.instance_ids} not terminated after {TERMINATE_WAIT_SECONDS:g}s")
+            time.sleep(POLL_SECONDS)
+        self.instance_ids = []
+
+    def delete_security_group(self) -> None:
+        if self.security_group_id:
+            sg = self.security_group_id
+            _retry_dependency(lambda: self.ec2.delete_security_group(GroupId=sg))
+            self.security_group_id = None
+
+    def delete_key_pair(self) -> None:
+        if self.key_name:
+            self.ec2.delete_key_pair(KeyName=self.key_name)
+            self.key_name = None
+
+    def delete_placement_group(self) -> None:
+        if self.placement_group:
+            name = self.placement_group
+            _retry_dependency(lambda: self.ec2.delete_placement_group(GroupName=name))
+            self.placement_group = None
+
+
+def _retry_dependency(call: Callable[[], Any], attempts: int = 30) -> None:
+    """Network interfaces linger a little after termination; AWS says DependencyViolation meanwhile."""
+    from botocore.exceptions import ClientError
+
+    for attempt in range(attempts):
+        try:
+            call()
+            return
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] not in ("DependencyViolation", "InvalidPlacementGroup.InUse") \
+                    or attempt == attempts - 1:
+                raise
+            time.sleep(POLL_SECONDS)

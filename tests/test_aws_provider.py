@@ -1,0 +1,243 @@
+"""provider="aws" against moto's EC2 server on loopback.
+
+Network rule: instances are launched into a 127.0.0.0/24 subnet, so moto gives them loopback
+private addresses and no public one, and every SSH attempt of the provider stays on this machine.
+`ssh_ingress_cidr` is always set, so nothing looks up this machine's public address.
+After every test, moto must hold no live instance, security group or key pair of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect_aws import AwsCredentials
+from prefect_aws.client_parameters import AwsClientParameters
+
+from blocks import GPUPool
+from skytasks import distributed_task
+from skytasks.errors import PoolConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+REGION = "us-east-1"
+
+
+@pytest.fixture(scope="module")
+def moto():
+    from moto.server import ThreadedMotoServer
+
+    os.environ["MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION"] = "true"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION,
+                           aws_client_parameters=AwsClientParameters(endpoint_url=endpoint))
+    ec2 = creds.get_client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.0.0/24")["Subnet"]["SubnetId"]
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    yield {"endpoint": endpoint, "creds": creds, "ec2": ec2, "subnet": subnet, "vpc": vpc, "image": image}
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def moto_holds_nothing_afterwards(request):
+    yield
+    if "moto" in request.fixturenames:
+        assert leftovers(request.getfixturevalue("moto")["ec2"]) == {"instances": [], "security_groups": [], "key_pairs": []}
+
+
+def leftovers(ec2) -> dict:
+    live = [i["InstanceId"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]
+            if i["State"]["Name"] != "terminated"]
+    groups = [g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"] if g["GroupName"] != "default"]
+    return {"instances": live, "security_groups": groups, "key_pairs": [k["KeyName"] for k in ec2.describe_key_pairs()["KeyPairs"]]}
+
+
+def aws_pool(moto, **overrides) -> GPUPool:
+    fields = dict(provider="aws", nodes=2, instance_type="t3.micro", image_id=moto["image"], subnet_id=moto["subnet"],
+                  aws_credentials=moto["creds"], ssh_ingress_cidr="127.0.0.1/32", ready_timeout_seconds=4)
+    return GPUPool(**{**fields, **overrides})
+
+
+def instances_of_latest_pool(ec2) -> list[dict]:
+    every = [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]]
+    latest = max(every, key=lambda i: i["LaunchTime"])
+    pool_id = {t["Key"]: t["Value"] for t in latest["Tags"]}["skytasks:pool"]
+    return [i for i in every if {t["Key"]: t["Value"] for t in i.get("Tags", [])}.get("skytasks:pool") == pool_id]
+
+
+def test_an_unknown_instance_type_is_refused_before_anything_is_launched(moto):
+    before = len(moto["ec2"].describe_instances()["Reservations"])
+    with pytest.raises(PoolConfigError, match=r"instance_type: 'p9\.huge' does not exist"):
+        distributed_task(lambda: 1, pool=aws_pool(moto, instance_type="p9.huge"))()
+    assert len(moto["ec2"].describe_instances()["Reservations"]) == before
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("image_id", "ami-00000000", r"image_id: 'ami-00000000'"),
+    ("subnet_id", "subnet-00000000", r"subnet_id: 'subnet-00000000' does not exist"),
+    ("accelerator", "Z9000", r"accelerator: no default instance type for 'Z9000'"),
+])
+def test_a_missing_image_subnet_or_unknown_accelerator_is_refused_naming_the_field(moto, field, value, message):
+    overrides = {field: value, **({"instance_type": None} if field == "accelerator" else {})}
+    with pytest.raises(PoolConfigError, match=message):
+        distributed_task(lambda: 1, pool=aws_pool(moto, **overrides))()
+
+
+def test_the_accelerator_chooses_the_instance_type_and_the_default_image_comes_from_ssm(moto):
+    from skytasks.providers.aws_plan import plan_launch
+
+    ec2, ssm = moto["ec2"], moto["creds"].get_client("ssm")
+    plan = plan_launch(aws_pool(moto, instance_type=None, accelerator="A10G", accelerators_per_node=4), ec2, ssm)
+    assert (plan.instance_type, plan.gpus_per_node, plan.cuda, plan.placement_group) == ("g5.12xlarge", 4, True, True)
+    plan = plan_launch(aws_pool(moto, instance_type=None, accelerator="A100"), ec2, ssm)
+    assert (plan.instance_type, plan.efa) == ("p4d.24xlarge", True)
+    plan = plan_launch(aws_pool(moto, instance_type=None), ec2, ssm)
+    assert (plan.instance_type, plan.cuda, plan.placement_group) == ("m6i.xlarge", False, False)
+    assert "2 x m6i.xlarge in us-east-1: about $0.38/hour" in plan.cost_line(2, 12, spot=False)
+    # moto holds no Ubuntu parameter: the error names the field and the public parameter.
+    with pytest.raises(PoolConfigError, match=r"image_id: unset.*/aws/service/canonical/ubuntu"):
+        plan_launch(aws_pool(moto, image_id=None), ec2, ssm)
+
+
+def test_a_launch_whose_nodes_never_answer_times_out_and_leaves_nothing(moto):
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ready_timeout_seconds: 2 of 2 node\(s\) not ready after 4s"):
+        distributed_task(lambda: 1, pool=aws_pool(moto, spot=True, tags={"team": "ml"}))()
+    assert time.monotonic() - started < 60
+    launched = instances_of_latest_pool(moto["ec2"])
+    # One RunInstances call for the whole pool, all of it terminated now.
+    assert len(launched) == 2 and len({i["AmiLaunchIndex"] for i in launched}) == 2
+    assert all(i["State"]["Name"] == "terminated" for i in launched)
+    assert all(i["PrivateIpAddress"].startswith("127.0.0.") and not i.get("PublicIpAddress") for i in launched)
+    assert all(i.get("InstanceLifecycle") == "spot" for i in launched)
+    tags = {t["Key"]: t["Value"] for t in launched[0]["Tags"]}
+    assert tags["team"] == "ml" and tags["skytasks:pool"].startswith("skytasks-") and "skytasks:expires-at" in tags
+
+
+def test_ctrl_c_during_the_launch_tears_everything_down(moto, tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from prefect_aws import AwsCredentials
+from blocks import GPUPool
+from skytasks import distributed_task
+creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name={REGION!r},
+                       aws_client_parameters={{"endpoint_url": {moto['endpoint']!r}}})
+pool = GPUPool(provider="aws", nodes=2, instance_type="t3.micro", image_id={moto['image']!r},
+               subnet_id={moto['subnet']!r}, aws_credentials=creds, ssh_ingress_cidr="127.0.0.1/32",
+               ready_timeout_seconds=600)
+try:
+    distributed_task(lambda: 1, pool=pool)()
+finally:
+    print("TEARDOWN", flush=True)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not leftovers(moto["ec2"])["instances"]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the launch never happened"
+            time.sleep(0.2)
+        time.sleep(1.0)  # well inside the wait for readiness
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert "TEARDOWN" in out and proc.returncode != 0
+    finally:
+        proc.kill()
+
+
+def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_torch_settings_say():
+    from skytasks.providers.bootstrap import render_user_data
+
+    cuda_pool = GPUPool(provider="aws", accelerator="L4", torch_version="2.5.1", torch_cuda="cu121",
+                        torchvision=">=0.20", torchaudio="latest", pip_packages=["transformers==4.46.0"],
+                        idle_minutes=10, max_lifetime_minutes=60)
+    text = render_user_data(cuda_pool, True, "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----",
+                            "ssh-ed25519 AAAAC3 host", python_version="3.11")
+    assert text.startswith("#cloud-config\n") and len(text.encode()) < 16384  # EC2's user-data limit
+    config = yaml.safe_load(text)
+    assert config["ssh_keys"]["ed25519_public"] == "ssh-ed25519 AAAAC3 host" and config["ssh_genkeytypes"] == []
+    files = {f["path"]: f["content"] for f in config["write_files"]}
+    script = files["/opt/skytasks/bootstrap.sh"]
+    assert ("uv pip install --python /opt/skytasks/venv/bin/python --index-url https://download.pytorch.org/whl/cu121 "
+            "torch==2.5.1 'torchvision>=0.20' torchaudio") in script
+    assert "uv venv --python 3.11 /opt/skytasks/venv" in script
+    assert "transformers==4.46.0" in script and "cloudpickle==" in script
+    assert "--idle-seconds 600 --max-lifetime-seconds 3600" in files["/etc/systemd/system/skytasks-watchdog.service"]
+    assert "def verdict(" in files["/opt/skytasks/watchdog.py"]
+    # The watchdog starts before the bootstrap, so a controller lost during installs still ends the node.
+    assert config["runcmd"].index(["systemctl", "enable", "--now", "skytasks-watchdog.service"]) < \
+        config["runcmd"].index(["bash", "/opt/skytasks/bootstrap.sh"])
+
+    cpu_pool = GPUPool(provider="aws", torch_version=">=2.3,<3")
+    script = yaml.safe_load(render_user_data(cpu_pool, False, "k", "ssh-ed25519 AAAA host"))["write_files"][2]["content"]
+    assert "--index-url https://download.pytorch.org/whl/cpu 'torch>=2.3,<3'\n" in script
+    assert "torchvision" not in script and "cu128" not in script
+
+
+def test_the_watchdog_shuts_down_only_once_its_heartbeat_is_stale(tmp_path):
+    heartbeat, shutdown = tmp_path / "heartbeat", tmp_path / "shutdown-called"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "skytasks/watchdog.py"), "--heartbeat-file", str(heartbeat),
+                             "--idle-seconds", "2", "--max-lifetime-seconds", "600", "--check-every", "0.1",
+                             "--started-at", str(time.time()), "--shutdown-command", f"touch {shutdown}"])
+    try:
+        for _ in range(30):  # 3 s of a live controller: longer than the idle limit
+            heartbeat.write_text("alive")
+            time.sleep(0.1)
+        assert not shutdown.exists() and proc.poll() is None
+        stale_since = time.monotonic()
+        proc.wait(timeout=10)  # heartbeats stop: it shuts down and exits
+        assert shutdown.exists() and 1.5 < time.monotonic() - stale_since < 6
+    finally:
+        proc.kill()
+
+
+def test_the_watchdog_ends_a_node_at_its_max_lifetime_even_with_a_live_controller(tmp_path):
+    heartbeat, shutdown = tmp_path / "heartbeat", tmp_path / "shutdown-called"
+    heartbeat.write_text("alive")
+    proc = subprocess.run([sys.executable, str(ROOT / "skytasks/watchdog.py"), "--heartbeat-file", str(heartbeat),
+                           "--idle-seconds", "600", "--max-lifetime-seconds", "1", "--check-every", "0.1",
+                           "--started-at", str(time.time()), "--shutdown-command", f"touch {shutdown}"],
+                          timeout=10, capture_output=True, text=True)
+    assert shutdown.exists() and "max lifetime" in proc.stderr
+
+
+def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(moto):
+    from skytasks.providers.aws import AWSProvider
+
+    def leak(lifetime_minutes: float, launch: bool) -> AWSProvider:
+        """Resources as a controller that died (SIGKILL) would leave them: nobody tears them down."""
+        provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=lifetime_minutes), progress=lambda *a: None)
+        from skytasks.providers.aws_plan import plan_launch
+
+        plan = plan_launch(provider._pool, provider._ec2, provider._ssm)
+        _, host_key = provider._make_keys()
+        if launch:
+            provider._launch(plan, host_key)
+        else:  # a pool killed between its security group and its instances
+            provider._ec2.create_security_group(GroupName=provider.pool_id, VpcId=moto["vpc"], Description="x",
+                                                TagSpecifications=provider._tags("security-group"))
+        return provider
+
+    expired, live, orphan = leak(0.01, True), leak(600, True), leak(600, False)
+    time.sleep(1.0)  # the expired pool's lifetime (0.6 s) has passed
+    out = subprocess.run([sys.executable, "-m", "skytasks.gc", "gc", "--region", REGION, "--endpoint-url",
+                          moto["endpoint"], "--grace-minutes", "0"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"sweeping {expired.pool_id} (expired)" in out.stdout
+    assert f"sweeping {orphan.pool_id} (orphaned)" in out.stdout
+    assert live.pool_id not in out.stdout
+    left = leftovers(moto["ec2"])
+    assert len(left["instances"]) == 2 and left["key_pairs"] == [live.pool_id]  # only the live pool remains
+    live.stop()
