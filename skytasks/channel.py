@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any
 
 from skytasks.providers import NodeLink, heartbeat_settings

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,49 +14,17 @@ import pytest
 from blocks import GPUPool
 from skytasks import DistributedTaskError, RankProcessDied, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
+from tests.sshd import SSHServer, free_port, keygen
 
 ROOT = Path(__file__).resolve().parent.parent
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 HOSTS = ("127.0.0.1", "127.0.0.2")
-
-
-def keygen(path: Path) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-    return path.with_suffix(".pub").read_text().strip() if path.suffix else Path(f"{path}.pub").read_text().strip()
 
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    if not os.path.exists(SSHD):
-        pytest.fail("openssh-server is not installed (.ci/run installs it)")
-    d = tmp_path_factory.mktemp("sshd")
-    host_pub = keygen(d / "host_key")
-    client_pub = keygen(d / "client_key")
-    (d / "authorized_keys").write_text(client_pub + "\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (d / "sshd_config").write_text("\n".join([
-        *(f"ListenAddress {h}:{port}" for h in HOSTS),
-        f"HostKey {d / 'host_key'}", f"AuthorizedKeysFile {d / 'authorized_keys'}", f"PidFile {d / 'sshd.pid'}",
-        "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-        "UsePAM no", "StrictModes no", "AllowTcpForwarding no", "X11Forwarding no", "PrintMotd no",
-        # Forward the rank environment the controller sets: nothing needed, the agent gets it in frames.
-    ]) + "\n")
-    os.makedirs("/run/sshd", exist_ok=True)
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=open(d / "sshd.log", "w"))
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection((HOSTS[1], port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, (d / "sshd.log").read_text()
-            time.sleep(0.1)
-    known = "".join(f"[{h}]:{port} {' '.join(host_pub.split()[:2])}\n" for h in HOSTS)
-    yield {"port": port, "key": (d / "client_key").read_text(), "known_hosts": known, "dir": d}
-    proc.terminate()
-    proc.wait(timeout=10)
+    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
+    yield {"port": server.port, "key": server.client_key, "known_hosts": server.known_hosts(), "dir": server.folder}
+    server.stop()
 
 
 def ssh_pool(sshd, **overrides) -> GPUPool:

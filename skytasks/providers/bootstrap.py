@@ -61,7 +61,7 @@ def bootstrap_script(pool: Any, cuda: bool, python_version: str | None = None) -
         "#!/bin/bash",
         "set -euo pipefail",
         f"mkdir -p {STATE_DIR} && chmod 1777 {STATE_DIR}",
-        f"exec > >(tee -a /var/log/skytasks-bootstrap.log) 2>&1",
+        "exec > >(tee -a /var/log/skytasks-bootstrap.log) 2>&1",
         f"trap 'echo \"failed: $(tail -c 2000 /var/log/skytasks-bootstrap.log)\" > {STATE_DIR}/status' ERR",
         "export HOME=/root UV_INSTALL_DIR=/usr/local/bin UV_PYTHON_INSTALL_DIR=/opt/skytasks/python",
         "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh",

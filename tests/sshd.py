@@ -1,0 +1,78 @@
+"""A real OpenSSH server for tests: its own host key, one authorized client key, started on the
+given addresses, optionally inside a network namespace."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def keygen(path: Path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return Path(f"{path}.pub").read_text().strip()
+
+
+class SSHServer:
+    def __init__(self, folder: Path, addresses: list[str], port: int, netns: str | None = None):
+        if not os.path.exists(SSHD):
+            raise RuntimeError("openssh-server is not installed (make system-deps installs it)")
+        self.folder, self.addresses, self.port, self.netns = folder, addresses, port, netns
+        folder.mkdir(parents=True, exist_ok=True)
+        self.host_pub = keygen(folder / "host_key")
+        client_pub = keygen(folder / "client_key")
+        self.client_key = (folder / "client_key").read_text()
+        (folder / "authorized_keys").write_text(client_pub + "\n")
+        (folder / "sshd_config").write_text("\n".join([
+            *(f"ListenAddress {a}:{port}" for a in addresses),
+            f"HostKey {folder / 'host_key'}", f"AuthorizedKeysFile {folder / 'authorized_keys'}",
+            f"PidFile {folder / 'sshd.pid'}", "PermitRootLogin prohibit-password", "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "AllowTcpForwarding no",
+            "X11Forwarding no", "PrintMotd no",
+        ]) + "\n")
+        os.makedirs("/run/sshd", exist_ok=True)
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        self.proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", str(folder / "sshd_config")],
+                                     stderr=open(folder / "sshd.log", "w"))
+        self._wait_listening()
+
+    def _wait_listening(self) -> None:
+        deadline = time.monotonic() + 20
+        probe = ["ip", "netns", "exec", self.netns] if self.netns else []
+        while True:
+            if self.netns:
+                ok = subprocess.run([*probe, "bash", "-c", f"exec 3<>/dev/tcp/{self.addresses[-1]}/{self.port}"],
+                                    capture_output=True).returncode == 0
+            else:
+                try:
+                    socket.create_connection((self.addresses[-1], self.port), timeout=1).close()
+                    ok = True
+                except OSError:
+                    ok = False
+            if ok:
+                return
+            assert self.proc.poll() is None and time.monotonic() < deadline, (self.folder / "sshd.log").read_text()
+            time.sleep(0.1)
+
+    def known_hosts(self, addresses: list[str] | None = None) -> str:
+        key = " ".join(self.host_pub.split()[:2])
+        return "".join(f"[{a}]:{self.port} {key}\n" if self.port != 22 else f"{a} {key}\n"
+                       for a in addresses or self.addresses)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]

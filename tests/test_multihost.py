@@ -1,0 +1,159 @@
+"""Two hosts for real: network namespaces joined by veth pairs on a bridge, each with its own
+address and its own sshd. Traffic goes only to addresses inside namespaces made here.
+
+Taking one host's link down closes nothing: no FIN, no RST, the TCP connection just falls silent.
+Only heartbeats can tell, on both ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from blocks import GPUPool
+from skytasks import DistributedTaskError, distributed_task, rank_info
+from tests.conftest import skytasks_processes
+from tests.sshd import SSHServer
+
+SUBNET = "10.231.77"
+BRIDGE_ADDRESS = f"{SUBNET}.1"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = uuid.uuid4().hex[:4]
+    bridge, names = f"sktbr{tag}", [f"skt{tag}n{i}" for i in range(2)]
+    try:
+        ip("netns", "add", names[0])
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    ip("netns", "del", names[0])
+    made: list[tuple[str, str]] = []
+    servers = []
+    try:
+        ip("link", "add", bridge, "type", "bridge")
+        made.append(("link", bridge))
+        ip("addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        addresses, outside = [], []
+        for i, ns in enumerate(names):
+            address, host_end = f"{SUBNET}.{i + 2}", f"skt{tag}v{i}"
+            ip("netns", "add", ns)
+            made.append(("netns", ns))
+            ip("link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            made.append(("link", host_end))
+            ip("link", "set", host_end, "master", bridge)
+            ip("link", "set", host_end, "up")
+            for cmd in (["addr", "add", f"{address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                        ["link", "set", "lo", "up"]):
+                ip("-n", ns, *cmd)
+            addresses.append(address)
+            outside.append(host_end)
+        for i, ns in enumerate(names):
+            servers.append(SSHServer(tmp_path_factory.mktemp(f"sshd{i}"), [addresses[i]], 22, netns=ns))
+        yield {"addresses": addresses, "links": outside, "servers": servers}
+    finally:
+        for server in servers:
+            server.stop()
+        for kind, name in reversed(made):
+            subprocess.run(["ip", kind, "del", name], capture_output=True)
+
+
+def netns_pool(hosts, **overrides) -> GPUPool:
+    servers = hosts["servers"]
+    # One client key per server: each "machine" has its own authorized_keys.
+    fields = dict(provider="ssh", nodes=2, hosts=[f"root@{a}" for a in hosts["addresses"]],
+                  ssh_private_key=servers[0].client_key, remote_python=sys.executable,
+                  known_hosts="".join(s.known_hosts() for s in servers),
+                  # gloo finds its interface by the hostname, which means nothing inside a namespace.
+                  env={"GLOO_SOCKET_IFNAME": "eth0"})
+    return GPUPool(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_client_key(hosts):
+    """Let the first server's client key into the second server too."""
+    first, second = hosts["servers"]
+    key = subprocess.run(["ssh-keygen", "-y", "-f", str(first.folder / "client_key")], capture_output=True,
+                         text=True, check=True).stdout
+    (second.folder / "authorized_keys").write_text(key)
+
+
+def where_am_i() -> dict:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank_info().rank + 1)])
+    dist.all_reduce(t)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((rank_info().head_addr, 9))  # no packet is sent: it only picks the route
+        own_address = s.getsockname()[0]
+    return {"rank": rank_info().rank, "own_address": own_address, "sum": t.item()}
+
+
+def test_a_two_node_gloo_job_across_two_network_namespaces(hosts):
+    results = distributed_task(where_am_i, pool=netns_pool(hosts))()
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["own_address"] for r in results] == hosts["addresses"]  # each rank on its own host
+    assert {r["sum"] for r in results} == {3.0}
+
+
+def all_reduce_forever() -> None:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    while True:
+        dist.all_reduce(t)
+        time.sleep(0.05)
+
+
+def test_a_link_going_down_mid_run_fails_the_call_in_bounded_time_and_leaves_nothing_running(hosts, monkeypatch):
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_SECONDS", "0.5")
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS", "4")
+    link = hosts["links"][1]
+    outcome: dict = {}
+
+    def pull_the_cable_once_running() -> None:
+        deadline = time.monotonic() + 120
+        while len([p for p in skytasks_processes() if "skytasks.worker" in " ".join(p.cmdline())]) < 2:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        time.sleep(2.0)  # well inside the all_reduce loop
+        ip("link", "set", link, "down")
+        outcome["down_at"] = time.monotonic()
+
+    import threading
+
+    puller = threading.Thread(target=pull_the_cable_once_running)
+    puller.start()
+    try:
+        with pytest.raises(DistributedTaskError) as caught:
+            distributed_task(all_reduce_forever, pool=netns_pool(hosts), timeout_seconds=240)()
+        failed_after = time.monotonic() - outcome["down_at"]
+    finally:
+        puller.join()
+        ip("link", "set", link, "up")
+    [exc] = caught.value.exceptions
+    assert isinstance(exc, ConnectionError) and "node 1" in str(exc) and "no heartbeat" in str(exc)
+    assert failed_after < 30, f"the call took {failed_after:.1f}s to fail after the link went down"
+    # The cut-off node's agent stops its rank on its own (the autouse leak check waits 10 s more).
+    deadline = time.monotonic() + 20
+    while skytasks_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert skytasks_processes() == []
