@@ -19,15 +19,23 @@ def keygen(path: Path) -> str:
 
 
 class SSHServer:
-    def __init__(self, folder: Path, addresses: list[str], port: int, netns: str | None = None):
+    def __init__(self, folder: Path, addresses: list[str], port: int, netns: str | None = None,
+                 host_key: str | None = None, authorized_key: str | None = None):
         if not os.path.exists(SSHD):
             raise RuntimeError("openssh-server is not installed (make system-deps installs it)")
         self.folder, self.addresses, self.port, self.netns = folder, addresses, port, netns
         folder.mkdir(parents=True, exist_ok=True)
-        self.host_pub = keygen(folder / "host_key")
-        client_pub = keygen(folder / "client_key")
-        self.client_key = (folder / "client_key").read_text()
-        (folder / "authorized_keys").write_text(client_pub + "\n")
+        if host_key is None:
+            self.host_pub = keygen(folder / "host_key")
+        else:  # a key someone else made (what cloud-init installs from user-data)
+            (folder / "host_key").write_text(host_key)
+            os.chmod(folder / "host_key", 0o600)
+            self.host_pub = subprocess.run(["ssh-keygen", "-y", "-f", str(folder / "host_key")],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+        if authorized_key is None:
+            authorized_key = keygen(folder / "client_key")
+            self.client_key = (folder / "client_key").read_text()
+        (folder / "authorized_keys").write_text(authorized_key.strip() + "\n")
         (folder / "sshd_config").write_text("\n".join([
             *(f"ListenAddress {a}:{port}" for a in addresses),
             f"HostKey {folder / 'host_key'}", f"AuthorizedKeysFile {folder / 'authorized_keys'}",

@@ -8,10 +8,13 @@ After every test, moto must hold no live instance, security group or key pair of
 
 from __future__ import annotations
 
+import base64
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,11 +24,13 @@ from prefect_aws import AwsCredentials
 from prefect_aws.client_parameters import AwsClientParameters
 
 from blocks import GPUPool
-from skytasks import distributed_task
+from skytasks import distributed_task, rank_info
 from skytasks.errors import PoolConfigError
+from tests.sshd import SSHServer
 
 ROOT = Path(__file__).resolve().parent.parent
 REGION = "us-east-1"
+STATE_DIR = Path("/var/lib/skytasks")  # the node's state folder (bootstrap status, heartbeat)
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +246,76 @@ def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(
     left = leftovers(moto["ec2"])
     assert len(left["instances"]) == 2 and left["key_pairs"] == [live.pool_id]  # only the live pool remains
     live.stop()
+
+
+class CloudInitStandIn(threading.Thread):
+    """Plays cloud-init for moto's instances, which are only records: for each running instance,
+    an sshd on its (loopback) private address with the host key from its user-data and the key
+    pair's public key, and the bootstrap's status file saying "ready". What the bootstrap itself
+    does (uv and torch from the internet) cannot run here; its text is tested above."""
+
+    def __init__(self, ec2, folder: Path):
+        super().__init__(daemon=True)
+        self.ec2, self.folder, self.servers, self.user_data = ec2, folder, {}, {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            running = self.ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["running"]}])
+            for instance in (i for r in running["Reservations"] for i in r["Instances"]):
+                iid = instance["InstanceId"]
+                if iid in self.servers:
+                    continue
+                raw = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]
+                config = yaml.safe_load(base64.b64decode(raw))
+                [pair] = self.ec2.describe_key_pairs(KeyNames=[instance["KeyName"]], IncludePublicKey=True)["KeyPairs"]
+                self.user_data[iid] = config
+                self.servers[iid] = SSHServer(self.folder / iid, [instance["PrivateIpAddress"]], 22,
+                                              host_key=config["ssh_keys"]["ed25519_private"],
+                                              authorized_key=pair["PublicKey"])
+                STATE_DIR.mkdir(parents=True, exist_ok=True)
+                (STATE_DIR / "status").write_text("ready\n")
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+        for server in self.servers.values():
+            server.stop()
+        shutil.rmtree(STATE_DIR, ignore_errors=True)
+
+
+def gloo_sum() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank_info().rank + 1)])
+    dist.all_reduce(t)
+    return {"rank": rank_info().rank, "peers": rank_info().peers, "sum": t.item()}
+
+
+def test_a_2_node_job_on_launched_instances_in_a_flow_then_everything_is_terminated(moto, tmp_path):
+    from prefect import flow
+
+    stand_in = CloudInitStandIn(moto["ec2"], tmp_path)
+    stand_in.start()
+    pool = aws_pool(moto, ssh_user="root", remote_python=sys.executable, ready_timeout_seconds=120)
+
+    @flow
+    def train_on_ec2():
+        from prefect.runtime import flow_run
+
+        return distributed_task(gloo_sum, pool=pool)(), flow_run.id
+
+    try:
+        results, flow_run_id = train_on_ec2()
+        heartbeat_seen = (STATE_DIR / "heartbeat").exists()
+    finally:
+        stand_in.stop()
+    launched = instances_of_latest_pool(moto["ec2"])
+    addresses = tuple(i["PrivateIpAddress"] for i in sorted(launched, key=lambda i: i["AmiLaunchIndex"]))
+    assert [r["rank"] for r in results] == [0, 1] and {r["sum"] for r in results} == {3.0}
+    assert results[0]["peers"] == addresses  # reached on private addresses: these instances have no public one
+    assert heartbeat_seen  # the agent fed the node's watchdog while the controller was there
+    tags = {t["Key"]: t["Value"] for t in launched[0]["Tags"]}
+    assert tags["prefect.io/flow-run-id"] == flow_run_id
+    assert all(i["State"]["Name"] == "terminated" for i in launched)

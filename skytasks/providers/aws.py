@@ -258,12 +258,15 @@ class LaunchProgress:
         if (ready, detail) == self._last:
             return  # print changes only
         self._last = (ready, detail)
-        self._console.print(f"[bold]skytasks aws[/bold] {self._pool_id}: {ready}/{total} nodes ready - {detail}",
-                            highlight=False, markup=True)
+        line = f"{self._pool_id}: {ready}/{total} nodes ready - {detail}"
+        self._console.print(f"[bold]skytasks aws[/bold] {line}", highlight=False, soft_wrap=True)
         if _flow_run_id() is None:
             return
         try:
+            from prefect import get_run_logger
             from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+            get_run_logger().info(line)  # the cost line and progress in the flow run's own logs
 
             percent = 100.0 * ready / max(total, 1)
             if self._artifact is None:
