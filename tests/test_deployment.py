@@ -76,6 +76,10 @@ def test_deploy_schedule_and_run_through_a_worker(prefect_server):
     assert deployment["work_pool_name"] == "skytasks-local"
     assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
     assert deployment["parameters"]["nodes"] == 2
+    # The EC2 sweep is deployed too, its schedule off until someone points it at an account.
+    gc = httpx.get(f"{api}/deployments/name/skytasks-gc/skytasks-gc-hourly").json()
+    assert gc["entrypoint"] == "flows/gc_sweep.py:skytasks_gc"
+    assert [(s["schedule"]["cron"], s["active"]) for s in gc["schedules"]] == [("17 * * * *", False)]
 
     out = prefect(env, "deployment", "run", "ddp-train/ddp-train-nightly", "--param", "epochs=2", "--param", "samples=256")
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)

@@ -152,3 +152,20 @@ def test_a_package_that_cannot_be_installed_fails_the_start_naming_pip_packages(
     pool = ssh_pool(sshd, pip_packages=["/nonexistent/skytasks_missing-1.0-py3-none-any.whl"], env={"PIP_NO_INDEX": "1"})
     with pytest.raises(RuntimeError, match="pip_packages"):
         distributed_task(lambda: 1, pool=pool, init_torch=False)()
+
+
+def test_a_function_that_imports_a_helper_from_a_sibling_module_runs_on_nodes_without_the_project(
+        sshd, tmp_path, monkeypatch):
+    project = tmp_path / "my_project"
+    project.mkdir()
+    (project / "helpers.py").write_text("def scale(x):\n    return 10 * x\n")
+    (project / "train.py").write_text(
+        "from helpers import scale\nfrom skytasks import rank_info\n\n"
+        "def job():\n    import sys\n    return scale(rank_info().rank), any('my_project' in p for p in sys.path)\n"
+    )
+    monkeypatch.syspath_prepend(str(project))
+    import train  # noqa: the user's own module, importable here only
+
+    results = distributed_task(train.job, pool=ssh_pool(sshd), init_torch=False)()
+    # The nodes never had the project on their path; the helper travelled by value.
+    assert results == [(0, False), (10, False)]
