@@ -128,7 +128,8 @@ def test_a_launch_whose_nodes_never_answer_times_out_and_leaves_nothing(moto):
     assert tags["team"] == "ml" and tags["skytasks:pool"].startswith("skytasks-") and "skytasks:expires-at" in tags
 
 
-def test_ctrl_c_during_the_launch_tears_everything_down(moto, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_during_the_launch_tears_everything_down(moto, tmp_path, sig):
     script = tmp_path / "launch.py"
     script.write_text(f"""
 import sys
@@ -153,7 +154,7 @@ finally:
             assert proc.poll() is None and time.monotonic() < deadline, "the launch never happened"
             time.sleep(0.2)
         time.sleep(1.0)  # well inside the wait for readiness
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         assert "TEARDOWN" in out and proc.returncode != 0
     finally:

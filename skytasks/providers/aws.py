@@ -169,15 +169,20 @@ class AWSProvider:
     # -- stop -------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Tear everything down. Runs in a thread of its own and is waited for through Ctrl-C:
-        a second interrupt must not abandon running instances half way."""
+        """Tear everything down. Runs in a thread of its own and is waited for through Ctrl-C
+        and SIGTERM: an interrupt must not abandon running instances half way; it is raised
+        once the teardown is done."""
         worker = threading.Thread(target=self._teardown, name="skytasks-aws-teardown")
         worker.start()
+        interrupted: BaseException | None = None
         while worker.is_alive():
             try:
                 worker.join()
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, SystemExit) as exc:  # SystemExit: SIGTERM, see GPUPool
+                interrupted = interrupted or exc
                 print("skytasks: still terminating the pool's instances; please wait", flush=True)
+        if interrupted is not None:
+            raise interrupted
 
     def _teardown(self) -> None:
         with self._teardown_lock:
