@@ -133,12 +133,15 @@ def train(epochs: int = 3) -> dict:
         """The saved block's name, or the provider's for an unsaved pool (tags, events)."""
         return getattr(self, "_block_document_name", None) or f"{self.provider}-pool"
 
-    def _start_session(self):
+    def _start_session(self, starting: dict | None = None):
         from skytasks.events import emit, pool_resource
         from skytasks.lifecycle import PoolSession
         from skytasks.providers import provider_for
 
-        session = PoolSession(provider_for(self), self.procs_per_node, dict(self.env))
+        provider = provider_for(self)
+        if starting is not None:  # lets a cancelled `async with` abort a launch in progress
+            starting["provider"] = provider
+        session = PoolSession(provider, self.procs_per_node, dict(self.env))
         emit("skytasks.pool.up", pool_resource(self.display_name),
              payload={"provider": self.provider, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
                       "addresses": [n.link.address for n in session.nodes]})
@@ -211,9 +214,24 @@ def train(epochs: int = 3) -> dict:
 
     async def __aenter__(self) -> GPUPool:
         if self._depth == 0:
-            self._session = await asyncio.to_thread(self._start_session)
+            starting: dict = {}
+            future = asyncio.get_running_loop().run_in_executor(None, self._start_session, starting)
+            try:
+                self._session = await asyncio.shield(future)
+            except asyncio.CancelledError:
+                # The start goes on in its thread: cut a launch short where the provider can,
+                # and take down whatever still comes up.
+                abort = getattr(starting.get("provider"), "abort", None)
+                if abort is not None:
+                    abort()
+                future.add_done_callback(self._close_late_session)
+                raise
         self._push_active()
         return self
+
+    def _close_late_session(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            threading.Thread(target=self._close_session, args=(future.result(),), name="skytasks-late-close").start()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         session = self._pop_active()

@@ -161,6 +161,30 @@ finally:
         proc.kill()
 
 
+def test_an_async_with_cancelled_during_the_launch_tears_everything_down(moto):
+    import asyncio
+
+    pool = aws_pool(moto, ready_timeout_seconds=600)
+
+    async def enter_and_cancel() -> None:
+        async def enter() -> None:
+            async with pool:
+                raise AssertionError("the pool never gets up: its nodes never answer")
+
+        task = asyncio.create_task(enter())
+        deadline = time.monotonic() + 60
+        while not leftovers(moto["ec2"])["instances"]:
+            assert time.monotonic() < deadline and not task.done(), "the launch never happened"
+            await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(enter_and_cancel())  # asyncio.run also waits for the launch thread to finish
+    assert leftovers(moto["ec2"]) == {"instances": [], "security_groups": [], "key_pairs": []}
+    assert not pool.is_up
+
+
 def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_torch_settings_say():
     from skytasks.providers.bootstrap import render_user_data
 
@@ -309,6 +333,7 @@ def test_a_2_node_job_on_launched_instances_in_a_flow_then_everything_is_termina
 
     try:
         results, flow_run_id = train_on_ec2()
+        progress = launch_progress(flow_run_id)
         heartbeat_seen = (STATE_DIR / "heartbeat").exists()
     finally:
         stand_in.stop()
@@ -320,3 +345,32 @@ def test_a_2_node_job_on_launched_instances_in_a_flow_then_everything_is_termina
     tags = {t["Key"]: t["Value"] for t in launched[0]["Tags"]}
     assert tags["prefect.io/flow-run-id"] == flow_run_id
     assert all(i["State"]["Name"] == "terminated" for i in launched)
+    assert progress == (f"{tags['skytasks:pool']}-launch", 100.0)  # the launch's progress artifact, in the flow
+
+
+def launch_progress(flow_run_id: str) -> tuple:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"])))
+
+    found = [a for a in asyncio.run(read()) if a.key and a.key.endswith("-launch")]
+    return (found[0].key, float(found[0].data)) if found else None
+
+
+def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
+    from flows.gc_sweep import skytasks_gc
+    from skytasks.providers.aws import AWSProvider
+    from skytasks.providers.aws_plan import plan_launch
+
+    moto["creds"].save("skytasks-test-moto", overwrite=True)
+    provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01), progress=lambda *a: None)
+    _, host_key = provider._make_keys()
+    provider._launch(plan_launch(provider._pool, provider._ec2, provider._ssm), host_key)
+    time.sleep(1.0)
+    assert skytasks_gc(aws_credentials_block="skytasks-test-moto") == [provider.pool_id]

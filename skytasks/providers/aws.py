@@ -37,6 +37,11 @@ class AWSProvider:
         self.owned = PoolResources(self._ec2, self.pool_id)
         self._nodes: SSHNodes | None = None
         self._teardown_lock = threading.Lock()
+        self._aborted = threading.Event()
+
+    def abort(self) -> None:
+        """Cut a launch in progress short (from another thread): start() tears down and raises."""
+        self._aborted.set()
 
     # -- start ------------------------------------------------------------------------------
 
@@ -47,9 +52,10 @@ class AWSProvider:
         try:
             login_key, host_key = self._make_keys()
             self._launch(plan, host_key)
-            addresses = self._wait_until_ready(plan, login_key, host_key)
+            addresses, private = self._wait_until_ready(plan, login_key, host_key)
             self._nodes = SSHNodes(SSHLogin(
                 targets=[(plan.login, a, 22) for a in addresses], known_hosts=_known_hosts(addresses, host_key),
+                peer_addresses=private,
                 private_key=login_key.export_private_key().decode(), python=self._python(),
                 env=dict(pool.env), heartbeat_file=HEARTBEAT_FILE, timeout=pool.ready_timeout_seconds,
             ))
@@ -104,6 +110,9 @@ class AWSProvider:
             UserData=render_user_data(pool, plan.cuda, host_key.export_private_key().decode(),
                                       host_key.export_public_key().decode()),
             InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's shutdown ends the instance
+            # The user-data holds the host's private key: only IMDSv2 (a session token, no
+            # one-hop SSRF) may read it back on the node.
+            MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
             BlockDeviceMappings=[{"DeviceName": "/dev/sda1",
                                   "Ebs": {"VolumeSize": pool.root_volume_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}],
             TagSpecifications=self._tags("instance") + self._tags("volume"),
@@ -124,13 +133,15 @@ class AWSProvider:
         reservation = ec2.run_instances(**request)
         self.owned.instance_ids = [i["InstanceId"] for i in reservation["Instances"]]
 
-    def _wait_until_ready(self, plan: LaunchPlan, login_key: Any, host_key: Any) -> list[str]:
-        """Until every node answers SSH with its pinned host key and says its bootstrap is done."""
+    def _wait_until_ready(self, plan: LaunchPlan, login_key: Any, host_key: Any) -> tuple[list[str], list[str]]:
+        """Until every node answers SSH with its pinned host key and says its bootstrap is done.
+        Returns the addresses to reach them on, and their private addresses (for the peers)."""
         pool = self._pool
         deadline = time.monotonic() + pool.ready_timeout_seconds
         ids = list(self.owned.instance_ids)
         state: dict[str, str] = {i: "launching" for i in ids}
         addresses: dict[str, str] = {}
+        private: dict[str, str] = {}
         ready: set[str] = set()
         while True:
             for instance in self.owned.describe_instances():
@@ -140,7 +151,7 @@ class AWSProvider:
                     raise RuntimeError(f"node {iid} is {name} before it was ready: {reason}")
                 address = instance.get("PublicIpAddress") or instance.get("PrivateIpAddress")
                 if name == "running" and address:
-                    addresses[iid] = address
+                    addresses[iid], private[iid] = address, instance.get("PrivateIpAddress") or address
                     state.setdefault(iid, "running")
             waiting = [i for i in ids if i in addresses and i not in ready]
             if waiting:
@@ -153,14 +164,15 @@ class AWSProvider:
                         ready.add(iid)
             self._progress(len(ready), pool.nodes, "; ".join(f"{i}: {state[i]}" for i in ids))
             if len(ready) == pool.nodes:
-                return [addresses[i] for i in ids]
+                return [addresses[i] for i in ids], [private[i] for i in ids]
             if time.monotonic() >= deadline:
                 late = [f"{i} ({state[i]})" for i in ids if i not in ready]
                 raise TimeoutError(
                     f"ready_timeout_seconds: {len(late)} of {pool.nodes} node(s) not ready after "
                     f"{pool.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
                 )
-            time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            if self._aborted.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
+                raise InterruptedError(f"the launch of {self.pool_id} was cancelled; everything launched was terminated")
 
     def free_port(self) -> int:
         assert self._nodes is not None

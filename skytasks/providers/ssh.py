@@ -61,6 +61,9 @@ class SSHLogin:
     env: dict[str, str] = field(default_factory=dict)  # applies on the node, pip included
     heartbeat_file: str | None = None
     timeout: float = 900.0
+    # The nodes' addresses as their peers see them, where that is not the address SSH uses
+    # (EC2: SSH to the public address, rendezvous on the private one inside the VPC).
+    peer_addresses: list[str] | None = None
 
 
 class SSHNodes:
@@ -168,7 +171,8 @@ class SSHNodes:
         threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-ssh-out{node_rank}").start()
         outbound = os.fdopen(to_agent_w, "wb")
         self._closers.append((proc, tasks))
-        return NodeLink(node_rank=node_rank, address=host, inbound=os.fdopen(from_agent_r, "rb"), outbound=outbound,
+        address = login.peer_addresses[node_rank] if login.peer_addresses else host
+        return NodeLink(node_rank=node_rank, address=address, inbound=os.fdopen(from_agent_r, "rb"), outbound=outbound,
                         close=lambda: _close_quietly(outbound))
 
     async def _install_packages(self, conn: Any, env: str) -> str:
