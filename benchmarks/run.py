@@ -129,12 +129,54 @@ def broadcast(sizes_mb: list[int], node_counts: list[int]) -> dict:
     return {"raw_pipe_mb_per_s": pipe, "rows": rows}
 
 
+def ssh_dispatch(repeats: int) -> dict:
+    """The same trivial all_reduce on two ssh "hosts" (an OpenSSH server on 127.0.0.1 and
+    127.0.0.2): what connecting, shipping the package and starting agents over SSH adds."""
+    import tempfile
+
+    from tests.sshd import SSHServer, free_port
+
+    hosts = ["127.0.0.1", "127.0.0.2"]
+    server = SSHServer(Path(tempfile.mkdtemp(prefix="skytasks-bench-sshd-")), hosts, free_port())
+    try:
+        def pool() -> GPUPool:
+            return GPUPool(provider="ssh", nodes=2, hosts=[f"root@{h}:{server.port}" for h in hosts],
+                           ssh_private_key=server.client_key, known_hosts=server.known_hosts(),
+                           remote_python=sys.executable)
+
+        all_reduce = distributed_task(workloads.all_reduce_once, name="all_reduce")
+        torchrun_s = statistics.median(torchrun("all_reduce")[0] for _ in range(repeats))
+        all_reduce.with_options(pool=pool())()  # the package is shipped once, then cached on the node
+        cold_s = statistics.median(timed(all_reduce.with_options(pool=pool()))[0] for _ in range(repeats))
+        warm_pool = pool()
+        with warm_pool:
+            all_reduce.with_options(pool=warm_pool)()
+            warm_s = statistics.median(timed(all_reduce.with_options(pool=warm_pool))[0] for _ in range(10))
+    finally:
+        server.stop()
+    return {"torchrun_s": torchrun_s, "cold_s": cold_s, "warm_s": warm_s,
+            "cold_ratio": cold_s / torchrun_s, "warm_ratio": warm_s / torchrun_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
+    parser.add_argument("--only", choices=["ssh"], help="run one figure and update results.json with it")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
     results: dict = {"machine": f"{os.cpu_count()} cores", "python": sys.version.split()[0]}
+    out = HERE / "results.json"
+
+    if args.only is None or args.only == "ssh":
+        results["ssh_dispatch"] = d = ssh_dispatch(repeats)
+        print("\n5. trivial all_reduce on 2 ssh hosts, 1 rank each (median seconds)")
+        print(f"   torchrun (local, 2 procs) {d['torchrun_s']:.2f}   skytasks ssh cold {d['cold_s']:.2f} "
+              f"({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
+        if args.only:
+            merged = json.loads(out.read_text()) if out.exists() else {}
+            out.write_text(json.dumps({**merged, "ssh_dispatch": d}, indent=2))
+            print(f"\nupdated {out}")
+            return
 
     from prefect.testing.utilities import prefect_test_harness
 
@@ -160,7 +202,6 @@ def main() -> None:
     for r in b["rows"]:
         print(f"   {r['nodes']:>5} {r['mb']:>5}  {r['first_s']:>10.2f}  {r['mb_per_s']:>10.0f}  {r['fraction_of_pipe']:>6.0%}  {r['repeat_s']:>11.3f}")
 
-    out = HERE / "results.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwritten {out}")
 
