@@ -107,6 +107,8 @@ def train(epochs: int = 3) -> dict:
                 raise ValueError("hosts: provider='ssh' needs one host per node, head first")
             if len(self.hosts) != self.nodes:
                 raise ValueError(f"hosts: {len(self.hosts)} host(s) given for nodes={self.nodes}; give one per node")
+        if self.provider != "ssh" and self.hosts:
+            raise ValueError(f"hosts: only provider='ssh' takes hosts; provider={self.provider!r} brings its own nodes")
         if self.provider == "aws":
             if self.key_name and self.ssh_private_key is None:
                 raise ValueError("ssh_private_key: key_name names your own key pair; give its private key too")

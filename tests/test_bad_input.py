@@ -27,6 +27,9 @@ from tests.conftest import skytasks_processes
         ({"max_lifetime_minutes": -5}, "max_lifetime_minutes"),
         ({"accelerators_per_node": 0}, "accelerators_per_node"),
         ({"root_volume_gb": 1}, "root_volume_gb"),
+        ({"provider": "aws", "ssh_ingress_cidr": "my laptop"}, "ssh_ingress_cidr"),
+        ({"provider": "aws", "key_name": "mine"}, "ssh_private_key"),
+        ({"provider": "aws", "hosts": ["a", "b"]}, "hosts"),
     ],
 )
 def test_invalid_pool_fields_are_refused_at_construction(fields, named):
