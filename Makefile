@@ -8,9 +8,11 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 setup: $(VENV)/.installed
 
-# The ssh tests start a real OpenSSH server on loopback (root, as on the dev and CI machines).
+# The ssh tests start a real OpenSSH server on loopback, and the multi-host tests put one in
+# each of two network namespaces (iproute2); root, as on the dev and CI machines.
 system-deps:
-	@test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null)
+	@(test -x /usr/sbin/sshd && command -v ip >/dev/null) || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server iproute2 >/dev/null)
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
