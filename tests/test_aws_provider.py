@@ -90,9 +90,12 @@ def test_an_unknown_instance_type_is_refused_before_anything_is_launched(moto):
     ("image_id", "ami-00000000", r"image_id: 'ami-00000000'"),
     ("subnet_id", "subnet-00000000", r"subnet_id: 'subnet-00000000' does not exist"),
     ("accelerator", "Z9000", r"accelerator: no default instance type for 'Z9000'"),
+    ("security_group_ids", ["sg-12345678"], r"security_group_ids: .*sg-12345678"),
+    ("key_name", "nobodys-key", r"key_name: .*nobodys-key"),
 ])
 def test_a_missing_image_subnet_or_unknown_accelerator_is_refused_naming_the_field(moto, field, value, message):
-    overrides = {field: value, **({"instance_type": None} if field == "accelerator" else {})}
+    overrides = {field: value, **({"instance_type": None} if field == "accelerator" else {}),
+                 **({"ssh_private_key": "unused"} if field == "key_name" else {})}
     with pytest.raises(PoolConfigError, match=message):
         distributed_task(lambda: 1, pool=aws_pool(moto, **overrides))()
 
@@ -126,6 +129,15 @@ def test_a_launch_whose_nodes_never_answer_times_out_and_leaves_nothing(moto):
     assert all(i.get("InstanceLifecycle") == "spot" for i in launched)
     tags = {t["Key"]: t["Value"] for t in launched[0]["Tags"]}
     assert tags["team"] == "ml" and tags["skytasks:pool"].startswith("skytasks-") and "skytasks:expires-at" in tags
+
+
+def test_a_launch_refused_by_ec2_after_the_group_and_key_exist_leaves_nothing(moto):
+    from botocore.exceptions import ClientError
+
+    # The instance profile is checked by RunInstances itself, after the pool's own security
+    # group and key pair were made: the autouse check proves both are gone again.
+    with pytest.raises(ClientError, match="NoSuchEntity"):
+        distributed_task(lambda: 1, pool=aws_pool(moto, iam_instance_profile="no-such-profile"))()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

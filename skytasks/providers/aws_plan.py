@@ -99,6 +99,13 @@ def plan_launch(pool: Any, ec2: Any, ssm: Any, *, public_ip_lookup=None) -> Laun
         raise PoolConfigError(f"image_id: {image_id!r} does not exist in {region}")
 
     subnet = find_subnet(ec2, pool.subnet_id)
+    for field, call in (("security_group_ids", lambda: ec2.describe_security_groups(GroupIds=pool.security_group_ids)),
+                        ("key_name", lambda: ec2.describe_key_pairs(KeyNames=[pool.key_name]))):
+        if getattr(pool, field):
+            try:
+                call()
+            except ClientError as exc:
+                raise PoolConfigError(f"{field}: {exc.response['Error']['Message']}") from None
     cidr = pool.ssh_ingress_cidr or f"{(public_ip_lookup or controller_public_ip)()}/32"
     return LaunchPlan(
         region=region, instance_type=instance_type, image_id=image_id,
