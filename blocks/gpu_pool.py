@@ -68,7 +68,8 @@ def train(epochs: int = 3) -> dict:
     ssh_user: Optional[str] = None
     ssh_private_key: Optional[SecretStr] = Field(None, description="Private key (PEM/OpenSSH text) for ssh and aws.")
     known_hosts: Optional[str] = Field(None, description="known_hosts text or path; host keys are always checked.")
-    remote_python: str = Field("python3", description="Python on ssh nodes.")
+    remote_python: Optional[str] = Field(
+        None, description='Python on the nodes: ssh default "python3"; aws default the venv its bootstrap builds.')
     aws_credentials: AwsCredentials = Field(default_factory=AwsCredentials)
     instance_type: Optional[str] = None
     image_id: Optional[str] = None

@@ -291,9 +291,9 @@ class CloudInitStandIn(threading.Thread):
     pair's public key, and the bootstrap's status file saying "ready". What the bootstrap itself
     does (uv and torch from the internet) cannot run here; its text is tested above."""
 
-    def __init__(self, ec2, folder: Path):
+    def __init__(self, ec2, folder: Path, status: str = "ready"):
         super().__init__(daemon=True)
-        self.ec2, self.folder, self.servers, self.user_data = ec2, folder, {}, {}
+        self.ec2, self.folder, self.servers, self.user_data, self.status = ec2, folder, {}, {}, status
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -311,7 +311,7 @@ class CloudInitStandIn(threading.Thread):
                                               host_key=config["ssh_keys"]["ed25519_private"],
                                               authorized_key=pair["PublicKey"])
                 STATE_DIR.mkdir(parents=True, exist_ok=True)
-                (STATE_DIR / "status").write_text("ready\n")
+                (STATE_DIR / "status").write_text(self.status + "\n")
 
     def stop(self) -> None:
         self.done.set()
@@ -386,3 +386,15 @@ def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
     provider._launch(plan_launch(provider._pool, provider._ec2, provider._ssm), host_key)
     time.sleep(1.0)
     assert skytasks_gc(aws_credentials_block="skytasks-test-moto") == [provider.pool_id]
+
+
+def test_a_node_whose_bootstrap_failed_fails_the_launch_at_once_with_its_log(moto, tmp_path):
+    stand_in = CloudInitStandIn(moto["ec2"], tmp_path, status="failed: ERROR: No matching distribution for torch==9.9")
+    stand_in.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"bootstrap failed: ERROR: No matching distribution for torch==9\.9"):
+            distributed_task(lambda: 1, pool=aws_pool(moto, ssh_user="root", ready_timeout_seconds=300))()
+    finally:
+        stand_in.stop()
+    assert time.monotonic() - started < 60  # not the 300 s readiness timeout

@@ -68,9 +68,9 @@ class AWSProvider:
             raise
 
     def _python(self) -> str:
-        # remote_python, when the user set it, names an interpreter the image already has;
-        # otherwise it is the venv the bootstrap built.
-        return self._pool.remote_python if "remote_python" in self._pool.model_fields_set else VENV_PYTHON
+        # remote_python, when set, names an interpreter the image already has; otherwise it is
+        # the venv the bootstrap built.
+        return self._pool.remote_python or VENV_PYTHON
 
     def _tags(self, resource_type: str) -> list[dict]:
         tags = pool_tags(self.pool_id, self._pool.max_lifetime_minutes, self._pool.tags, _flow_run_id())

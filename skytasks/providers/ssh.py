@@ -231,7 +231,7 @@ class SSHProvider(SSHNodes):
             targets=[parse_host(h, pool.ssh_user) for h in pool.hosts],
             known_hosts=pool.known_hosts or "",
             private_key=pool.ssh_private_key.get_secret_value() if pool.ssh_private_key else None,
-            python=pool.remote_python, pip_packages=list(pool.pip_packages), env=dict(pool.env),
+            python=pool.remote_python or "python3", pip_packages=list(pool.pip_packages), env=dict(pool.env),
             timeout=pool.ready_timeout_seconds,
         ))
 
