@@ -140,6 +140,19 @@ def test_a_launch_refused_by_ec2_after_the_group_and_key_exist_leaves_nothing(mo
         distributed_task(lambda: 1, pool=aws_pool(moto, iam_instance_profile="no-such-profile"))()
 
 
+def test_teardown_finds_by_tag_what_an_interrupted_create_call_never_reported(moto):
+    from skytasks.providers.aws import AWSProvider
+    from skytasks.providers.aws_plan import plan_launch
+
+    provider = AWSProvider(aws_pool(moto), progress=lambda *a: None)
+    _, host_key = provider._make_keys()
+    provider._launch(plan_launch(provider._pool, provider._ec2, provider._ssm), host_key)
+    # As if Ctrl-C had landed while each create call was in flight: AWS made it, the ids never came back.
+    provider.owned.instance_ids, provider.owned.security_group_id, provider.owned.key_name = [], None, None
+    assert len(leftovers(moto["ec2"])["instances"]) == 2
+    provider.stop()  # the autouse check: nothing of it is left
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_or_sigterm_during_the_launch_tears_everything_down(moto, tmp_path, sig):
     script = tmp_path / "launch.py"

@@ -26,7 +26,6 @@ from skytasks.providers.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON,
 from skytasks.providers.ssh import SSHLogin, SSHNodes
 
 
-
 class AWSProvider:
     def __init__(self, pool: Any, *, progress: Callable[[int, int, str], None] | None = None):
         self._pool = pool

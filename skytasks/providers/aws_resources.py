@@ -46,10 +46,25 @@ class PoolResources:
         pages = self.ec2.describe_instances(InstanceIds=self.instance_ids)["Reservations"]
         return [i for r in pages for i in r["Instances"]]
 
+    def adopt_tagged(self) -> None:
+        """Add what carries this pool's tag but was never recorded: an interrupt can land while a
+        create call is in flight, after AWS made the thing and before its id came back."""
+        mine = [{"Name": f"tag:{POOL_TAG}", "Values": [self.pool_id]}]
+        live = [{"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}]
+        for page in self.ec2.get_paginator("describe_instances").paginate(Filters=mine + live):
+            for reservation in page["Reservations"]:
+                for instance in reservation["Instances"]:
+                    if instance["InstanceId"] not in self.instance_ids:
+                        self.instance_ids.append(instance["InstanceId"])
+        groups = self.ec2.describe_security_groups(Filters=mine)["SecurityGroups"]
+        self.security_group_id = self.security_group_id or next((g["GroupId"] for g in groups), None)
+        keys = self.ec2.describe_key_pairs(Filters=mine)["KeyPairs"]
+        self.key_name = self.key_name or next((k["KeyName"] for k in keys), None)
+
     def teardown(self) -> list[str]:
         """Delete everything, in dependency order; every step is attempted. Returns what failed."""
         errors = []
-        for step in (self.terminate_instances, self.delete_security_group, self.delete_key_pair,
+        for step in (self.adopt_tagged, self.terminate_instances, self.delete_security_group, self.delete_key_pair,
                      self.delete_placement_group):
             try:
                 step()
