@@ -120,6 +120,7 @@ def _init_process_group(out: FrameWriter) -> None:
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _pick_socket_interface(os.environ["MASTER_ADDR"])
     # Only the rendezvous is bounded by the init timeout (the controller's clock fires first and
     # names the missing ranks); collectives keep torch's own default timeout, since a long
     # checkpoint on the head must not break a barrier. Fail-fast never waits on either.
@@ -130,6 +131,40 @@ def _init_process_group(out: FrameWriter) -> None:
         timeout=timedelta(seconds=init_timeout), wait_for_workers=True,
     )
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+
+
+def _pick_socket_interface(head_addr: str) -> None:
+    """Point gloo (and nccl's bootstrap) at the interface that reaches the head, unless the user
+    chose one. Left alone, gloo binds to whatever this machine's hostname resolves to, which on
+    multi-NIC hosts, in containers or in network namespaces is often an address the peers cannot
+    reach, or none at all ("Unable to find address for hostname")."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") and os.environ.get("NCCL_SOCKET_IFNAME"):
+        return
+    name = _interface_towards(head_addr)
+    if name:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
+def _interface_towards(address: str) -> str | None:
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # a UDP connect sends nothing; it only picks the route
+            local = probe.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue  # no IPv4 address on this interface
+                if socket.inet_ntoa(packed[20:24]) == local:
+                    return name
+    except OSError:
+        pass
+    return None
 
 
 _BLOBS: dict[str, Any] = {}  # this call's large arguments, kept for the next call

@@ -76,9 +76,7 @@ def netns_pool(hosts, **overrides) -> GPUPool:
     # One client key per server: each "machine" has its own authorized_keys.
     fields = dict(provider="ssh", nodes=2, hosts=[f"root@{a}" for a in hosts["addresses"]],
                   ssh_private_key=servers[0].client_key, remote_python=sys.executable,
-                  known_hosts="".join(s.known_hosts() for s in servers),
-                  # gloo finds its interface by the hostname, which means nothing inside a namespace.
-                  env={"GLOO_SOCKET_IFNAME": "eth0"})
+                  known_hosts="".join(s.known_hosts() for s in servers))
     return GPUPool(**{**fields, **overrides})
 
 
@@ -102,7 +100,10 @@ def where_am_i() -> dict:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((rank_info().head_addr, 9))  # no packet is sent: it only picks the route
         own_address = s.getsockname()[0]
-    return {"rank": rank_info().rank, "own_address": own_address, "sum": t.item()}
+    # Inside a namespace the hostname means nothing to gloo: skytasks picked the interface that
+    # reaches the head.
+    return {"rank": rank_info().rank, "own_address": own_address, "sum": t.item(),
+            "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME")}
 
 
 def test_a_two_node_gloo_job_across_two_network_namespaces(hosts):
@@ -110,6 +111,7 @@ def test_a_two_node_gloo_job_across_two_network_namespaces(hosts):
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["own_address"] for r in results] == hosts["addresses"]  # each rank on its own host
     assert {r["sum"] for r in results} == {3.0}
+    assert [r["gloo_interface"] for r in results] == ["eth0", "eth0"]
 
 
 def all_reduce_forever() -> None:
