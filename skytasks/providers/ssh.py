@@ -164,8 +164,10 @@ class SSHNodes:
                 pass
             finally:
                 os.close(to_agent_r)
-                if loop.is_running():  # after stop() there is no channel left to end
-                    asyncio.run_coroutine_threadsafe(_eof(proc.stdin), loop)
+                try:  # after stop() there is no loop, and no channel left to end
+                    loop.call_soon_threadsafe(_eof, proc.stdin)
+                except RuntimeError:
+                    pass
 
         tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr())]
         threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-ssh-out{node_rank}").start()
@@ -247,7 +249,7 @@ async def _write_drain(stream: Any, data: bytes) -> None:
     await stream.drain()
 
 
-async def _eof(stream: Any) -> None:
+def _eof(stream: Any) -> None:
     try:
         stream.write_eof()
     except Exception:  # noqa: BLE001
