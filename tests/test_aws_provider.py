@@ -285,7 +285,8 @@ def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(
 
     expired, live, orphan = leak(0.01, True), leak(600, True), leak(600, False)
     time.sleep(1.0)  # the expired pool's lifetime (0.6 s) has passed
-    out = subprocess.run([sys.executable, "-m", "skytasks.gc", "gc", "--region", REGION, "--endpoint-url",
+    cli = Path(sys.executable).parent / "skytasks"  # the console script the package installs
+    out = subprocess.run([str(cli), "gc", "--region", REGION, "--endpoint-url",
                           moto["endpoint"], "--grace-minutes", "0"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
                          timeout=120)

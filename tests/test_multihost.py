@@ -153,6 +153,7 @@ def test_a_link_going_down_mid_run_fails_the_call_in_bounded_time_and_leaves_not
         ip("link", "set", link, "up")
     [exc] = caught.value.exceptions
     assert isinstance(exc, ConnectionError) and "node 1" in str(exc) and "no heartbeat" in str(exc)
+    print(f"the call failed {failed_after:.1f}s after the link went down")
     assert failed_after < 30, f"the call took {failed_after:.1f}s to fail after the link went down"
     # The cut-off node's agent stops its rank on its own (the autouse leak check waits 10 s more).
     deadline = time.monotonic() + 20
