@@ -112,7 +112,7 @@ class AWSProvider:
             # The user-data holds the host's private key: only IMDSv2 (a session token, no
             # one-hop SSRF) may read it back on the node.
             MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
-            BlockDeviceMappings=[{"DeviceName": "/dev/sda1",
+            BlockDeviceMappings=[{"DeviceName": plan.root_device,
                                   "Ebs": {"VolumeSize": pool.root_volume_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}],
             TagSpecifications=self._tags("instance") + self._tags("volume"),
         )
@@ -143,7 +143,7 @@ class AWSProvider:
         private: dict[str, str] = {}
         ready: set[str] = set()
         while True:
-            for instance in self.owned.describe_instances():
+            for instance in self._describe_new_instances():
                 iid, name = instance["InstanceId"], instance["State"]["Name"]
                 if name in ("shutting-down", "terminated", "stopped", "stopping"):
                     reason = instance.get("StateReason", {}).get("Message", "no reason given")
@@ -172,6 +172,18 @@ class AWSProvider:
                 )
             if self._aborted.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
                 raise InterruptedError(f"the launch of {self.pool_id} was cancelled; everything launched was terminated")
+
+    def _describe_new_instances(self) -> list[dict]:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.owned.describe_instances()
+        except ClientError as exc:
+            # EC2 is eventually consistent: ids just returned by RunInstances may not be
+            # describable for a few seconds.
+            if exc.response["Error"]["Code"] == "InvalidInstanceID.NotFound":
+                return []
+            raise
 
     def free_port(self) -> int:
         assert self._nodes is not None

@@ -52,6 +52,7 @@ class LaunchPlan:
     region: str
     instance_type: str
     image_id: str
+    root_device: str  # the image's own root device name: the volume size applies to it
     login: str
     subnet_id: str
     vpc_id: str
@@ -109,6 +110,7 @@ def plan_launch(pool: Any, ec2: Any, ssm: Any, *, public_ip_lookup=None) -> Laun
     cidr = pool.ssh_ingress_cidr or f"{(public_ip_lookup or controller_public_ip)()}/32"
     return LaunchPlan(
         region=region, instance_type=instance_type, image_id=image_id,
+        root_device=images[0].get("RootDeviceName") or "/dev/sda1",
         login=pool.ssh_user or DEFAULT_LOGIN, subnet_id=subnet["SubnetId"], vpc_id=subnet["VpcId"],
         gpus_per_node=gpus, cuda=cuda, efa=bool(info.get("NetworkInfo", {}).get("EfaSupported")) and cuda,
         # A cluster placement group puts GPU nodes on one network spine: NCCL's all-reduce is
