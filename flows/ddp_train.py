@@ -74,6 +74,7 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
 
     torch.set_num_threads(1)  # ranks share the machine's cores
     info = rank_info()
+    device = torch.device(info.device)  # cuda:<i> when this rank has a GPU, else cpu
     torch.manual_seed(0)  # same init everywhere; DDP also broadcasts rank 0's weights
 
     chars = sorted(set(text))
@@ -87,36 +88,40 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
     sampler = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
-    model = DDP(build_model(len(chars), block_size))
+    model = build_model(len(chars), block_size).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     epoch_losses, steps, seen, started = [], 0, 0, time.perf_counter()
     for epoch in range(epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
-        total = torch.zeros(2)
+        total = torch.zeros(2, device=device)
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += torch.tensor([loss.item() * len(x), len(x)])
+            total += torch.stack([loss.detach() * len(x), torch.tensor(float(len(x)), device=device)])
             steps, seen = steps + 1, seen + len(x)
         dist.all_reduce(total)  # the mean loss over every rank's samples
         epoch_losses.append(round((total[0] / total[1]).item(), 4))
-        print(f"epoch {epoch + 1}/{epochs}  loss {epoch_losses[-1]:.3f}  ({info.world_size} ranks)")
+        print(f"epoch {epoch + 1}/{epochs}  loss {epoch_losses[-1]:.3f}  ({info.world_size} ranks, {device})")
         report(epoch=epoch + 1, epochs=epochs, loss=epoch_losses[-1])  # live metrics artifact (head only)
 
     checkpoint = None
     if info.is_head:
         os.makedirs(checkpoint_dir, exist_ok=True)
         checkpoint = str(Path(checkpoint_dir, "tiny_gpt.pt").resolve())
-        torch.save({"model": model.module.state_dict(), "chars": chars, "epoch_losses": epoch_losses}, checkpoint)
+        state = {k: v.cpu() for k, v in model.module.state_dict().items()}
+        torch.save({"model": state, "chars": chars, "epoch_losses": epoch_losses}, checkpoint)
         print(f"saved {checkpoint}")
     dist.barrier()
     elapsed = time.perf_counter() - started
     return {
         "rank": info.rank,
         "node": info.node_rank,
+        "device": info.device,
         "epoch_losses": epoch_losses,
         "steps": steps,
         "samples": seen,
@@ -128,11 +133,11 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
 
 
 def summarize(results: list[dict]) -> str:
-    lines = [f"{'rank':>4} {'node':>4} {'steps':>5} {'samples':>7} {'steps/s':>7}  first→last loss      checkpoint"]
+    lines = [f"{'rank':>4} {'node':>4} {'device':>7} {'steps':>5} {'samples':>7} {'steps/s':>7}  first→last loss      checkpoint"]
     for r in results:
         losses = r["epoch_losses"]
         lines.append(
-            f"{r['rank']:>4} {r['node']:>4} {r['steps']:>5} {r['samples']:>7} {r['steps_per_second']:>7}  "
+            f"{r['rank']:>4} {r['node']:>4} {r.get('device', 'cpu'):>7} {r['steps']:>5} {r['samples']:>7} {r['steps_per_second']:>7}  "
             f"{losses[0]:.3f} → {losses[-1]:.3f}      {r['checkpoint'] or '-'}"
         )
     return "\n".join(lines)

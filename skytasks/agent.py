@@ -2,8 +2,8 @@
 
 It plays the part of torchrun's elastic agent, with the controller in place of the rendezvous
 backend. It speaks `wire` frames on its stdin/stdout, which are pipes from the controller for a
-local node and an SSH channel for a remote one. It imports only the standard library and
-`skytasks.wire`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
+local node and an SSH channel for a remote one. It imports only the standard library,
+`skytasks.wire` and `skytasks.devices`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
 payload passes through it untouched.
 
 Why it kills everything when its stream closes, or when the controller falls silent past the
@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
+from skytasks.devices import visible_gpus
 from skytasks.wire import (RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_frame, read_header,
                            relay_frame)
 
@@ -145,7 +146,8 @@ class NodeAgent:
                     pass
 
     def serve(self) -> None:
-        self.emit({"op": "hello", "pid": os.getpid(), "python": sys.executable})
+        # What this node has, for the controller's device placement and backend choice.
+        self.emit({"op": "hello", "pid": os.getpid(), "python": sys.executable, "gpus": visible_gpus()})
         for target in (self._send_heartbeats, self._watch_controller):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         try:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from skytasks.devices import check_backend_before_launch
 from skytasks.errors import DistributedTaskError, PoolConfigError
 from skytasks.serialization import Blob, blob_size, dumps_out_of_band
 from skytasks.wire import BlobRef
@@ -54,9 +55,11 @@ def project_modules() -> list[ModuleType]:
     for name, module in sys.modules.copy().items():  # copy(): other threads may be importing
         if name not in _IS_PROJECT:
             file = getattr(module, "__file__", None)
+            top = name.partition(".")[0]
             _IS_PROJECT[name] = bool(
-                file and name != "__main__" and name.partition(".")[0] not in _SHIPPED_PACKAGES
-                and not os.path.realpath(file).startswith(_INSTALLED_ROOTS)
+                file and name != "__main__" and top not in _SHIPPED_PACKAGES
+                and not _is_installed_file(os.path.realpath(file))
+                and not _is_other_library(top, os.path.realpath(file))
             )
         if _IS_PROJECT[name]:
             found.append(module)
@@ -64,6 +67,28 @@ def project_modules() -> list[ModuleType]:
 
 
 _IS_PROJECT: dict[str, bool] = {}  # module name -> from the user's project (files never move)
+
+
+def _is_installed_file(path: str) -> bool:
+    # Any environment's site-packages counts, not only this interpreter's own: a venv can see
+    # another's through a .pth line or PYTHONPATH.
+    parts = path.split(os.sep)
+    return path.startswith(_INSTALLED_ROOTS) or "site-packages" in parts or "dist-packages" in parts
+
+
+def _is_other_library(top: str, path: str) -> bool:
+    """An editable install of someone else's library (pip install -e ~/src/lib) is a library:
+    pickling it by value would copy the whole library into every call. A distribution that
+    lives under the current directory is the user's own project, and travels by value."""
+    global _DISTRIBUTION_NAMES
+    if _DISTRIBUTION_NAMES is None:
+        from importlib.metadata import packages_distributions
+
+        _DISTRIBUTION_NAMES = set(packages_distributions())
+    return top in _DISTRIBUTION_NAMES and not path.startswith(os.path.realpath(os.getcwd()) + os.sep)
+
+
+_DISTRIBUTION_NAMES: set[str] | None = None
 
 
 # Top-level arguments whose pickle is at least this large travel as blobs of their own: once per
@@ -160,6 +185,8 @@ def run_call(
     init_timeout = float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", DEFAULT_INIT_TIMEOUT_SECONDS))
     spec = GroupSpec(options.backend, options.init_torch, init_timeout)
     world = pool.nodes * pool.procs_per_node
+    check_backend_before_launch(options.backend, pool.provider, pool.nodes, pool.procs_per_node,
+                                pool.accelerators_per_node)
     with pool._nodes() as session:
         for attempt in range(1, options.retries + 2):
             observer = observer_for_attempt(attempt, world)
@@ -190,6 +217,9 @@ class ConsoleObserver:
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         pass
+
+    def on_notice(self, text: str) -> None:
+        print(f"[skytasks] {text}", file=sys.stderr, flush=True)
 
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
         shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())

@@ -27,6 +27,7 @@ class NodeChannel:
         self._events = events
         self._lost_lock = threading.Lock()
         self.alive = True
+        self.gpus: list[str] = []  # what the agent reported in its hello
         threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{link.node_rank}").start()
 
     def _read(self) -> None:

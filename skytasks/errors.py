@@ -53,6 +53,10 @@ class PoolConfigError(ValueError):
     """Invalid pool or task configuration, reported before anything is launched."""
 
 
+class PoolStartError(RuntimeError):
+    """The pool's nodes could not be brought up; the message names the node."""
+
+
 @dataclass
 class RankFailure:
     """One rank's failure, as a value."""

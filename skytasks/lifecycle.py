@@ -19,9 +19,11 @@ from typing import Any, Protocol
 
 import cloudpickle
 
-from skytasks.errors import DistributedTaskError, RankFailure, RankProcessDied, RemoteRankError, RemoteTraceback
+from skytasks.errors import (DistributedTaskError, PoolStartError, RankFailure, RankProcessDied, RemoteRankError,
+                             RemoteTraceback)
 from skytasks.channel import NodeChannel, broadcast, keep_heartbeats
-from skytasks.providers import NodeProvider
+from skytasks.devices import choose_backend, device_environment, place_ranks
+from skytasks.providers import NodeProvider, heartbeat_settings
 from skytasks.serialization import Blob, loads_out_of_band, same_blob, snapshot
 from skytasks.rank import rank_environment
 
@@ -41,6 +43,7 @@ class CallObserver(Protocol):
     def on_log(self, rank: int, level: int, line: str) -> None: ...
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None: ...
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None: ...
+    def on_notice(self, text: str) -> None: ...
 
 
 @dataclass
@@ -55,6 +58,7 @@ class RankOutcome:
     rank: int
     node_rank: int
     node_addr: str
+    device: str = "cpu"
     status: str = "pending"  # pending | completed | failed | stopped
     value: Any = None
     failure: RankFailure | None = None
@@ -94,6 +98,7 @@ class RankGroup:
         self.session, self.spec = session, spec
         self.id = next(_group_ids)
         self.broken = False
+        self.calls = 0
         self.blobs_held: dict[str, Blob] = {}  # what the ranks keep from the last call
         self.ready: set[int] = set()
         self.joining: set[int] = set()
@@ -102,6 +107,12 @@ class RankGroup:
         ppn = session.procs_per_node
         world = len(nodes) * ppn
         self.world_size = world
+        # Devices and backend are settled before any rank starts: a layout NCCL would refuse
+        # either runs gloo (auto, said once in the call's logs) or is refused here.
+        devices = place_ranks([n.gpus for n in nodes], ppn, [n.link.machine or n.link.address for n in nodes])
+        choice = choose_backend(spec.backend, devices)
+        self.backend, self.notice = choice.backend, choice.note
+        self.devices = {d.rank: d.device for d in devices}
         port = session.provider.free_port()
         peers = tuple(n.link.address for n in nodes)
         for node in nodes:
@@ -112,13 +123,13 @@ class RankGroup:
                 env = rank_environment(
                     rank=rank, world_size=world, local_rank=local, local_world_size=ppn,
                     node_rank=node.link.node_rank, peers=peers, head_port=port,
-                    accelerators=node.link.accelerators,
+                    accelerators=len(node.gpus),
                 )
+                env.update(device_environment(devices[rank], choice.backend))
                 ranks.append({"rank": rank, "env": env})
             common = {
                 **session.env,
                 **node.link.env,
-                "SKYTASKS_BACKEND": spec.backend or "",
                 "SKYTASKS_INIT_TORCH": "1" if spec.init_torch else "0",
                 "SKYTASKS_INIT_TIMEOUT_SECONDS": str(spec.init_timeout_seconds),
             }
@@ -126,7 +137,11 @@ class RankGroup:
 
     def run(self, payload: Any, attempt: int, deadline: float | None, observer: CallObserver, label: str) -> list[Any]:
         call_id = next(_call_ids)
-        outcomes = {r: RankOutcome(rank=r, node_rank=n, node_addr=a) for r, (n, a) in self.placement.items()}
+        outcomes = {r: RankOutcome(rank=r, node_rank=n, node_addr=a, device=self.devices[r])
+                    for r, (n, a) in self.placement.items()}
+        if self.notice is not None and self.calls == 0:
+            observer.on_notice(self.notice)
+        self.calls += 1
         # Large arguments the ranks still hold from the last call are not sent again. Equality
         # of the bytes decides, not a digest: hashing 500 MB costs half a second, comparing it
         # a fraction of that.
@@ -224,7 +239,7 @@ class RankGroup:
         self.broken = True
         now = time.time()
         o.status, o.ended = "failed", ended or now
-        exc.add_note(f"[skytasks] rank {o.rank} failed (node {o.node_rank}, {o.node_addr})")
+        exc.add_note(f"[skytasks] rank {o.rank} failed (node {o.node_rank}, {o.node_addr}, device {o.device})")
         exc.skytasks_rank = o.rank  # type: ignore[attr-defined]
         exc.skytasks_node = o.node_rank  # type: ignore[attr-defined]
         o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now)
@@ -300,6 +315,32 @@ class PoolSession:
         self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
         self._closed = threading.Event()
         keep_heartbeats(self.nodes, self._closed)
+        try:
+            self._await_agents()
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_agents(self) -> None:
+        """Every agent says hello, with the GPUs its node has, before a rank is placed."""
+        waiting = {n.link.node_rank: n for n in self.nodes}
+        _, timeout = heartbeat_settings()
+        deadline = time.monotonic() + timeout
+        while waiting:
+            try:
+                node_rank, msg = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                late = ", ".join(f"node {r} ({n.link.address})" for r, n in sorted(waiting.items()))
+                raise PoolStartError(f"the node agent did not answer within {timeout:g}s on {late}") from None
+            node = waiting.get(node_rank)
+            if node is None:
+                continue
+            if msg["op"] == "hello":
+                node.gpus = list(msg.get("gpus") or [])
+                del waiting[node_rank]
+            elif msg["op"] in ("lost", "agent_error"):
+                detail = msg.get("reason") or msg.get("error", "")
+                raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
 
     def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
              observer: CallObserver, label: str) -> list[Any]:

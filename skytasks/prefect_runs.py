@@ -71,6 +71,7 @@ class RankRuns:
     def __init__(self, label: str, world: int, attempt: int, run_tags: tuple[str, ...], record: CallRecord):
         from prefect.client.orchestration import get_client
         from prefect.context import TaskRunContext
+        from prefect.logging.loggers import task_run_logger
 
         parent = TaskRunContext.get()
         assert parent is not None, "rank runs are recorded inside the parent task run"
@@ -84,6 +85,7 @@ class RankRuns:
         self._created: dict[int, Future] = {}
         self._finished: list[Future] = []
         self._flow_run = parent.task_run.flow_run_id
+        self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
         for r in range(world):
             self._created[r] = self._pool.submit(
                 self._create, parent.task_run.id, label, r, world, attempt, ("skytasks", f"rank:{r}", *run_tags)
@@ -157,6 +159,9 @@ class RankRuns:
 
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
         self.record.on_report(rank, metrics)
+
+    def on_notice(self, text: str) -> None:
+        self._parent_logger.warning("[skytasks] %s", text)
 
     def close(self, reason: str) -> list[RankOutcome]:
         """Whatever happened, every rank run ends before the parent does."""

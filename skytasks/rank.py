@@ -17,6 +17,7 @@ ENV_NUM_NODES = "SKYTASKS_NUM_NODES"
 ENV_PEERS = "SKYTASKS_PEERS"
 ENV_ACCELERATORS = "SKYTASKS_ACCELERATORS"
 ENV_ATTEMPT = "SKYTASKS_ATTEMPT"
+ENV_DEVICE = "SKYTASKS_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class RankInfo:
     peers: tuple[str, ...]
     accelerators: int
     attempt: int
+    device: str = "cpu"  # "cuda:<i>" when this rank has a GPU (its own or shared), else "cpu"
 
     @property
     def is_head(self) -> bool:
@@ -93,4 +95,5 @@ def rank_info() -> RankInfo:
         peers=peers,
         accelerators=int(env[ENV_ACCELERATORS]),
         attempt=int(env.get(ENV_ATTEMPT, "1")),
+        device=env.get(ENV_DEVICE, "cpu"),
     )

@@ -115,10 +115,12 @@ def _init_process_group(out: FrameWriter) -> None:
     import torch
     import torch.distributed as dist
 
+    # The controller chose both from what each node reported (skytasks.devices); a rank never
+    # guesses, so two ranks on one GPU never reach NCCL.
     backend = os.environ.get("SKYTASKS_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    device = os.environ.get("SKYTASKS_DEVICE", "cpu")
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(torch.device(device))  # torch.cuda.current_device() is this rank's GPU
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _pick_socket_interface(os.environ["MASTER_ADDR"])
     # Only the rendezvous is bounded by the init timeout (the controller's clock fires first and

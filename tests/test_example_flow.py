@@ -17,6 +17,7 @@ def test_example_flow_loss_falls_and_head_saves_a_checkpoint(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     results = ddp_train(epochs=3, samples=384)
     assert [r["rank"] for r in results] == [0, 1]
+    assert {r["device"] for r in results} == {"cpu"}  # no GPU here: the same code trains on the CPU
     losses = results[0]["epoch_losses"]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
     assert results[1]["epoch_losses"] == losses  # all_reduce: every rank reports the global mean
@@ -27,6 +28,15 @@ def test_example_flow_loss_falls_and_head_saves_a_checkpoint(tmp_path, monkeypat
     saved = torch.load(ckpt)
     assert saved["epoch_losses"] == losses and "tok.weight" in saved["model"]
     assert "rank" in summarize(results)
+
+
+def test_example_flow_on_one_node_trains_on_this_machines_device(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    results = ddp_train(epochs=2, nodes=1, samples=256)
+    assert [r["rank"] for r in results] == [0]
+    assert results[0]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    losses = results[0]["epoch_losses"]
+    assert losses[-1] < losses[0]
 
 
 def test_example_flow_runs_as_a_script():

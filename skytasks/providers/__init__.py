@@ -20,7 +20,9 @@ class NodeLink:
     inbound: BinaryIO  # frames from the agent
     outbound: BinaryIO  # frames to the agent
     env: dict[str, str] = field(default_factory=dict)  # node-specific rank environment
-    accelerators: int = 0
+    # The physical machine: GPU ids are only comparable between nodes on one machine (local
+    # nodes all share this one; a remote node is a machine of its own).
+    machine: str = ""
     close: Callable[[], None] = lambda: None  # release the transport (process, SSH channel)
 
 

@@ -58,10 +58,7 @@ class AWSProvider:
                 private_key=login_key.export_private_key().decode(), python=self._python(),
                 env=dict(pool.env), heartbeat_file=HEARTBEAT_FILE, timeout=pool.ready_timeout_seconds,
             ))
-            links = self._nodes.start()
-            for link in links:
-                link.accelerators = plan.gpus_per_node
-            return links
+            return self._nodes.start()
         except BaseException:
             self.stop()
             raise

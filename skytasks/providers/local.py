@@ -3,40 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 
+from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.providers import NodeLink, agent_args
 
 LOOPBACK = "127.0.0.1"
-
-
-def _visible_gpus() -> list[str]:
-    """GPU ids on this machine, without initialising CUDA in the controller."""
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        ids = [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-        return [d.strip() for d in ids]
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
-
-
-def split_gpus(gpus: list[str], nodes: int, procs_per_node: int) -> list[list[str]]:
-    """Each local node gets its own GPUs, one per process where there are enough; with fewer
-    GPUs than processes they are shared round-robin (a smoke run of 2 ranks on 1 GPU)."""
-    if not gpus:
-        return [[] for _ in range(nodes)]
-    per_node = []
-    for n in range(nodes):
-        mine = [gpus[(n * procs_per_node + p) % len(gpus)] for p in range(procs_per_node)]
-        per_node.append(list(dict.fromkeys(mine)))
-    return per_node
 
 
 class LocalProvider:
@@ -45,32 +19,36 @@ class LocalProvider:
         self._procs: list[subprocess.Popen] = []
 
     def start(self) -> list[NodeLink]:
-        gpus = _visible_gpus()
-        slices = split_gpus(gpus, self._pool.nodes, self._pool.procs_per_node)
+        gpus = visible_gpus()
+        slices = split_local_gpus(gpus, self._pool.nodes, self._pool.procs_per_node)
+        # The agent needs the controller's import path as much as its ranks do: skytasks may be
+        # importable here only through sys.path (a checkout, run from another directory).
+        user_path = self._pool.env.get("PYTHONPATH")
+        path = os.pathsep.join(p for p in (user_path, _controller_path()) if p)
         links = []
         try:
             for node_rank in range(self._pool.nodes):
+                env = {**os.environ, "PYTHONPATH": path}
+                if gpus:  # each node sees its own slice; LOCAL_RANK indexes into it, as torchrun's
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(slices[node_rank])
                 proc = subprocess.Popen(
                     [sys.executable, *agent_args()],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
+                    env=env,
                     # A session of its own: Ctrl-C at the terminal reaches the controller only,
                     # which then stops the ranks in order instead of everything dying at once.
                     start_new_session=True,
                 )
                 self._procs.append(proc)
-                user_path = self._pool.env.get("PYTHONPATH")
-                env = {"PYTHONPATH": os.pathsep.join(p for p in (user_path, _controller_path()) if p)}
-                if gpus:
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(slices[node_rank])
                 links.append(
                     NodeLink(
                         node_rank=node_rank,
                         address=LOOPBACK,
                         inbound=proc.stdout,  # type: ignore[arg-type]
                         outbound=proc.stdin,  # type: ignore[arg-type]
-                        env=env,
-                        accelerators=len(slices[node_rank]),
+                        env={"PYTHONPATH": path},
+                        machine="this machine",
                         close=lambda p=proc: _end(p),
                     )
                 )

@@ -175,7 +175,7 @@ class SSHNodes:
         self._closers.append((proc, tasks))
         address = login.peer_addresses[node_rank] if login.peer_addresses else host
         return NodeLink(node_rank=node_rank, address=address, inbound=os.fdopen(from_agent_r, "rb"), outbound=outbound,
-                        close=lambda: _close_quietly(outbound))
+                        machine=host, close=lambda: _close_quietly(outbound))
 
     async def _install_packages(self, conn: Any, env: str) -> str:
         """`pip_packages` into a folder of their own, cached by what was asked for: a warm node
