@@ -78,11 +78,13 @@ class RankProcess:
 
     def _report_exit(self) -> None:
         code = self.proc.wait()
+        exited_at = time.time()  # before the relays drain: when it really ended, for root-cause order
         # Let the relays drain first, so a result or traceback sent just before the exit is
         # reported before the exit itself. A grandchild holding a pipe open must not stall this.
         for t in self._relays:
             t.join(timeout=2.0)
-        self._agent.emit({"op": "exited", "group": self.group, "rank": self.rank, "returncode": code})
+        self._agent.emit({"op": "exited", "group": self.group, "rank": self.rank, "returncode": code,
+                          "at": exited_at})
 
     def stop(self) -> None:
         if self.proc.poll() is not None:

@@ -6,6 +6,7 @@ called directly with a console observer.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import pickle
 import site
@@ -13,6 +14,7 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
@@ -23,6 +25,11 @@ from skytasks.errors import DistributedTaskError, PoolConfigError
 from skytasks.serialization import Blob, blob_size, dumps_out_of_band
 from skytasks.wire import BlobRef
 from skytasks.lifecycle import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
+from skytasks.workdir import WorkdirRequest, check_workdir, read_workdir
+
+
+# Set by `skytasks run`: rank lines are printed plainly on the console inside a flow too.
+ECHO_RANK_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_echo_rank_lines", default=False)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class CallOptions:
     timeout_seconds: float | None
     retries: int
     retry_delay_seconds: float
+    workdir: Path | None = None
 
 
 _INSTALLED_ROOTS = tuple(
@@ -183,10 +191,15 @@ def run_call(
     """Run the call on every rank, restarting the whole group on failure up to `retries` times."""
     deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
     init_timeout = float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", DEFAULT_INIT_TIMEOUT_SECONDS))
-    spec = GroupSpec(options.backend, options.init_torch, init_timeout)
     world = pool.nodes * pool.procs_per_node
     check_backend_before_launch(options.backend, pool.provider, pool.nodes, pool.procs_per_node,
                                 pool.accelerators_per_node)
+    workdir = None
+    if options.workdir is not None:
+        root = check_workdir(options.workdir)
+        # Read (and held to the size limit) before any node is up, when it has to travel.
+        workdir = WorkdirRequest(root, None if pool.provider == "local" else read_workdir(root))
+    spec = GroupSpec(options.backend, options.init_torch, init_timeout, workdir)
     with pool._nodes() as session:
         for attempt in range(1, options.retries + 2):
             observer = observer_for_attempt(attempt, world)

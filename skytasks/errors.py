@@ -88,3 +88,26 @@ class DistributedTaskError(ExceptionGroup):
     @property
     def root_cause(self) -> BaseException:
         return self.exceptions[0]
+
+
+class ScriptFailed(ChildProcessError):
+    """A `run_script` rank's script exited non-zero: its rank, exit code and the tail of its stderr."""
+
+    def __init__(self, rank: int, exit_code: int, stderr_tail: str = "", recorded: str | None = None):
+        self.rank, self.exit_code, self.stderr_tail, self.recorded = rank, exit_code, stderr_tail, recorded
+        if exit_code < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-exit_code).name}"
+            except ValueError:
+                how = f"was killed by signal {-exit_code}"
+        else:
+            how = f"exited with code {exit_code}"
+        text = f"rank {rank}: the script {how}"
+        if recorded:
+            text += f": {recorded}"
+        if stderr_tail:
+            text += "\n--- last lines of its stderr ---\n" + stderr_tail
+        super().__init__(text)
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.exit_code, self.stderr_tail, self.recorded)

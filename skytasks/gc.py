@@ -103,20 +103,18 @@ def credentials_from(args: argparse.Namespace) -> Any:
     return AwsCredentials(region_name=args.region, aws_client_parameters=params)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="skytasks")
-    commands = parser.add_subparsers(dest="command", required=True)
-    gc = commands.add_parser("gc", help="delete EC2 resources of aws pools that are expired or orphaned")
-    gc.add_argument("--aws-credentials", help="name of a saved AwsCredentials block (default: the environment's)")
-    gc.add_argument("--region", default=None)
-    gc.add_argument("--endpoint-url", default=None, help="an EC2-compatible endpoint (tests use moto's)")
-    gc.add_argument("--grace-minutes", type=float, default=15)
-    gc.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
-    args = parser.parse_args(argv)
+def run_gc(args: argparse.Namespace) -> int:
+    """`skytasks gc` (its arguments are parsed by `skytasks.cli`)."""
     ec2 = credentials_from(args).get_client("ec2")
     swept = sweep(ec2, grace_minutes=args.grace_minutes, dry_run=args.dry_run)
     print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from skytasks.cli import main as cli_main
+
+    return cli_main(["gc", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -26,10 +27,14 @@ from skytasks.devices import choose_backend, device_environment, place_ranks
 from skytasks.providers import NodeProvider, heartbeat_settings
 from skytasks.serialization import Blob, loads_out_of_band, same_blob, snapshot
 from skytasks.rank import rank_environment
+from skytasks.workdir import WorkdirRequest
 
 # How long stopped ranks may take to be confirmed gone before the call returns anyway.
 STOP_CONFIRM_SECONDS = 10.0
 DEFAULT_INIT_TIMEOUT_SECONDS = 120.0
+
+# How a rank ends when our own stop reaches it (SIGTERM, then SIGKILL after the grace).
+_OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL)
 
 _group_ids = itertools.count(1)
 _call_ids = itertools.count(1)
@@ -51,6 +56,7 @@ class GroupSpec:
     backend: str | None
     init_torch: bool
     init_timeout_seconds: float = DEFAULT_INIT_TIMEOUT_SECONDS
+    workdir: WorkdirRequest | None = None
 
 
 @dataclass
@@ -94,7 +100,7 @@ def _is_collateral(exc: BaseException) -> bool:
 class RankGroup:
     """One generation of rank processes across the nodes, with one process group."""
 
-    def __init__(self, session: PoolSession, spec: GroupSpec):
+    def __init__(self, session: PoolSession, spec: GroupSpec, workdir_on_nodes: str | None = None):
         self.session, self.spec = session, spec
         self.id = next(_group_ids)
         self.broken = False
@@ -133,6 +139,8 @@ class RankGroup:
                 "SKYTASKS_INIT_TORCH": "1" if spec.init_torch else "0",
                 "SKYTASKS_INIT_TIMEOUT_SECONDS": str(spec.init_timeout_seconds),
             }
+            if workdir_on_nodes is not None:
+                common["SKYTASKS_WORKDIR"] = workdir_on_nodes
             node.send({"op": "spawn", "group": self.id, "ranks": ranks, "env": common})
 
     def run(self, payload: Any, attempt: int, deadline: float | None, observer: CallObserver, label: str) -> list[Any]:
@@ -226,7 +234,7 @@ class RankGroup:
         elif op == "exited":
             self.broken = True  # whatever the reason, a group missing a rank can serve no more
             if outcomes[rank].status == "pending":
-                self._fail(outcomes[rank], RankProcessDied(rank, msg["returncode"]), failures, observer, None)
+                self._fail(outcomes[rank], RankProcessDied(rank, msg["returncode"]), failures, observer, msg.get("at"))
         elif op in ("lost", "agent_error"):
             # The node itself failed: that is the root cause, not the ranks it took with it.
             what = f"lost the agent of node {node_rank}" if op == "lost" else f"the agent of node {node_rank} failed"
@@ -273,6 +281,11 @@ class RankGroup:
                 if o.status == "stopped":  # raced the stop: keep it, classified below
                     o.status = "pending"
                     self._fail(o, rebuild_exception(msg), failures, observer, msg.get("ended"))
+            elif (msg["op"] == "exited" and msg.get("group") == self.id and outcomes[msg["rank"]].status == "stopped"
+                  and msg["returncode"] not in _OUR_STOP_CODES):
+                o = outcomes[msg["rank"]]  # it ended by itself while the stop was on its way
+                o.status = "pending"
+                self._fail(o, RankProcessDied(o.rank, msg["returncode"]), failures, observer, msg.get("at"))
             elif msg["op"] in ("output", "log") and msg.get("group") == self.id:
                 self._handle(node_rank, msg, call_id, outcomes, failures, observer)
 
@@ -285,14 +298,19 @@ class RankGroup:
         )
 
     def _error(self, label: str, failures: list[RankFailure], aborted_at: float | None) -> DistributedTaskError:
-        first, rest = failures[0], failures[1:]
+        # Root cause first: the earliest failure that is not merely a peer's collateral (a rank
+        # that exits kills its peers' collectives, and their errors can reach us before its exit).
+        ordered = sorted(failures, key=lambda f: f.at)
+        real = [f for f in ordered if not _is_collateral(f.exception)]
+        first = real[0] if real else ordered[0]
         cutoff = aborted_at or float("inf")
-        members = [first] + [f for f in rest if f.at <= cutoff and not _is_collateral(f.exception)]
+        members = [first] + [f for f in real if f is not first and f.at <= cutoff]
         for f in failures:
             f.collateral = f not in members
         stopped = [f.rank for f in failures if f.collateral]
         msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
-        err = DistributedTaskError(msg, [f.exception for f in members], failures=failures)
+        err = DistributedTaskError(msg, [f.exception for f in members],
+                                   failures=members + [f for f in ordered if f not in members])
         if stopped:
             err.add_note(f"[skytasks] ranks {stopped} failed afterwards because of it and are not members")
         return err
@@ -350,12 +368,20 @@ class PoolSession:
             if g is None or g.broken or g.spec != spec or not all(n.alive for n in self.nodes):
                 if g is not None and not g.broken:
                     g.close()
-                self.group = g = RankGroup(self, spec)
+                node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
+                self.group = g = RankGroup(self, spec, node_dir)
             try:
                 return g.run(payload, attempt, deadline, observer, label)
             finally:
                 if g.broken:
                     self.group = None
+
+    def _workdir_on_nodes(self, request: WorkdirRequest, observer: CallObserver) -> str:
+        """Where the workdir is on every node, sent there first if it must travel."""
+        path, note = self.provider.prepare_workdir(request)
+        if note:
+            observer.on_notice(note)
+        return path
 
     def close(self) -> None:
         self._closed.set()

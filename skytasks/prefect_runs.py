@@ -23,6 +23,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.states import Cancelled, Completed, Failed
 
+from skytasks.call import ECHO_RANK_LINES
 from skytasks.events import emit, pool_resource, rank_resource
 from skytasks.lifecycle import RankOutcome
 
@@ -86,6 +87,7 @@ class RankRuns:
         self._finished: list[Future] = []
         self._flow_run = parent.task_run.flow_run_id
         self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
+        self._echo = ECHO_RANK_LINES.get()
         for r in range(world):
             self._created[r] = self._pool.submit(
                 self._create, parent.task_run.id, label, r, world, attempt, ("skytasks", f"rank:{r}", *run_tags)
@@ -144,6 +146,8 @@ class RankRuns:
 
     def on_output(self, rank: int, stream: str, line: str) -> None:
         self.runs[rank].log(logging.WARNING if stream == "stderr" else logging.INFO, line)
+        if self._echo:
+            print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
 
     def on_log(self, rank: int, level: int, line: str) -> None:
         self.runs[rank].log(level, line)

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Iterable
 
 from skytasks.call import CallOptions, ConsoleObserver, pack_call, resolve_pool, run_call
 from skytasks.errors import PoolConfigError
 from skytasks.rank import in_rank
+from skytasks.workdir import check_workdir
 
 _OPTION_NAMES = (
     "pool", "nodes", "procs_per_node", "backend", "init_torch", "timeout_seconds",
-    "retries", "retry_delay_seconds", "name", "tags",
+    "retries", "retry_delay_seconds", "workdir", "name", "tags",
 )
 
 
 class DistributedTask:
     def __init__(self, fn: Callable, *, pool=None, nodes=None, procs_per_node=None, backend=None,
-                 init_torch=True, timeout_seconds=None, retries=0, retry_delay_seconds=0, name=None, tags=()):
+                 init_torch=True, timeout_seconds=None, retries=0, retry_delay_seconds=0, workdir=None, name=None,
+                 tags=()):
         if not callable(fn):
             raise TypeError(f"distributed_task: expected a function, got {type(fn).__qualname__}")
         for field, value in (("nodes", nodes), ("procs_per_node", procs_per_node)):
@@ -31,7 +34,10 @@ class DistributedTask:
             raise PoolConfigError(f"retry_delay_seconds: must be ≥ 0, got {retry_delay_seconds!r}")
         if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
             raise PoolConfigError(f"backend: unknown torch.distributed backend {backend!r}")
+        if workdir is not None and not isinstance(workdir, (str, os.PathLike)):
+            raise PoolConfigError(f"workdir: expected a directory path, got {type(workdir).__qualname__}")
         self._fn = fn
+        self.workdir = workdir
         self.pool, self.nodes, self.procs_per_node = pool, nodes, procs_per_node
         self.backend, self.init_torch, self.timeout_seconds = backend, bool(init_torch), timeout_seconds
         self.retries, self.retry_delay_seconds = retries, retry_delay_seconds
@@ -71,7 +77,7 @@ class DistributedTask:
         options = CallOptions(
             label=self.name, backend=self.backend, init_torch=self.init_torch,
             timeout_seconds=self.timeout_seconds, retries=self.retries,
-            retry_delay_seconds=self.retry_delay_seconds,
+            retry_delay_seconds=self.retry_delay_seconds, workdir=check_workdir(self.workdir),
         )
         from prefect.context import FlowRunContext
 
@@ -90,12 +96,12 @@ class DistributedTask:
 
 
 def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs_per_node=None, backend=None,
-                     init_torch=True, timeout_seconds=None, retries=0, retry_delay_seconds=0, name=None,
-                     tags: Iterable[str] = ()) -> Any:
+                     init_torch=True, timeout_seconds=None, retries=0, retry_delay_seconds=0, workdir=None,
+                     name=None, tags: Iterable[str] = ()) -> Any:
     """Fan a function out to every rank of a pool; returns every rank's result in rank order."""
     options = dict(pool=pool, nodes=nodes, procs_per_node=procs_per_node, backend=backend, init_torch=init_torch,
                    timeout_seconds=timeout_seconds, retries=retries, retry_delay_seconds=retry_delay_seconds,
-                   name=name, tags=tuple(tags))
+                   workdir=workdir, name=name, tags=tuple(tags))
     if fn is None:
         return lambda f: DistributedTask(f, **options)
     return DistributedTask(fn, **options)

@@ -211,6 +211,18 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
     return True
 
 
+def _enter_workdir() -> None:
+    """`workdir=`: the rank starts there and imports from it (as does a script it starts)."""
+    workdir = os.environ.get("SKYTASKS_WORKDIR")
+    if not workdir:
+        return
+    os.chdir(workdir)  # relative paths are relative to the agent's start (the node's home)
+    here = os.getcwd()
+    sys.path.insert(0, here)
+    os.environ["SKYTASKS_WORKDIR"] = here
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+
+
 def main() -> None:
     _die_with_parent()
     out = FrameWriter(os.fdopen(int(os.environ["SKYTASKS_CTRL_FD"]), "wb"))
@@ -240,6 +252,7 @@ def main() -> None:
     root.addHandler(_ShipLogRecords(out))
     root.setLevel(logging.INFO)
 
+    _enter_workdir()
     init_torch = os.environ.get("SKYTASKS_INIT_TORCH", "1") == "1"
     if init_torch:
         try:

@@ -9,17 +9,8 @@ import numpy as np
 import skytasks.lifecycle as lifecycle
 from blocks import GPUPool
 from skytasks import distributed_task
-from skytasks.providers.local import split_gpus
 from skytasks.serialization import blob_size
 from tests.conftest import skytasks_processes
-
-
-def test_local_nodes_split_the_gpus_between_them():
-    assert split_gpus(["0", "1", "2", "3"], nodes=2, procs_per_node=2) == [["0", "1"], ["2", "3"]]
-    assert split_gpus(["0", "1", "2", "3"], nodes=4, procs_per_node=1) == [["0"], ["1"], ["2"], ["3"]]
-    assert split_gpus(["0"], nodes=1, procs_per_node=2) == [["0"]]  # a 2-rank smoke run on one GPU
-    assert split_gpus(["0", "1"], nodes=2, procs_per_node=2) == [["0", "1"], ["0", "1"]]
-    assert split_gpus([], nodes=3, procs_per_node=2) == [[], [], []]
 
 
 def rank_env() -> dict:

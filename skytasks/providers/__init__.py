@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
+
+if TYPE_CHECKING:
+    from skytasks.workdir import WorkdirRequest
 
 
 @dataclass
@@ -46,6 +49,9 @@ class NodeProvider(Protocol):
 
     def free_port(self) -> int:
         """A port on the head node that the peers can rendezvous on."""
+
+    def prepare_workdir(self, request: WorkdirRequest) -> tuple[str, str | None]:
+        """Make the workdir present on every node: (its path there, a line saying what was sent)."""
 
     def stop(self) -> None:
         """Tear down everything `start` made. Idempotent, safe after a partial start."""

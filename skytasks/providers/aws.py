@@ -63,6 +63,9 @@ class AWSProvider:
             self.stop()
             raise
 
+    def prepare_workdir(self, request) -> tuple[str, str | None]:
+        return self._nodes.prepare_workdir(request)  # type: ignore[union-attr]
+
     def _python(self) -> str:
         # remote_python, when set, names an interpreter the image already has; otherwise it is
         # the venv the bootstrap built.

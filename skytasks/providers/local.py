@@ -64,6 +64,9 @@ class LocalProvider:
             s.bind((LOOPBACK, 0))
             return s.getsockname()[1]
 
+    def prepare_workdir(self, request) -> tuple[str, str | None]:
+        return str(request.root), None  # this machine has it: used in place
+
     def stop(self) -> None:
         procs, self._procs = self._procs, []
         for p in procs:

@@ -75,6 +75,7 @@ class SSHNodes:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-ssh")
         self._conns: list[Any] = []
         self._closers: list[Any] = []
+        self._workdirs: dict[str, str] = {}  # tree digest -> its path on the nodes
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -195,6 +196,23 @@ class SSHNodes:
             raise RuntimeError(f"pip_packages: installing {login.pip_packages} on {conn.get_extra_info('peername')} "
                                f"failed: {str(result.stderr).strip()[-2000:]}")
         return target
+
+    def prepare_workdir(self, request) -> tuple[str, str | None]:
+        """The workdir onto every node in parallel; only contents a node lacks travel."""
+        from skytasks.providers.ssh_workdir import sync_workdir
+        from skytasks.workdir import describe_sync, read_workdir
+
+        tree = request.tree or read_workdir(request.root)
+        if self._workdirs.get(tree.digest):  # this session sent it already
+            return self._workdirs[tree.digest], None
+
+        async def all_nodes() -> list:
+            return list(await asyncio.gather(*(sync_workdir(c, self._login.python, tree) for c in self._conns)))
+
+        results = self._run(all_nodes(), timeout=self._login.timeout)
+        self._workdirs[tree.digest] = results[0].path
+        hosts = [f"node {i} ({h})" for i, (_, h, _) in enumerate(self._login.targets)]
+        return results[0].path, describe_sync(request.root, [(h, r.files_sent, r.bytes_sent) for h, r in zip(hosts, results)])
 
     def free_port(self) -> int:
         python = self._login.python

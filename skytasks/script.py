@@ -1,0 +1,165 @@
+"""`run_script`: an existing torchrun script, unchanged, on every rank of a pool.
+
+Each rank of an ordinary distributed call (`init_torch=False`, so the port stays free) starts
+`python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) with the node's Python, in the workdir,
+with exactly the environment torchrun gives a worker. The script calls `init_process_group`
+itself, as it does under torchrun. Its lines are relayed as the rank's own output; a non-zero exit
+fails the call like a raising rank, with the tail of its stderr. Everything else (pools,
+providers, retries, timeouts, Prefect task runs, fail-fast) is the distributed call's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from skytasks.errors import PoolConfigError, ScriptFailed
+
+STDERR_TAIL_LINES = 40
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass(frozen=True)
+class ScriptResult:
+    rank: int
+    exit_code: int
+
+
+def torchrun_environment(*, attempt: int, max_restarts: int, run_id: str, error_file: str) -> dict[str, str]:
+    """What torchrun adds to a worker's environment beyond the rank variables every skytasks rank
+    already has (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    GROUP_RANK). Checked against torchrun itself in tests/test_run_script.py."""
+    env = os.environ
+    world, local_world = env["WORLD_SIZE"], int(env["LOCAL_WORLD_SIZE"])
+    added = {
+        "ROLE_NAME": "default",
+        "ROLE_RANK": env["RANK"],
+        "ROLE_WORLD_SIZE": world,
+        "GROUP_WORLD_SIZE": str(int(world) // local_world),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(attempt - 1),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        # torchrun's agent hosts the store on MASTER_PORT and says so with "True"; here no agent
+        # holds the port, so the script's own rank 0 must host it, as with a plain env:// launch.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCHELASTIC_ERROR_FILE": error_file,  # @record writes the script's exception here
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    if local_world > 1 and "OMP_NUM_THREADS" not in env:
+        added["OMP_NUM_THREADS"] = "1"  # torchrun's default for several workers on one node
+    return added
+
+
+def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restarts: int, run_id: str) -> ScriptResult:
+    """The body of every rank of a `run_script` call (runs on the node)."""
+    import collections
+    import subprocess
+    import tempfile
+    import threading
+
+    from skytasks.rank import rank_info
+
+    info = rank_info()
+    with tempfile.TemporaryDirectory(prefix="skytasks-script-") as tmp:
+        error_file = os.path.join(tmp, "error.json")
+        env = {**os.environ, **torchrun_environment(attempt=info.attempt, max_restarts=max_restarts,
+                                                     run_id=run_id, error_file=error_file), **extra_env}
+        for private in ("SKYTASKS_CTRL_FD", "PYTHONUNBUFFERED"):
+            env.pop(private, None)
+        env["PYTHONUNBUFFERED"] = "1"  # lines reach the UI as they are printed
+        # Same process group as this rank: when fail-fast stops the rank, the script goes with it.
+        proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+
+        def relay(stream: Any, to: Any, keep: bool) -> None:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                if keep:
+                    tail.append(line)
+                print(line, file=to, flush=True)
+
+        threads = [threading.Thread(target=relay, args=(proc.stdout, sys.stdout, False), daemon=True),
+                   threading.Thread(target=relay, args=(proc.stderr, sys.stderr, True), daemon=True)]
+        for t in threads:
+            t.start()
+        code = proc.wait()
+        for t in threads:
+            t.join(timeout=5)
+        if code != 0:
+            raise ScriptFailed(info.rank, code, "\n".join(tail), _recorded_error(error_file))
+    return ScriptResult(info.rank, code)
+
+
+def _recorded_error(path: str) -> str | None:
+    """The message torch's `@record` wrote, when the script uses it."""
+    import json
+
+    try:
+        with open(path) as f:
+            message = json.load(f).get("message", {})
+    except (OSError, ValueError):
+        return None
+    if isinstance(message, dict):
+        return message.get("message")
+    return str(message)
+
+
+def script_command(script: str, args: Iterable[Any], module: bool, workdir: Path | None) -> list[str]:
+    """`[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]`, checked before anything starts."""
+    if not isinstance(script, (str, os.PathLike)) or not str(script):
+        raise PoolConfigError(f"script: expected a path or module name, got {script!r}")
+    if isinstance(args, (str, bytes)):
+        raise PoolConfigError(f"args: expected a sequence of arguments, got the string {args!r} (use shlex.split)")
+    argv = [str(a) for a in args]
+    if module:
+        if not _MODULE_NAME.match(str(script)):
+            raise PoolConfigError(f"script: {script!r} is not a module name (module=True takes e.g. 'pkg.train')")
+        return ["-m", str(script), *argv]
+    base = workdir if workdir is not None else Path.cwd()
+    path = Path(script) if Path(script).is_absolute() else base / script
+    if not path.is_file():
+        where = f"in workdir {base}" if workdir is not None else f"from the current directory {base}"
+        raise PoolConfigError(f"script: {str(script)!r} not found {where}")
+    if workdir is not None and path.resolve().is_relative_to(workdir):
+        return [str(path.resolve().relative_to(workdir)), *argv]  # the node's copy, not this path
+    return [str(path.resolve()), *argv]
+
+
+def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any = None, module: bool = False,
+               workdir: str | os.PathLike | None = None, nodes: int | None = None, procs_per_node: int | None = None,
+               env: Mapping[str, str] | None = None, timeout_seconds: float | None = None, retries: int = 0,
+               retry_delay_seconds: float = 0, name: str | None = None, tags: Iterable[str] = ()) -> list[ScriptResult]:
+    """Run `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) unchanged on every rank, with
+    torchrun's environment; returns a `ScriptResult` per rank, in rank order.
+
+    `workdir` (default: the current directory, as under torchrun) is where every rank starts and
+    what the script path is relative to; it travels to ssh and aws nodes. A rank that exits
+    non-zero fails the call like a raising rank (`DistributedTaskError` of `ScriptFailed`)."""
+    import uuid
+
+    from skytasks.call import resolve_pool
+    from skytasks.task import DistributedTask
+    from skytasks.workdir import check_workdir
+
+    root = check_workdir(workdir) or Path.cwd().resolve()
+    command = script_command(script, args, module, root)
+    pool = resolve_pool(pool)
+    if not module and os.path.isabs(command[0]) and pool.provider != "local":
+        raise PoolConfigError(f"script: {str(script)!r} is outside the workdir {root}; "
+                              f"{pool.provider} nodes only get the workdir")
+    if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
+        raise PoolConfigError("env: expected a mapping of strings to strings")
+    if not isinstance(retries, int) or retries < 0:
+        raise PoolConfigError(f"retries: must be an integer ≥ 0, got {retries!r}")
+    label = name or (str(script).rsplit(".", 1)[-1] if module else Path(script).stem)
+    task = DistributedTask(run_on_rank, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
+                           timeout_seconds=timeout_seconds, retries=retries, retry_delay_seconds=retry_delay_seconds,
+                           workdir=root, name=label, tags=tags)
+    return task(command, dict(env or {}), retries, f"skytasks-{uuid.uuid4().hex[:12]}")
+
