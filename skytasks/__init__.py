@@ -15,6 +15,11 @@ _EXPORTS = {
     "DistributedTaskError": "skytasks.errors",
     "RankProcessDied": "skytasks.errors",
     "RemoteRankError": "skytasks.errors",
+    "PoolConfigError": "skytasks.errors",
+    "PoolStartError": "skytasks.errors",
+    "ScriptFailed": "skytasks.errors",
+    "ScriptResult": "skytasks.script",
+    "run_script": "skytasks.script",
     "RankInfo": "skytasks.rank",
     "rank_info": "skytasks.rank",
     "shard": "skytasks.sharding",
@@ -27,7 +32,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from skytasks.errors import DistributedTaskError, RankProcessDied, RemoteRankError
+    from skytasks.errors import (DistributedTaskError, PoolConfigError, PoolStartError, RankProcessDied,
+                                 RemoteRankError, ScriptFailed)
+    from skytasks.script import ScriptResult, run_script
     from skytasks.output import silent, stderr, stdout
     from skytasks.rank import RankInfo, rank_info
     from skytasks.metrics import report

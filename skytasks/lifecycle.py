@@ -183,7 +183,9 @@ class RankGroup:
                 except queue.Empty:
                     now = time.monotonic()
                     if deadline is not None and now >= deadline:
-                        err = TimeoutError(f"{label}: the call exceeded timeout_seconds; every rank was stopped")
+                        running = sorted(r for r, o in outcomes.items() if o.status == "pending")
+                        err = TimeoutError(f"{label}: the call timed out (timeout_seconds); ranks {running} were "
+                                           f"still running and were stopped")
                         failures.append(RankFailure(-1, -1, "", err, time.time()))
                     elif init_deadline is not None and now >= init_deadline:
                         failures.append(RankFailure(-1, -1, "", self._init_timeout_error(), time.time()))
@@ -308,7 +310,10 @@ class RankGroup:
         for f in failures:
             f.collateral = f not in members
         stopped = [f.rank for f in failures if f.collateral]
-        msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
+        if first.rank < 0:  # the call's own clock, not a rank
+            msg = f"{label}: {first.exception}"
+        else:
+            msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
         err = DistributedTaskError(msg, [f.exception for f in members],
                                    failures=members + [f for f in ordered if f not in members])
         if stopped:

@@ -102,6 +102,8 @@ def test_a_call_times_out_and_every_rank_is_stopped(tmp_path):
     assert time.monotonic() - started < 4 + FAIL_FAST_SECONDS
     [exc] = caught.value.exceptions
     assert isinstance(exc, TimeoutError) and "timeout_seconds" in str(exc)
+    assert "ranks [0, 1] were still running" in str(exc)
+    assert "timed out" in str(caught.value) and "rank -1" not in str(caught.value)
     for pid_file in tmp_path.iterdir():
         assert not psutil.pid_exists(int(pid_file.read_text())) or psutil.Process(int(pid_file.read_text())).status() == psutil.STATUS_ZOMBIE
 
