@@ -138,7 +138,7 @@ def train(epochs: int = 3) -> dict:
 
     def _start_session(self, starting: dict | None = None):
         from skytasks.events import emit, pool_resource
-        from skytasks.lifecycle import PoolSession
+        from skytasks.session import PoolSession
         from skytasks.providers import provider_for
 
         provider = provider_for(self)

@@ -2,7 +2,7 @@
 it, fail fast, and stop it.
 
 Layers, after torch.distributed.elastic: a provider gives `NodeLink`s (agent streams); a
-`PoolSession` owns the links of a pool that is up and at most one live `RankGroup`; a
+`PoolSession` (`skytasks.session`) owns the links of a pool that is up and at most one live `RankGroup`; a
 `RankGroup` is one set of rank processes with one process group, reused across calls in a warm
 pool until a call fails. A failure is a value (`RankFailure`) until the call ends, when the
 first failures become the members of one `DistributedTaskError`.
@@ -13,21 +13,22 @@ from __future__ import annotations
 import itertools
 import queue
 import signal
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 
-from skytasks.errors import (DistributedTaskError, PoolStartError, RankFailure, RankProcessDied, RemoteRankError,
+from skytasks.errors import (DistributedTaskError, RankFailure, RankProcessDied, RemoteRankError,
                              RemoteTraceback)
-from skytasks.channel import NodeChannel, broadcast, keep_heartbeats
+from skytasks.channel import broadcast
 from skytasks.devices import choose_backend, device_environment, place_ranks
-from skytasks.providers import NodeProvider, heartbeat_settings
 from skytasks.serialization import Blob, loads_out_of_band, same_blob, snapshot
 from skytasks.rank import rank_environment
 from skytasks.workdir import WorkdirRequest
+
+if TYPE_CHECKING:
+    from skytasks.session import PoolSession
 
 # How long stopped ranks may take to be confirmed gone before the call returns anyway.
 STOP_CONFIRM_SECONDS = 10.0
@@ -323,79 +324,3 @@ class RankGroup:
     def close(self) -> None:
         for node in self.session.nodes:
             node.send({"op": "close", "group": self.id})
-
-
-class PoolSession:
-    """The nodes of a pool that is up, and the rank group that lives on them."""
-
-    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str]):
-        self.provider = provider
-        self.procs_per_node = procs_per_node
-        self.env = dict(env)
-        self.events: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self.group: RankGroup | None = None
-        self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
-        self._closed = threading.Event()
-        keep_heartbeats(self.nodes, self._closed)
-        try:
-            self._await_agents()
-        except BaseException:
-            self.close()
-            raise
-
-    def _await_agents(self) -> None:
-        """Every agent says hello, with the GPUs its node has, before a rank is placed."""
-        waiting = {n.link.node_rank: n for n in self.nodes}
-        _, timeout = heartbeat_settings()
-        deadline = time.monotonic() + timeout
-        while waiting:
-            try:
-                node_rank, msg = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                late = ", ".join(f"node {r} ({n.link.address})" for r, n in sorted(waiting.items()))
-                raise PoolStartError(f"the node agent did not answer within {timeout:g}s on {late}") from None
-            node = waiting.get(node_rank)
-            if node is None:
-                continue
-            if msg["op"] == "hello":
-                node.gpus = list(msg.get("gpus") or [])
-                del waiting[node_rank]
-            elif msg["op"] in ("lost", "agent_error"):
-                detail = msg.get("reason") or msg.get("error", "")
-                raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
-
-    def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
-             observer: CallObserver, label: str) -> list[Any]:
-        # One call at a time on a pool's ranks: two calls cannot share one process group.
-        with self._lock:
-            g = self.group
-            if g is None or g.broken or g.spec != spec or not all(n.alive for n in self.nodes):
-                if g is not None and not g.broken:
-                    g.close()
-                node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
-                self.group = g = RankGroup(self, spec, node_dir)
-            try:
-                return g.run(payload, attempt, deadline, observer, label)
-            finally:
-                if g.broken:
-                    self.group = None
-
-    def _workdir_on_nodes(self, request: WorkdirRequest, observer: CallObserver) -> str:
-        """Where the workdir is on every node, sent there first if it must travel."""
-        path, note = self.provider.prepare_workdir(request)
-        if note:
-            observer.on_notice(note)
-        return path
-
-    def close(self) -> None:
-        self._closed.set()
-        with self._lock:
-            if self.group is not None and not self.group.broken:
-                self.group.close()
-            self.group = None
-            try:
-                self.provider.stop()
-            finally:
-                for n in self.nodes:
-                    n.link.close()

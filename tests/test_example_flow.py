@@ -47,5 +47,7 @@ def test_example_flow_runs_as_a_script():
         env={**__import__("os").environ, "SKYTASKS_EXAMPLE_EPOCHS": "2", "SKYTASKS_EXAMPLE_SAMPLES": "256"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "per-rank results" in proc.stdout
-    assert proc.stdout.count("→") >= 2
+    output = proc.stdout + proc.stderr
+    assert output.count("per-rank summary") == 1  # the table once, not twice
+    assert output.count("→") == 4  # the header and a row per rank, once, and the closing line
+    assert "skytasks ddp_train: 2 rank(s), loss" in proc.stdout

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import uuid
 from pathlib import Path
 
@@ -235,7 +234,7 @@ def test_workdir_travels_to_ssh_nodes_content_addressed(sshd, project, tmp_path,
         return capsys.readouterr().err
 
     first = call()
-    assert f"node 0 (127.0.0.1) got 3 file(s)" in first, first
+    assert "node 0 (127.0.0.1) got 3 file(s)" in first, first
     second = call()
     assert "node 0 (127.0.0.1) had it already" in second and "node 1 (127.0.0.2) had it already" in second
     (project / "helpers.py").write_text("def double(x):\n    return 2 * x  # changed\n" + f"# {token}\n")
@@ -265,3 +264,33 @@ def test_a_function_imports_a_helper_from_the_workdir_on_ssh_nodes(sshd, tmp_pat
     assert all("/.cache/skytasks/work-" in r[1] for r in results)
     with pytest.raises(DistributedTaskError):  # without the workdir, the nodes never had it
         distributed_task(uses_helper, pool=ssh_pool(sshd), init_torch=False)(module)
+
+
+def test_ctrl_c_on_the_cli_stops_every_rank(tmp_path):
+    import signal
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    (tmp_path / "wait.py").write_text(
+        "import os, time\nprint('waiting', os.environ['RANK'], flush=True)\ntime.sleep(600)\n")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    cli = subprocess.Popen([sys.executable, "-m", "skytasks.cli", "run", "--nodes", "2", "wait.py"], cwd=tmp_path,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    deadline = time.monotonic() + 120
+    while len(seen) < 2 and time.monotonic() < deadline:
+        line = cli.stdout.readline()
+        if line.startswith("[rank ") and "waiting" in line:
+            seen.append(line)
+    assert len(seen) == 2, seen
+    assert len(skytasks_processes()) >= 4  # 2 agents, 2 ranks (and the scripts under them)
+    cli.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal does
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 130, err[-3000:]
+    assert "interrupted; every rank was stopped" in err
+    from tests.conftest import wait_for_no_skytasks_processes
+
+    assert wait_for_no_skytasks_processes() == []
+    assert not [p for p in __import__("psutil").process_iter(["cmdline"])
+                if "wait.py" in " ".join(p.info["cmdline"] or [])]

@@ -1,0 +1,95 @@
+"""A pool that is up: its nodes' agent streams, and the one rank group that lives on them.
+
+Built from a provider's `NodeLink`s; it waits for every agent's hello (with the GPUs its node has)
+before a rank is placed, runs one call at a time on its rank group, and replaces a group that
+failed, or whose spec (backend, workdir, ...) differs, with a fresh one.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from skytasks.channel import NodeChannel, keep_heartbeats
+from skytasks.errors import PoolStartError
+from skytasks.lifecycle import CallObserver, GroupSpec, RankGroup
+from skytasks.providers import NodeProvider, heartbeat_settings
+from skytasks.workdir import WorkdirRequest
+
+
+class PoolSession:
+    """The nodes of a pool that is up, and the rank group that lives on them."""
+
+    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str]):
+        self.provider = provider
+        self.procs_per_node = procs_per_node
+        self.env = dict(env)
+        self.events: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.group: RankGroup | None = None
+        self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
+        self._closed = threading.Event()
+        keep_heartbeats(self.nodes, self._closed)
+        try:
+            self._await_agents()
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_agents(self) -> None:
+        """Every agent says hello, with the GPUs its node has, before a rank is placed."""
+        waiting = {n.link.node_rank: n for n in self.nodes}
+        _, timeout = heartbeat_settings()
+        deadline = time.monotonic() + timeout
+        while waiting:
+            try:
+                node_rank, msg = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                late = ", ".join(f"node {r} ({n.link.address})" for r, n in sorted(waiting.items()))
+                raise PoolStartError(f"the node agent did not answer within {timeout:g}s on {late}") from None
+            node = waiting.get(node_rank)
+            if node is None:
+                continue
+            if msg["op"] == "hello":
+                node.gpus = list(msg.get("gpus") or [])
+                del waiting[node_rank]
+            elif msg["op"] in ("lost", "agent_error"):
+                detail = msg.get("reason") or msg.get("error", "")
+                raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
+
+    def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
+             observer: CallObserver, label: str) -> list[Any]:
+        # One call at a time on a pool's ranks: two calls cannot share one process group.
+        with self._lock:
+            g = self.group
+            if g is None or g.broken or g.spec != spec or not all(n.alive for n in self.nodes):
+                if g is not None and not g.broken:
+                    g.close()
+                node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
+                self.group = g = RankGroup(self, spec, node_dir)
+            try:
+                return g.run(payload, attempt, deadline, observer, label)
+            finally:
+                if g.broken:
+                    self.group = None
+
+    def _workdir_on_nodes(self, request: WorkdirRequest, observer: CallObserver) -> str:
+        """Where the workdir is on every node, sent there first if it must travel."""
+        path, note = self.provider.prepare_workdir(request)
+        if note:
+            observer.on_notice(note)
+        return path
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self.group is not None and not self.group.broken:
+                self.group.close()
+            self.group = None
+            try:
+                self.provider.stop()
+            finally:
+                for n in self.nodes:
+                    n.link.close()
