@@ -15,6 +15,7 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 
 ROLES = ("skytasks.agent", "skytasks.worker")
+SESSION_STARTED = psutil.Process().create_time()  # psutil's clock: comparable with its create_time()
 
 
 def skytasks_processes() -> list[psutil.Process]:
@@ -24,6 +25,26 @@ def skytasks_processes() -> list[psutil.Process]:
         try:
             cmd = " ".join(p.info["cmdline"] or [])
             if any(role in cmd for role in ROLES) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def orphaned_test_sshd() -> list[psutil.Process]:
+    """sshd processes started during this test session that no test server owns any more: a
+    session whose listener is gone (its parent is then init, not sshd or this process)."""
+    found = []
+    for p in psutil.process_iter(["name", "cmdline", "create_time", "ppid", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            is_sshd = (p.info["name"] or "").startswith("sshd") or cmd.startswith("sshd")
+            if not is_sshd or p.info["create_time"] < SESSION_STARTED or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            # A listener's parent is a test process (python); a live session's is sshd. An
+            # orphan's is init or a subreaper. (Another test session's servers are python's too.)
+            owner = (psutil.Process(p.info["ppid"]).name() or "") if p.info["ppid"] > 1 else ""
+            if not owner.startswith(("sshd", "python", "pytest")):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -45,8 +66,23 @@ def prefect_api():
         yield
 
 
+def assert_no_orphaned_sshd() -> None:
+    deadline = time.monotonic() + 15  # a dropped client is given up within ClientAliveInterval x 3
+    while (sshd := orphaned_test_sshd()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not sshd, f"leaked sshd sessions: {[(p.pid, p.cmdline()) for p in sshd]}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_sshd_left_at_the_end():
+    """Module-scoped servers stop after the last test's own check: look once more at the end."""
+    yield
+    assert_no_orphaned_sshd()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
     yield
     left = wait_for_no_skytasks_processes()
     assert not left, f"leaked skytasks processes: {[(p.pid, p.cmdline()) for p in left]}"
+    assert_no_orphaned_sshd()

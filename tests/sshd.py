@@ -42,6 +42,9 @@ class SSHServer:
             f"PidFile {folder / 'sshd.pid'}", "PermitRootLogin prohibit-password", "PasswordAuthentication no",
             "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "AllowTcpForwarding no",
             "X11Forwarding no", "PrintMotd no",
+            # A client behind a pulled link never closes its connection: the session gives it up
+            # within seconds instead of waiting for TCP to time out (about 16 minutes).
+            "ClientAliveInterval 2", "ClientAliveCountMax 3",
         ]) + "\n")
         os.makedirs("/run/sshd", exist_ok=True)
         prefix = ["ip", "netns", "exec", netns] if netns else []
@@ -73,11 +76,26 @@ class SSHServer:
                        for a in addresses or self.addresses)
 
     def stop(self) -> None:
+        """The listener and every session it forked: OpenSSH leaves sessions running when its
+        listener ends, and a test must leave nothing running."""
+        import psutil
+
+        try:
+            sessions = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            sessions = []
         self.proc.terminate()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        for p in sessions:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(sessions, timeout=10)
 
 
 def free_port(address: str = "127.0.0.1") -> int:
