@@ -37,6 +37,9 @@ DEFAULT_INIT_TIMEOUT_SECONDS = 120.0
 # How a rank ends when our own stop reaches it (SIGTERM, then SIGKILL after the grace).
 _OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL)
 
+# How often a call with no deadline wakes to re-check its clocks; waking changes nothing else.
+IDLE_WAKE_SECONDS = 3600.0
+
 _group_ids = itertools.count(1)
 _call_ids = itertools.count(1)
 _blob_ids = itertools.count(1)
@@ -87,6 +90,10 @@ def rebuild_exception(msg: dict[str, Any]) -> BaseException:
     if msg.get("traceback"):
         exc.__cause__ = RemoteTraceback(msg["traceback"])
     return exc
+
+
+def _passed(when: float | None, now: float) -> bool:
+    return when is not None and now >= when
 
 
 def _is_collateral(exc: BaseException) -> bool:
@@ -178,11 +185,13 @@ class RankGroup:
         try:
             while any(o.status == "pending" for o in outcomes.values()):
                 now = time.monotonic()
-                wait_until = min(d for d in (deadline, init_deadline, now + 3600) if d is not None)
+                wait_until = min(d for d in (deadline, init_deadline, now + IDLE_WAKE_SECONDS) if d is not None)
                 try:
                     node_rank, msg = self.session.events.get(timeout=max(0.0, wait_until - now))
                 except queue.Empty:
                     now = time.monotonic()
+                    if not _passed(deadline, now) and not _passed(init_deadline, now):
+                        continue  # a rank that trains silently for hours is still a running rank
                     if deadline is not None and now >= deadline:
                         running = sorted(r for r, o in outcomes.items() if o.status == "pending")
                         err = TimeoutError(f"{label}: the call timed out (timeout_seconds); ranks {running} were "
@@ -211,6 +220,10 @@ class RankGroup:
             raise
         if failures:
             raise self._error(label, failures, aborted_at)
+        unfinished = sorted(r for r, o in outcomes.items() if o.status != "completed")
+        if unfinished:  # never a silent None: a call succeeds only when every rank returned
+            raise RuntimeError(f"{label}: ranks {unfinished} ended without a result or a recorded cause "
+                               f"(a skytasks bug; please report it)")
         return [outcomes[r].value for r in sorted(outcomes)]
 
     def _handle(self, node_rank, msg, call_id, outcomes, failures, observer) -> None:

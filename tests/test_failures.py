@@ -288,3 +288,17 @@ def test_a_cancelled_flow_run_stops_every_rank(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def silent_for_a_while() -> int:
+    time.sleep(2.5)  # no output, no report: nothing reaches the controller until the result
+    return rank_info().rank + 100
+
+
+def test_a_rank_silent_longer_than_the_idle_wake_still_returns_its_result(monkeypatch):
+    """The controller wakes every IDLE_WAKE_SECONDS with nothing to hear (an hour in production);
+    waking must never end the call, let alone as a success full of None."""
+    import skytasks.lifecycle as lifecycle
+
+    monkeypatch.setattr(lifecycle, "IDLE_WAKE_SECONDS", 0.3)
+    assert distributed_task(silent_for_a_while, pool=GPUPool(nodes=2), init_torch=False)() == [100, 101]
