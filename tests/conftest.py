@@ -31,6 +31,12 @@ def skytasks_processes() -> list[psutil.Process]:
     return found
 
 
+def started_here() -> list[psutil.Process]:
+    """Node agents and ranks that this test process started and that still run."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    return [p for p in skytasks_processes() if p.pid in mine]
+
+
 def orphaned_test_sshd() -> list[psutil.Process]:
     """sshd processes started during this test session that no test server owns any more: a
     session whose listener is gone (its parent is then init, not sshd or this process)."""

@@ -16,7 +16,7 @@ import pytest
 from blocks import GPUPool
 from skytasks import DistributedTaskError, distributed_task, rank_info
 from skytasks.errors import PoolConfigError
-from tests.conftest import skytasks_processes
+from tests.conftest import started_here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def test_explicit_nccl_on_ranks_without_a_gpu_is_refused_before_anything_starts(
     with pytest.raises(PoolConfigError) as err:
         task()
     assert "nodes=2 x procs_per_node=1" in str(err.value) and "have no GPU" in str(err.value)
-    assert skytasks_processes() == []  # no agent was ever started
+    assert started_here() == []  # no agent was ever started
 
 
 def test_explicit_nccl_on_a_shared_gpu_is_refused_naming_the_layout(monkeypatch):
@@ -52,7 +52,7 @@ def test_explicit_nccl_on_a_shared_gpu_is_refused_naming_the_layout(monkeypatch)
     task = distributed_task(device_report, pool=GPUPool(nodes=2), backend="nccl")
     with pytest.raises(PoolConfigError, match=r"ranks \[0, 1\] would share GPU 0 on this machine"):
         task()
-    assert skytasks_processes() == []
+    assert started_here() == []
 
 
 def raise_gpu_oom() -> None:
@@ -130,3 +130,31 @@ def test_agent_starts_when_skytasks_is_importable_only_through_the_controllers_s
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"(0, '{checkout}/skytasks/__init__.py')" in proc.stdout
     assert f"(1, '{checkout}/skytasks/__init__.py')" in proc.stdout
+
+
+def placement() -> dict:
+    import torch.distributed as dist
+
+    return {"device": rank_info().device, "backend": dist.get_backend(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def test_ranks_that_would_share_a_gpu_run_gloo_and_the_call_says_so_once(monkeypatch, capsys):
+    """As on a 1-GPU machine (the controller is told GPU 0 is visible; this machine has no CUDA, so
+    the ranks only carry the placement): two nodes share GPU 0, so auto picks gloo, once said."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    pool = GPUPool(nodes=2)
+    task = distributed_task(placement, pool=pool)
+    with pool:
+        first = task()
+        second = task()  # the same warm group: not said again
+    assert first == second == [{"device": "cuda:0", "backend": "gloo", "visible": "0"}] * 2
+    err = capsys.readouterr().err
+    assert err.count("using gloo, not nccl: ranks [0, 1] would share GPU 0 on this machine") == 1, err
+
+
+def test_with_a_gpu_each_local_nodes_see_their_own_slice(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
+    results = distributed_task(placement, pool=GPUPool(nodes=2, procs_per_node=2), backend="gloo")()
+    assert [r["visible"] for r in results] == ["2,3", "2,3", "5,7", "5,7"]
+    assert [r["device"] for r in results] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]  # = LOCAL_RANK

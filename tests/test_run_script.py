@@ -19,7 +19,7 @@ from blocks import GPUPool
 from skytasks import DistributedTaskError, distributed_task
 from skytasks.errors import PoolConfigError, ScriptFailed
 from skytasks.script import ScriptResult, run_script
-from tests.conftest import skytasks_processes
+from tests.conftest import skytasks_processes, started_here
 from tests.sshd import SSHServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +184,7 @@ def test_bad_input_names_the_argument_before_anything_starts(case, project, tmp_
                        r"^workdir: .* over the 1 MB limit .* Largest entries: data/ \(1\.5 MB\)")
     with pytest.raises(PoolConfigError, match=match):
         call()
-    assert skytasks_processes() == []
+    assert started_here() == []
 
 
 def test_gitignored_files_and_dot_git_stay_behind(project):
