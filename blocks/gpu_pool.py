@@ -144,7 +144,7 @@ def train(epochs: int = 3) -> dict:
         provider = provider_for(self)
         if starting is not None:  # lets a cancelled `async with` abort a launch in progress
             starting["provider"] = provider
-        session = PoolSession(provider, self.procs_per_node, dict(self.env))
+        session = PoolSession(provider, self.procs_per_node, {**aws_environment(self.aws_credentials), **self.env})
         emit("skytasks.pool.up", pool_resource(self.display_name),
              payload={"provider": self.provider, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
                       "addresses": [n.link.address for n in session.nodes]})
@@ -259,6 +259,21 @@ def train(epochs: int = 3) -> dict:
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
+
+
+def aws_environment(creds: AwsCredentials) -> dict[str, str]:
+    """The pool's AWS credentials as the standard variables boto3 reads on a rank (for
+    `skytasks.Checkpointer("s3://...")` and the user's own boto3 calls). Only what is set: an
+    unset block leaves the node's own chain (an instance profile) in charge. Never logged."""
+    secret = creds.aws_secret_access_key
+    values = {
+        "AWS_ACCESS_KEY_ID": creds.aws_access_key_id,
+        "AWS_SECRET_ACCESS_KEY": secret.get_secret_value() if secret is not None else None,
+        "AWS_SESSION_TOKEN": creds.aws_session_token,
+        "AWS_DEFAULT_REGION": creds.region_name,
+        "AWS_ENDPOINT_URL": creds.aws_client_parameters.endpoint_url if creds.aws_client_parameters else None,
+    }
+    return {k: str(v) for k, v in values.items() if v}
 
 
 def active_pool() -> GPUPool | None:

@@ -15,6 +15,7 @@ _EXPORTS = {
     "DistributedTaskError": "skytasks.errors",
     "RankProcessDied": "skytasks.errors",
     "RemoteRankError": "skytasks.errors",
+    "Checkpointer": "skytasks.checkpoint",
     "PoolConfigError": "skytasks.errors",
     "PoolStartError": "skytasks.errors",
     "ScriptFailed": "skytasks.errors",
@@ -34,6 +35,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from skytasks.errors import (DistributedTaskError, PoolConfigError, PoolStartError, RankProcessDied,
                                  RemoteRankError, ScriptFailed)
+    from skytasks.checkpoint import Checkpointer
     from skytasks.script import ScriptResult, run_script
     from skytasks.output import silent, stderr, stdout
     from skytasks.rank import RankInfo, rank_info

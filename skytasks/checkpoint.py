@@ -1,0 +1,193 @@
+"""`Checkpointer(path, keep=3)`: save on the head, resume on every rank, never a half-written file.
+
+`path` is a directory or `s3://bucket/prefix`. A checkpoint is one object named by its step,
+`step-000000000042.pt`, holding what `torch.save` wrote:
+- in a directory it is written under a temporary name, flushed to disk, then renamed into place,
+  so a save killed mid-write leaves only a temporary file, which is never read;
+- on S3 it is one PutObject (S3 shows an object whole or not at all), with boto3's default
+  credential chain: the node's instance profile, or the environment a pool gives its ranks.
+
+The resume pattern, with `retries=` on the task: on attempt 1 nothing is found and training starts
+at step 0; on a later attempt every rank gets the newest checkpoint and goes on from the step after.
+
+    ckpt = Checkpointer("s3://my-bucket/runs/gpt", keep=3)
+    found = ckpt.load_latest()
+    start = 0 if found is None else found[0] + 1
+    if found: model.load_state_dict(found[1]["model"])
+    for step in range(start, steps):
+        ...
+        ckpt.save({"model": model.state_dict()}, step)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import Any
+
+_NAME = re.compile(r"^step-(\d{12})\.pt$")
+
+
+def _name(step: int) -> str:
+    return f"step-{step:012d}.pt"
+
+
+class Checkpointer:
+    def __init__(self, path: str | os.PathLike, keep: int = 3):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep: must be an integer ≥ 1, got {keep!r}")
+        text = os.fspath(path)
+        if not text:
+            raise ValueError("path: give a directory or s3://bucket/prefix")
+        self.path, self.keep = text, keep
+        if text.startswith("s3://"):
+            bucket, _, prefix = text[len("s3://"):].partition("/")
+            if not bucket:
+                raise ValueError(f"path: {text!r} names no bucket (s3://bucket/prefix)")
+            self._store: _Store = _S3Store(bucket, prefix.strip("/"))
+        else:
+            self._store = _DirectoryStore(os.path.abspath(os.path.expanduser(text)))
+
+    def save(self, state: Any, step: int) -> str | None:
+        """On the head: write atomically and keep the newest `keep`. Elsewhere: nothing (None)."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: must be an integer ≥ 0, got {step!r}")
+        if not _is_head():
+            return None
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        where = self._store.put(_name(step), buf.getbuffer())
+        for old in sorted(self.steps())[:-self.keep]:
+            self._store.delete(_name(old))
+        return where
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints there, oldest first."""
+        return sorted(int(m.group(1)) for n in self._store.names() if (m := _NAME.match(n)))
+
+    def load_latest(self, map_location: Any = "cpu") -> tuple[int, Any] | None:
+        """`(step, state)` of the newest complete checkpoint, or None; the same on every rank
+        (inside a process group the head reads and broadcasts, so a directory on the head's
+        node alone serves every node)."""
+        import torch
+
+        group = _process_group_world()
+        found = None
+        if group is None or _is_head():
+            steps = self.steps()
+            if steps:
+                data = self._store.get(_name(steps[-1]))
+                found = (steps[-1], torch.load(io.BytesIO(data), map_location=map_location, weights_only=False))
+        if group is not None:
+            import torch.distributed as dist
+
+            box = [found]
+            dist.broadcast_object_list(box, src=0)
+            found = box[0]
+        return found
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.path!r}, keep={self.keep})"
+
+
+def _is_head() -> bool:
+    from skytasks.rank import in_rank, rank_info
+
+    return not in_rank() or rank_info().is_head
+
+
+def _process_group_world() -> int | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_world_size()
+    return None
+
+
+class _Store:
+    def put(self, name: str, data: memoryview) -> str: ...
+    def get(self, name: str) -> bytes: ...
+    def names(self) -> list[str]: ...
+    def delete(self, name: str) -> None: ...
+
+
+class _DirectoryStore(_Store):
+    def __init__(self, root: str):
+        self.root = root
+
+    def put(self, name: str, data: memoryview) -> str:
+        os.makedirs(self.root, exist_ok=True)
+        final = os.path.join(self.root, name)
+        tmp = os.path.join(self.root, f".{name}.{os.getpid()}.partial")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)  # atomic: the name appears only with the whole content
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        try:  # the rename itself survives a power cut only once the directory is flushed
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+        return final
+
+    def get(self, name: str) -> bytes:
+        with open(os.path.join(self.root, name), "rb") as f:
+            return f.read()
+
+    def names(self) -> list[str]:
+        try:
+            return os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+
+    def delete(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.root, name))
+        except FileNotFoundError:
+            pass
+
+
+class _S3Store(_Store):
+    def __init__(self, bucket: str, prefix: str):
+        import boto3
+
+        self.bucket, self.prefix = bucket, prefix
+        self._s3 = boto3.client("s3")  # the default chain: instance profile, or the rank's environment
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def put(self, name: str, data: memoryview) -> str:
+        # One PutObject: S3 never shows a partial object. (boto3's multipart upload would be
+        # needed past 5 GB; it too completes atomically.)
+        self._s3.upload_fileobj(io.BytesIO(data), self.bucket, self._key(name))
+        return f"s3://{self.bucket}/{self._key(name)}"
+
+    def get(self, name: str) -> bytes:
+        return self._s3.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+
+    def names(self) -> list[str]:
+        start = f"{self.prefix}/" if self.prefix else ""
+        names = []
+        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+            names += [o["Key"][len(start):] for o in page.get("Contents", [])]
+        return [n for n in names if "/" not in n]
+
+    def delete(self, name: str) -> None:
+        self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
