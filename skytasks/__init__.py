@@ -16,6 +16,7 @@ _EXPORTS = {
     "RankProcessDied": "skytasks.errors",
     "RemoteRankError": "skytasks.errors",
     "Checkpointer": "skytasks.checkpoint",
+    "HangError": "skytasks.errors",
     "PoolConfigError": "skytasks.errors",
     "PoolStartError": "skytasks.errors",
     "ScriptFailed": "skytasks.errors",
@@ -33,7 +34,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from skytasks.errors import (DistributedTaskError, PoolConfigError, PoolStartError, RankProcessDied,
+    from skytasks.errors import (DistributedTaskError, HangError, PoolConfigError, PoolStartError, RankProcessDied,
                                  RemoteRankError, ScriptFailed)
     from skytasks.checkpoint import Checkpointer
     from skytasks.script import ScriptResult, run_script

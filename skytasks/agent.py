@@ -37,7 +37,10 @@ class RankProcess:
     def __init__(self, agent: NodeAgent, group: int, rank: int, env: dict[str, str]):
         self.group, self.rank = group, rank
         ctrl_read, ctrl_write = os.pipe()
-        full_env = {**os.environ, **env, "SKYTASKS_CTRL_FD": str(ctrl_write), "PYTHONUNBUFFERED": "1"}
+        # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).
+        self.stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
+        full_env = {**os.environ, **env, "SKYTASKS_CTRL_FD": str(ctrl_write), "PYTHONUNBUFFERED": "1",
+                    "SKYTASKS_STACK_FILE": self.stack_file}
         # A session of its own, so stopping a rank also stops its DataLoader workers and any
         # other children it made (killpg).
         self.proc = subprocess.Popen(
@@ -86,6 +89,32 @@ class RankProcess:
         self._agent.emit({"op": "exited", "group": self.group, "rank": self.rank, "returncode": code,
                           "at": exited_at})
 
+    def stack(self, wait: float = 0.5) -> str:
+        """Every thread's Python stack, innermost frame first, even while the rank is blocked
+        in a C++ collective: faulthandler dumps from its C signal handler, no GIL needed."""
+        try:
+            before = os.path.getsize(self.stack_file)
+        except OSError:
+            before = 0
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        deadline = time.monotonic() + wait
+        text = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                with open(self.stack_file, "rb") as f:
+                    f.seek(before)
+                    now = f.read().decode("utf-8", "replace")
+            except OSError:
+                continue
+            if now and now == text:
+                break  # written and no longer growing: the dump is whole
+            text = now
+        return text.strip()
+
     def stop(self) -> None:
         if self.proc.poll() is not None:
             return
@@ -109,6 +138,9 @@ class NodeAgent:
         self._ranks: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
+        import tempfile
+
+        self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # removed when the agent ends
 
     def emit(self, msg: dict[str, Any]) -> None:
         try:
@@ -120,6 +152,9 @@ class NodeAgent:
         # Nobody wants these ranks any more.
         print(f"skytasks agent: {why}; stopping this node's ranks", file=sys.stderr, flush=True)
         self.stop_ranks(grace=0.0)
+        import shutil
+
+        shutil.rmtree(self.scratch, ignore_errors=True)
         os._exit(0)
 
     def _send_heartbeats(self) -> None:
@@ -171,12 +206,17 @@ class NodeAgent:
             pass
         finally:
             self.stop_ranks(grace=TERM_GRACE_SECONDS)
+            import shutil
+
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _dispatch(self, op: str, msg: dict[str, Any]) -> None:
         if op == "spawn":
             self._spawn(msg)
         elif op == "call":
             self._forward(msg)
+        elif op == "stacks":
+            threading.Thread(target=self._send_stacks, args=(msg,), daemon=True).start()
         elif op == "stop":
             self.stop_ranks(grace=msg.get("grace", TERM_GRACE_SECONDS))
             self.emit({"op": "stopped", "group": msg.get("group")})
@@ -193,6 +233,21 @@ class NodeAgent:
                 self._ranks[spec["rank"]] = rp
                 started.append((spec["rank"], rp.proc.pid))
         self.emit({"op": "spawned", "group": group, "pids": started})
+
+    def _send_stacks(self, msg: dict[str, Any]) -> None:
+        ranks = [rp for rp in list(self._ranks.values()) if rp.group == msg.get("group")]
+        results: dict[int, str] = {}
+
+        def one(rp: RankProcess) -> None:
+            results[rp.rank] = rp.stack()
+
+        threads = [threading.Thread(target=one, args=(rp,), daemon=True) for rp in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=2.0)
+        for rank, text in sorted(results.items()):
+            self.emit({"op": "stack", "group": msg.get("group"), "rank": rank, "stack": text})
 
     def _forward(self, msg: dict[str, Any]) -> None:
         # Encode once, write the same bytes to every local rank: the payload crosses the

@@ -41,6 +41,7 @@ class CallOptions:
     retries: int
     retry_delay_seconds: float
     workdir: Path | None = None
+    hang_timeout_seconds: float | None = None
 
 
 _INSTALLED_ROOTS = tuple(
@@ -204,7 +205,8 @@ def run_call(
         for attempt in range(1, options.retries + 2):
             observer = observer_for_attempt(attempt, world)
             try:
-                return session.call(payload, spec, attempt=attempt, deadline=deadline, observer=observer, label=options.label)
+                return session.call(payload, spec, attempt=attempt, deadline=deadline, observer=observer,
+                                    label=options.label, hang_timeout=options.hang_timeout_seconds)
             except DistributedTaskError as err:
                 timed_out = any(isinstance(e, TimeoutError) for e in err.exceptions)
                 if attempt > options.retries or (deadline is not None and timed_out):
@@ -233,6 +235,12 @@ class ConsoleObserver:
 
     def on_notice(self, text: str) -> None:
         print(f"[skytasks] {text}", file=sys.stderr, flush=True)
+
+    def on_stacks(self, stacks: dict[int, str], why: str) -> None:
+        from skytasks.stacks import where
+
+        for rank, stack in sorted(stacks.items()):
+            print(f"[rank {rank}] was {where(stack) or 'somewhere unreadable'} ({why})", file=sys.stderr, flush=True)
 
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
         shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())

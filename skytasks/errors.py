@@ -111,3 +111,16 @@ class ScriptFailed(ChildProcessError):
 
     def __reduce__(self):
         return type(self), (self.rank, self.exit_code, self.stderr_tail, self.recorded)
+
+
+class HangError(TimeoutError):
+    """With `hang_timeout_seconds`: no rank wrote output, reported or finished for that long.
+    Names the stuck rank and where it was; its whole stack is in `.stack` and its task-run log."""
+
+    def __init__(self, rank: int, seconds: float, where: str = "", stack: str = ""):
+        self.rank, self.seconds, self.where, self.stack = rank, seconds, where, stack
+        text = f"rank {rank} hung: no rank wrote output, reported or finished for {seconds:g}s"
+        super().__init__(text + (f"; rank {rank} was {where}" if where else "; its stack could not be read"))
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.seconds, self.where, self.stack)

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 
-from skytasks.errors import (DistributedTaskError, RankFailure, RankProcessDied, RemoteRankError,
+from skytasks.errors import (DistributedTaskError, HangError, RankFailure, RankProcessDied, RemoteRankError,
                              RemoteTraceback)
 from skytasks.channel import broadcast
 from skytasks.devices import choose_backend, device_environment, place_ranks
 from skytasks.serialization import Blob, loads_out_of_band, same_blob, snapshot
 from skytasks.rank import rank_environment
+from skytasks.stacks import where
 from skytasks.workdir import WorkdirRequest
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ DEFAULT_INIT_TIMEOUT_SECONDS = 120.0
 
 # How a rank ends when our own stop reaches it (SIGTERM, then SIGKILL after the grace).
 _OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL)
+
+# What shows a call is not hung (with hang_timeout_seconds): a rank starting, writing or finishing.
+_SIGNS_OF_PROGRESS = frozenset({"output", "log", "report", "result", "ready", "joining"})
 
 # How often a call with no deadline wakes to re-check its clocks; waking changes nothing else.
 IDLE_WAKE_SECONDS = 3600.0
@@ -53,6 +57,7 @@ class CallObserver(Protocol):
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None: ...
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None: ...
     def on_notice(self, text: str) -> None: ...
+    def on_stacks(self, stacks: dict[int, str], why: str) -> None: ...
 
 
 @dataclass
@@ -151,7 +156,8 @@ class RankGroup:
                 common["SKYTASKS_WORKDIR"] = workdir_on_nodes
             node.send({"op": "spawn", "group": self.id, "ranks": ranks, "env": common})
 
-    def run(self, payload: Any, attempt: int, deadline: float | None, observer: CallObserver, label: str) -> list[Any]:
+    def run(self, payload: Any, attempt: int, deadline: float | None, observer: CallObserver, label: str,
+            hang_timeout: float | None = None) -> list[Any]:
         call_id = next(_call_ids)
         outcomes = {r: RankOutcome(rank=r, node_rank=n, node_addr=a, device=self.devices[r])
                     for r, (n, a) in self.placement.items()}
@@ -182,14 +188,20 @@ class RankGroup:
             init_deadline = time.monotonic() + 3 * self.spec.init_timeout_seconds
         failures: list[RankFailure] = []
         aborted_at: float | None = None
+        last_heard = time.monotonic()  # output, a report or a result from any rank
         try:
             while any(o.status == "pending" for o in outcomes.values()):
                 now = time.monotonic()
-                wait_until = min(d for d in (deadline, init_deadline, now + IDLE_WAKE_SECONDS) if d is not None)
+                hang_at = None if hang_timeout is None or failures else last_heard + hang_timeout
+                wait_until = min(d for d in (deadline, init_deadline, hang_at, now + IDLE_WAKE_SECONDS) if d is not None)
                 try:
                     node_rank, msg = self.session.events.get(timeout=max(0.0, wait_until - now))
                 except queue.Empty:
                     now = time.monotonic()
+                    if _passed(hang_at, now) and not _passed(deadline, now):
+                        self._fail_hung(call_id, outcomes, failures, observer, hang_timeout)  # type: ignore[arg-type]
+                        aborted_at = self._abort(outcomes, observer, "the call hung")
+                        break
                     if not _passed(deadline, now) and not _passed(init_deadline, now):
                         continue  # a rank that trains silently for hours is still a running rank
                     if deadline is not None and now >= deadline:
@@ -204,12 +216,17 @@ class RankGroup:
                 if msg.get("group", self.id) != self.id:
                     continue  # late news from a group already discarded
                 self._handle(node_rank, msg, call_id, outcomes, failures, observer)
+                if msg["op"] in _SIGNS_OF_PROGRESS:
+                    last_heard = time.monotonic()
                 if init_deadline is not None and len(self.ready) == self.world_size:
                     init_deadline = None
                 elif init_deadline is not None and msg["op"] == "joining" and len(self.joining) == 1:
                     init_deadline = min(init_deadline, time.monotonic() + self.spec.init_timeout_seconds)
                 if failures and aborted_at is None:
                     first = failures[0]
+                    # Where every other rank was, into its log, before it is stopped.
+                    stacks = self._collect_stacks(call_id, outcomes, failures, observer, wait=1.0)
+                    observer.on_stacks(stacks, f"stopped because rank {first.rank} failed")
                     aborted_at = self._abort(outcomes, observer, f"rank {first.rank} failed")
             if aborted_at is not None:
                 self._drain_after_abort(call_id, outcomes, failures, observer)
@@ -270,6 +287,37 @@ class RankGroup:
         failures.append(o.failure)
         observer.on_rank_done(o.rank, o)
 
+    def _collect_stacks(self, call_id, outcomes, failures, observer, wait: float) -> dict[int, str]:
+        """Every running rank's stack (asked of the agents), while still handling what arrives."""
+        wanted = {r for r, o in outcomes.items() if o.status == "pending"}
+        stacks: dict[int, str] = {}
+        if not wanted:
+            return stacks
+        for node in self.session.nodes:
+            node.send({"op": "stacks", "group": self.id})
+        until = time.monotonic() + wait
+        while wanted - set(stacks) and time.monotonic() < until:
+            try:
+                node_rank, msg = self.session.events.get(timeout=max(0.0, until - time.monotonic()))
+            except queue.Empty:
+                break
+            if msg.get("group", self.id) != self.id:
+                continue
+            if msg["op"] == "stack":
+                if msg["rank"] in wanted and msg["stack"]:
+                    stacks[msg["rank"]] = msg["stack"]
+                continue
+            self._handle(node_rank, msg, call_id, outcomes, failures, observer)
+        return stacks
+
+    def _fail_hung(self, call_id, outcomes, failures, observer, hang_timeout: float) -> None:
+        stacks = self._collect_stacks(call_id, outcomes, failures, observer, wait=2.0)
+        observer.on_stacks(stacks, f"no rank wrote output, reported or finished for {hang_timeout:g}s")
+        for o in outcomes.values():
+            if o.status == "pending":
+                stack = stacks.get(o.rank, "")
+                self._fail(o, HangError(o.rank, hang_timeout, where(stack), stack), failures, observer, None)
+
     def _abort(self, outcomes, observer, reason: str) -> float:
         """Stop every rank of the group now; they never wait for a collective to time out."""
         self.broken = True
@@ -326,6 +374,9 @@ class RankGroup:
         stopped = [f.rank for f in failures if f.collateral]
         if first.rank < 0:  # the call's own clock, not a rank
             msg = f"{label}: {first.exception}"
+        elif all(isinstance(f.exception, HangError) for f in members):
+            msg = (f"{label}: the call hung: ranks {[f.rank for f in members]} made no progress for "
+                   f"{first.exception.seconds:g}s (each rank's stack is in its log)")
         else:
             msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
         err = DistributedTaskError(msg, [f.exception for f in members],

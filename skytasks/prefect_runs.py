@@ -167,6 +167,17 @@ class RankRuns:
     def on_notice(self, text: str) -> None:
         self._parent_logger.warning("[skytasks] %s", text)
 
+    def on_stacks(self, stacks: dict[int, str], why: str) -> None:
+        """Each rank's whole stack into its own run's log; a row per rank in one artifact."""
+        from skytasks.stacks import user_frame, where
+
+        for rank, stack in sorted(stacks.items()):
+            self.runs[rank].log(logging.WARNING, f"stack ({why}), innermost frame first:\n{stack}")
+        rows = [{"rank": r, "where": where(st), "user frame": user_frame(st)} for r, st in sorted(stacks.items())]
+        if rows:
+            create_table_artifact(rows, key=_artifact_key(self.record.label, "stacks"),
+                                  description=f"{self.record.label}: where each rank was ({why})")
+
     def close(self, reason: str) -> list[RankOutcome]:
         """Whatever happened, every rank run ends before the parent does."""
         for r, run in self.runs.items():

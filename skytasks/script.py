@@ -133,7 +133,8 @@ def script_command(script: str, args: Iterable[Any], module: bool, workdir: Path
 
 def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any = None, module: bool = False,
                workdir: str | os.PathLike | None = None, nodes: int | None = None, procs_per_node: int | None = None,
-               env: Mapping[str, str] | None = None, timeout_seconds: float | None = None, retries: int = 0,
+               env: Mapping[str, str] | None = None, timeout_seconds: float | None = None,
+               hang_timeout_seconds: float | None = None, retries: int = 0,
                retry_delay_seconds: float = 0, name: str | None = None, tags: Iterable[str] = ()) -> list[ScriptResult]:
     """Run `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) unchanged on every rank, with
     torchrun's environment; returns a `ScriptResult` per rank, in rank order.
@@ -159,7 +160,8 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
         raise PoolConfigError(f"retries: must be an integer ≥ 0, got {retries!r}")
     label = name or (str(script).rsplit(".", 1)[-1] if module else Path(script).stem)
     task = DistributedTask(run_on_rank, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
-                           timeout_seconds=timeout_seconds, retries=retries, retry_delay_seconds=retry_delay_seconds,
+                           timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
+                           retries=retries, retry_delay_seconds=retry_delay_seconds,
                            workdir=root, name=label, tags=tags)
     return task(command, dict(env or {}), retries, f"skytasks-{uuid.uuid4().hex[:12]}")
 

@@ -60,7 +60,7 @@ class PoolSession:
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
 
     def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
-             observer: CallObserver, label: str) -> list[Any]:
+             observer: CallObserver, label: str, hang_timeout: float | None = None) -> list[Any]:
         # One call at a time on a pool's ranks: two calls cannot share one process group.
         with self._lock:
             g = self.group
@@ -70,7 +70,7 @@ class PoolSession:
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
                 self.group = g = RankGroup(self, spec, node_dir)
             try:
-                return g.run(payload, attempt, deadline, observer, label)
+                return g.run(payload, attempt, deadline, observer, label, hang_timeout)
             finally:
                 if g.broken:
                     self.group = None

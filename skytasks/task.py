@@ -12,15 +12,15 @@ from skytasks.rank import in_rank
 from skytasks.workdir import check_workdir
 
 _OPTION_NAMES = (
-    "pool", "nodes", "procs_per_node", "backend", "init_torch", "timeout_seconds",
+    "pool", "nodes", "procs_per_node", "backend", "init_torch", "timeout_seconds", "hang_timeout_seconds",
     "retries", "retry_delay_seconds", "workdir", "name", "tags",
 )
 
 
 class DistributedTask:
     def __init__(self, fn: Callable, *, pool=None, nodes=None, procs_per_node=None, backend=None,
-                 init_torch=True, timeout_seconds=None, retries=0, retry_delay_seconds=0, workdir=None, name=None,
-                 tags=()):
+                 init_torch=True, timeout_seconds=None, hang_timeout_seconds=None, retries=0, retry_delay_seconds=0,
+                 workdir=None, name=None, tags=()):
         if not callable(fn):
             raise TypeError(f"distributed_task: expected a function, got {type(fn).__qualname__}")
         for field, value in (("nodes", nodes), ("procs_per_node", procs_per_node)):
@@ -28,6 +28,8 @@ class DistributedTask:
                 raise PoolConfigError(f"{field}: must be an integer ≥ 1, got {value!r}")
         if timeout_seconds is not None and not timeout_seconds > 0:
             raise PoolConfigError(f"timeout_seconds: must be > 0 or None, got {timeout_seconds!r}")
+        if hang_timeout_seconds is not None and not hang_timeout_seconds > 0:
+            raise PoolConfigError(f"hang_timeout_seconds: must be > 0 or None, got {hang_timeout_seconds!r}")
         if not isinstance(retries, int) or retries < 0:
             raise PoolConfigError(f"retries: must be an integer ≥ 0, got {retries!r}")
         if retry_delay_seconds < 0:
@@ -40,6 +42,7 @@ class DistributedTask:
         self.workdir = workdir
         self.pool, self.nodes, self.procs_per_node = pool, nodes, procs_per_node
         self.backend, self.init_torch, self.timeout_seconds = backend, bool(init_torch), timeout_seconds
+        self.hang_timeout_seconds = hang_timeout_seconds
         self.retries, self.retry_delay_seconds = retries, retry_delay_seconds
         self.name = name or getattr(fn, "__name__", "distributed_task")
         self.tags = tuple(tags)
@@ -78,6 +81,7 @@ class DistributedTask:
             label=self.name, backend=self.backend, init_torch=self.init_torch,
             timeout_seconds=self.timeout_seconds, retries=self.retries,
             retry_delay_seconds=self.retry_delay_seconds, workdir=check_workdir(self.workdir),
+            hang_timeout_seconds=self.hang_timeout_seconds,
         )
         from prefect.context import FlowRunContext
 
@@ -96,12 +100,12 @@ class DistributedTask:
 
 
 def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs_per_node=None, backend=None,
-                     init_torch=True, timeout_seconds=None, retries=0, retry_delay_seconds=0, workdir=None,
-                     name=None, tags: Iterable[str] = ()) -> Any:
+                     init_torch=True, timeout_seconds=None, hang_timeout_seconds=None, retries=0,
+                     retry_delay_seconds=0, workdir=None, name=None, tags: Iterable[str] = ()) -> Any:
     """Fan a function out to every rank of a pool; returns every rank's result in rank order."""
     options = dict(pool=pool, nodes=nodes, procs_per_node=procs_per_node, backend=backend, init_torch=init_torch,
-                   timeout_seconds=timeout_seconds, retries=retries, retry_delay_seconds=retry_delay_seconds,
-                   workdir=workdir, name=name, tags=tuple(tags))
+                   timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds, retries=retries,
+                   retry_delay_seconds=retry_delay_seconds, workdir=workdir, name=name, tags=tuple(tags))
     if fn is None:
         return lambda f: DistributedTask(f, **options)
     return DistributedTask(fn, **options)

@@ -223,8 +223,23 @@ def _enter_workdir() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
 
 
+def _dump_stacks_on_request() -> None:
+    """SIGUSR1 makes faulthandler write every thread's stack to the agent's file for this rank."""
+    import faulthandler
+
+    path = os.environ.get("SKYTASKS_STACK_FILE")
+    if path:
+        global _STACK_FILE
+        _STACK_FILE = open(path, "a")  # kept open: faulthandler writes to its descriptor
+        faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True, chain=False)
+
+
+_STACK_FILE: Any = None
+
+
 def main() -> None:
     _die_with_parent()
+    _dump_stacks_on_request()
     out = FrameWriter(os.fdopen(int(os.environ["SKYTASKS_CTRL_FD"]), "wb"))
     inbound = os.fdopen(os.dup(0), "rb")
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -1,0 +1,59 @@
+"""Rank stacks: what faulthandler wrote, and the one line a person wants from it.
+
+A rank dumps every thread's stack, innermost frame first, when its agent sends SIGUSR1 (it works
+while the rank is blocked inside a C++ collective). The controller asks for them when a call hangs
+and when fail-fast stops the ranks that did not fail, and names where each rank was: the innermost
+frame of the thread running the user's function, and the user's own frame that led there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_LIBRARY_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep,
+                    os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep)
+_SKYTASKS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _threads(stack: str) -> list[list[tuple[str, int, str]]]:
+    threads: list[list[tuple[str, int, str]]] = []
+    for line in stack.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            threads.append([])
+        elif (m := _FRAME.match(line)) and threads:
+            threads[-1].append((m["file"], int(m["line"]), m["func"]))
+    return threads
+
+
+def _is_user_file(path: str) -> bool:
+    return not (any(marker in path for marker in _LIBRARY_MARKERS) or path.startswith(_SKYTASKS_DIR)
+                or "/skytasks/" in path.replace(os.sep, "/") or path.startswith("<"))
+
+
+def where(stack: str) -> str:
+    """'in `barrier` (distributed_c10d.py:4807), called from train.py:42 in `train`', or ''."""
+    threads = _threads(stack)
+    # The thread that runs the user's call: the one whose stack passes through skytasks.worker.
+    main = next((t for t in threads if any(f.endswith("worker.py") and fn == "_run_call" for f, _, fn in t)),
+                threads[0] if threads else [])
+    if not main:
+        return ""
+    file, line, func = main[0]
+    text = f"in `{func}` ({os.path.basename(file)}:{line})"
+    user = next(((f, ln, fn) for f, ln, fn in main if _is_user_file(f)), None)
+    if user is not None and user != main[0]:
+        text += f", called from {os.path.basename(user[0])}:{user[1]} in `{user[2]}`"
+    return text
+
+
+def user_frame(stack: str) -> str:
+    """The innermost frame of the user's own code, as `file:line in func`, or ''."""
+    for thread in _threads(stack):
+        if any(f.endswith("worker.py") and fn == "_run_call" for f, _, fn in thread):
+            for f, ln, fn in thread:
+                if _is_user_file(f):
+                    return f"{os.path.basename(f)}:{ln} in {fn}"
+    return ""

@@ -1,0 +1,100 @@
+"""Hangs are shown and stopped: every rank's stack where people look, and a HangError in seconds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+
+from blocks import GPUPool
+from skytasks import DistributedTaskError, HangError, distributed_task, rank_info
+from tests.conftest import started_here
+
+HANG = 8
+
+
+def one_waits_in_barrier_the_other_sleeps() -> None:
+    import torch.distributed as dist
+
+    if rank_info().rank == 0:
+        dist.barrier()  # rank 1 never gets here
+    else:
+        time.sleep(600)
+
+
+def test_a_hang_fails_the_call_naming_where_each_rank_is(capsys):
+    task = distributed_task(one_waits_in_barrier_the_other_sleeps, pool=GPUPool(nodes=2), hang_timeout_seconds=HANG)
+    started = time.monotonic()
+    with pytest.raises(DistributedTaskError) as caught:
+        task()
+    took = time.monotonic() - started
+    assert took < 30, took
+    members = {e.rank: e for e in caught.value.exceptions}
+    assert sorted(members) == [0, 1] and all(isinstance(e, HangError) and isinstance(e, TimeoutError)
+                                             for e in members.values())
+    assert "in `barrier`" in str(members[0]) and "one_waits_in_barrier_the_other_sleeps" in str(members[0])
+    assert "in `one_waits_in_barrier_the_other_sleeps`" in str(members[1])  # asleep in the user's own frame
+    assert "barrier" in members[0].stack and "Thread 0x" in members[0].stack
+    assert "the call hung" in str(caught.value)
+    err = capsys.readouterr().err
+    assert "[rank 0] was in `barrier`" in err
+    assert started_here() == []
+
+
+def hang_after_printing() -> None:
+    print("started", flush=True)
+    one_waits_in_barrier_the_other_sleeps()
+
+
+def fail_fast_with_a_collateral_rank() -> None:
+    import torch.distributed as dist
+
+    if rank_info().rank == 1:
+        time.sleep(1.0)
+        raise ValueError("rank 1 gives up")
+    dist.barrier()
+
+
+def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast():
+    hang = distributed_task(hang_after_printing, pool=GPUPool(nodes=2), hang_timeout_seconds=HANG, name="hangs")
+    fails = distributed_task(fail_fast_with_a_collateral_rank, pool=GPUPool(nodes=2), name="fails")
+
+    @flow
+    def both():
+        for task in (hang, fails):
+            try:
+                task()
+            except DistributedTaskError:
+                pass
+
+    state = both(return_state=True)
+
+    async def logs_by_run():
+        async with get_client() as client:
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+            out = {}
+            for r in runs:
+                logs = await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[r.id])))
+                out[r.name] = "\n".join(entry.message for entry in logs)
+            artifacts = await client.read_artifacts()
+            return out, [a for a in artifacts if a.key == "hangs-stacks"]
+
+    import asyncio
+
+    deadline = time.monotonic() + 20
+    while True:
+        logs, artifacts = asyncio.run(logs_by_run())
+        ready = "barrier" in logs.get("fails[rank 0/2]", "") and "barrier" in logs.get("hangs[rank 0/2]", "")
+        if ready or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert "stack (no rank wrote output" in logs["hangs[rank 0/2]"] and "barrier" in logs["hangs[rank 0/2]"]
+    assert "hang_after_printing" in logs["hangs[rank 1/2]"]
+    # fail-fast: the collateral rank 0 was stopped in its barrier, and its log says so
+    assert "stack (stopped because rank 1 failed)" in logs["fails[rank 0/2]"]
+    assert "barrier" in logs["fails[rank 0/2]"]
+    assert artifacts and any("barrier" in str(a.data) for a in artifacts)
