@@ -7,6 +7,7 @@ heartbeat timeout; the agent at the far end applies the same rule to us and stop
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from typing import Any
@@ -15,6 +16,7 @@ from skytasks.providers import NodeLink, heartbeat_settings
 from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20
+_serials = itertools.count(1)
 
 
 class NodeChannel:
@@ -27,6 +29,8 @@ class NodeChannel:
         self._events = events
         self._lost_lock = threading.Lock()
         self.alive = True
+        self.serial = next(_serials)  # events say which channel they came from: a replaced
+        # node's old channel may still have news in the queue
         self.gpus: list[str] = []  # what the agent reported in its hello
         threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{link.node_rank}").start()
 
@@ -35,6 +39,7 @@ class NodeChannel:
             while True:
                 msg = read_frame(self.inbound)
                 if msg["op"] != "heartbeat":
+                    msg["channel"] = self.serial
                     self._events.put((self.link.node_rank, msg))
         except (ChannelClosed, OSError, ValueError) as exc:
             self.mark_lost(str(exc))
@@ -45,7 +50,7 @@ class NodeChannel:
             if not self.alive:
                 return
             self.alive = False
-        self._events.put((self.link.node_rank, {"op": "lost", "reason": reason}))
+        self._events.put((self.link.node_rank, {"op": "lost", "reason": reason, "channel": self.serial}))
 
     def send(self, msg: dict[str, Any]) -> None:
         self.send_encoded(encode(msg))

@@ -38,9 +38,9 @@ class PoolSession:
             self.close()
             raise
 
-    def _await_agents(self) -> None:
+    def _await_agents(self, nodes: list[NodeChannel] | None = None) -> None:
         """Every agent says hello, with the GPUs its node has, before a rank is placed."""
-        waiting = {n.link.node_rank: n for n in self.nodes}
+        waiting = {n.link.node_rank: n for n in (self.nodes if nodes is None else nodes)}
         _, timeout = heartbeat_settings()
         deadline = time.monotonic() + timeout
         while waiting:
@@ -50,8 +50,8 @@ class PoolSession:
                 late = ", ".join(f"node {r} ({n.link.address})" for r, n in sorted(waiting.items()))
                 raise PoolStartError(f"the node agent did not answer within {timeout:g}s on {late}") from None
             node = waiting.get(node_rank)
-            if node is None:
-                continue
+            if node is None or msg.get("channel", node.serial) != node.serial:
+                continue  # another node's news, or a replaced channel's
             if msg["op"] == "hello":
                 node.gpus = list(msg.get("gpus") or [])
                 del waiting[node_rank]
@@ -67,6 +67,7 @@ class PoolSession:
             if g is None or g.broken or g.spec != spec or not all(n.alive for n in self.nodes):
                 if g is not None and not g.broken:
                     g.close()
+                self._replace_lost_nodes(observer)
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
                 self.group = g = RankGroup(self, spec, node_dir)
             try:
@@ -74,6 +75,29 @@ class PoolSession:
             finally:
                 if g.broken:
                     self.group = None
+
+    def _replace_lost_nodes(self, observer: CallObserver) -> None:
+        """A lost node (its agent stream closed or fell silent) is replaced before the next group
+        starts: a full pool for every retry and every later call inside `with pool:`."""
+        lost = [n for n in self.nodes if not n.alive]
+        if not lost:
+            return
+        replace = getattr(self.provider, "replace", None)
+        if replace is None:
+            names = ", ".join(f"node {n.link.node_rank} ({n.link.address})" for n in lost)
+            raise PoolStartError(f"{names} lost, and this provider cannot replace a node")
+        fresh = []
+        for old in lost:
+            started = time.monotonic()
+            old.link.close()
+            new = NodeChannel(replace(old.link.node_rank), self.events)
+            self.nodes[old.link.node_rank] = new
+            keep_heartbeats([new], self._closed)
+            fresh.append((old, new, started))
+        self._await_agents([new for _, new, _ in fresh])
+        for old, new, started in fresh:
+            observer.on_notice(f"node {old.link.node_rank} ({old.link.address}) was lost; replaced by a new node "
+                               f"({new.link.address}) in {time.monotonic() - started:.2f}s")
 
     def _workdir_on_nodes(self, request: WorkdirRequest, observer: CallObserver) -> str:
         """Where the workdir is on every node, sent there first if it must travel."""

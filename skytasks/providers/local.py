@@ -16,46 +16,51 @@ LOOPBACK = "127.0.0.1"
 class LocalProvider:
     def __init__(self, pool):
         self._pool = pool
-        self._procs: list[subprocess.Popen] = []
+        self._procs: dict[int, subprocess.Popen] = {}  # node rank -> its agent
 
     def start(self) -> list[NodeLink]:
-        gpus = visible_gpus()
-        slices = split_local_gpus(gpus, self._pool.nodes, self._pool.procs_per_node)
+        self._gpus = visible_gpus()
+        self._slices = split_local_gpus(self._gpus, self._pool.nodes, self._pool.procs_per_node)
         # The agent needs the controller's import path as much as its ranks do: skytasks may be
         # importable here only through sys.path (a checkout, run from another directory).
         user_path = self._pool.env.get("PYTHONPATH")
-        path = os.pathsep.join(p for p in (user_path, _controller_path()) if p)
-        links = []
+        self._path = os.pathsep.join(p for p in (user_path, _controller_path()) if p)
         try:
-            for node_rank in range(self._pool.nodes):
-                env = {**os.environ, "PYTHONPATH": path}
-                if gpus:  # each node sees its own slice; LOCAL_RANK indexes into it, as torchrun's
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(slices[node_rank])
-                proc = subprocess.Popen(
-                    [sys.executable, *agent_args()],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    env=env,
-                    # A session of its own: Ctrl-C at the terminal reaches the controller only,
-                    # which then stops the ranks in order instead of everything dying at once.
-                    start_new_session=True,
-                )
-                self._procs.append(proc)
-                links.append(
-                    NodeLink(
-                        node_rank=node_rank,
-                        address=LOOPBACK,
-                        inbound=proc.stdout,  # type: ignore[arg-type]
-                        outbound=proc.stdin,  # type: ignore[arg-type]
-                        env={"PYTHONPATH": path},
-                        machine="this machine",
-                        close=lambda p=proc: _end(p),
-                    )
-                )
+            return [self._start_node(node_rank) for node_rank in range(self._pool.nodes)]
         except BaseException:
             self.stop()
             raise
-        return links
+
+    def replace(self, node_rank: int) -> NodeLink:
+        """A new agent for a node that was lost (its agent died or fell silent)."""
+        old = self._procs.pop(node_rank, None)
+        if old is not None:
+            _end(old)
+        return self._start_node(node_rank)
+
+    def _start_node(self, node_rank: int) -> NodeLink:
+        env = {**os.environ, "PYTHONPATH": self._path}
+        if self._gpus:  # each node sees its own slice; LOCAL_RANK indexes into it, as torchrun's
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._slices[node_rank])
+        proc = subprocess.Popen(
+            [sys.executable, *agent_args()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            # A session of its own: Ctrl-C at the terminal reaches the controller only,
+            # which then stops the ranks in order instead of everything dying at once.
+            start_new_session=True,
+        )
+        self._procs[node_rank] = proc
+        return NodeLink(
+            node_rank=node_rank,
+            address=LOOPBACK,
+            inbound=proc.stdout,  # type: ignore[arg-type]
+            outbound=proc.stdin,  # type: ignore[arg-type]
+            env={"PYTHONPATH": self._path},
+            machine="this machine",
+            close=lambda p=proc: _end(p),
+        )
 
     def free_port(self) -> int:
         # Chosen per rank group on loopback, never a fixed 29500: two pools (or a torchrun next
@@ -68,8 +73,8 @@ class LocalProvider:
         return str(request.root), None  # this machine has it: used in place
 
     def stop(self) -> None:
-        procs, self._procs = self._procs, []
-        for p in procs:
+        procs, self._procs = self._procs, {}
+        for p in procs.values():
             _end(p)
 
 

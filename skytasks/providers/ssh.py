@@ -214,6 +214,28 @@ class SSHNodes:
         hosts = [f"node {i} ({h})" for i, (_, h, _) in enumerate(self._login.targets)]
         return results[0].path, describe_sync(request.root, [(h, r.files_sent, r.bytes_sent) for h, r in zip(hosts, results)])
 
+    def replace(self, node_rank: int) -> NodeLink:
+        """A lost node again: a new connection and agent, or an error naming the host."""
+        from skytasks.errors import PoolStartError
+
+        user, host, port = self._login.targets[node_rank]
+
+        async def again() -> NodeLink:
+            try:
+                self._conns[node_rank].close()
+            except Exception:  # noqa: BLE001 - it is gone already
+                pass
+            try:
+                conn = await self._connect(user, host, port)
+            except Exception as exc:  # noqa: BLE001
+                raise PoolStartError(f"node {node_rank} ({host}:{port}) was lost and cannot be reached "
+                                     f"again: {exc}") from exc
+            self._conns[node_rank] = conn
+            bundle, digest = package_bundle()
+            return await self._start_agent(conn, node_rank, host, bundle, digest)
+
+        return self._run(again(), timeout=self._login.timeout)
+
     def free_port(self) -> int:
         python = self._login.python
         code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"

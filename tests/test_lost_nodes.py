@@ -1,0 +1,67 @@
+"""A lost node is replaced before the retry: the next attempt runs on a full pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from blocks import GPUPool
+from skytasks import DistributedTaskError, distributed_task, rank_info
+from skytasks.errors import PoolStartError
+
+
+def kill_my_agent_once(marker: str) -> dict:
+    import torch.distributed as dist
+
+    info = rank_info()
+    if info.rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(0.5)
+        os.kill(os.getppid(), signal.SIGKILL)  # the node agent: the whole node is gone
+        time.sleep(60)
+    dist.barrier()
+    return {"attempt": info.attempt, "agent": os.getppid()}
+
+
+def test_a_lost_local_node_is_replaced_and_the_retry_succeeds(capsys, tmp_path):
+    pool = GPUPool(nodes=2)
+    task = distributed_task(kill_my_agent_once, pool=pool, retries=1)
+    with pool:
+        agents_before = {n.link.node_rank: n for n in pool._session.nodes}
+        results = task(str(tmp_path / "killed"))
+        again = task(str(tmp_path / "killed"))  # the pool stays whole for later calls too
+    assert [r["attempt"] for r in results] == [2, 2]
+    assert [r["attempt"] for r in again] == [1, 1]
+    err = capsys.readouterr().err
+    assert "node 1 (127.0.0.1) was lost; replaced by a new node" in err
+    assert "lost the agent of node 1" in err  # the attempt's failure, as the retry line shows
+    assert results[1]["agent"] == again[1]["agent"] != 0
+    assert agents_before[1].alive is False
+
+
+def test_without_retries_the_loss_is_the_error(tmp_path):
+    with pytest.raises(DistributedTaskError) as caught:
+        distributed_task(kill_my_agent_once, pool=GPUPool(nodes=2))(str(tmp_path / "killed"))
+    [exc] = caught.value.exceptions
+    assert isinstance(exc, ConnectionError) and "node 1" in str(exc)
+
+
+def test_an_unreachable_ssh_host_is_named_when_it_cannot_be_replaced(tmp_path):
+    from tests.sshd import SSHServer, free_port
+
+    server = SSHServer(tmp_path / "sshd", ["127.0.0.1", "127.0.0.2"], free_port())
+    pool = GPUPool(provider="ssh", nodes=2, hosts=[f"root@127.0.0.1:{server.port}", f"root@127.0.0.2:{server.port}"],
+                   ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable)
+    task = distributed_task(kill_my_agent_once, pool=pool, retries=2)
+    try:
+        with pool:
+            assert [r["attempt"] for r in task(str(tmp_path / "killed"))] == [2, 2]  # reconnected
+            server.stop()  # the hosts are gone for good (and with them every session)
+            with pytest.raises(PoolStartError, match=r"node \d \(127\.0\.0\.\d:\d+\) was lost and cannot be reached"):
+                task(str(tmp_path / "killed"))
+    finally:
+        server.stop()
