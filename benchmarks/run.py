@@ -161,7 +161,7 @@ def ssh_dispatch(repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
-    parser.add_argument("--only", choices=["ssh"], help="run one figure and update results.json with it")
+    parser.add_argument("--only", choices=["ssh", "recovery"], help="run one figure and update results.json with it")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
     results: dict = {"machine": f"{os.cpu_count()} cores", "python": sys.version.split()[0]}
@@ -175,6 +175,19 @@ def main() -> None:
         if args.only:
             merged = json.loads(out.read_text()) if out.exists() else {}
             out.write_text(json.dumps({**merged, "ssh_dispatch": d}, indent=2))
+            print(f"\nupdated {out}")
+            return
+
+    if args.only is None or args.only == "recovery":
+        from recovery import recovery
+
+        results["recovery"] = r = recovery(repeats)
+        print("\n6. recovery on the local pool (median seconds)")
+        print(f"   a node is lost -> replaced, and the retry's ranks running: {r['lost_node_to_retry_running_s']:.2f}")
+        print(f"   hang detected -> the caller has the error: {r['hang_detected_to_error_s']:.2f}")
+        if args.only:
+            merged = json.loads(out.read_text()) if out.exists() else {}
+            out.write_text(json.dumps({**merged, "recovery": r}, indent=2))
             print(f"\nupdated {out}")
             return
 

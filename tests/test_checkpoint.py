@@ -51,15 +51,18 @@ def train_with_checkpoints(path: str, fail_at: int | None) -> dict:
             "weights": [round(v, 6) for v in model.module.weight.detach().flatten().tolist()]}
 
 
-def uninterrupted(tmp_path: Path) -> dict:
-    return distributed_task(train_with_checkpoints, pool=GPUPool(nodes=2))(str(tmp_path / "clean"), None)[0]
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The same training, never interrupted: what every resumed run must end with."""
+    where = tmp_path_factory.mktemp("clean")
+    return distributed_task(train_with_checkpoints, pool=GPUPool(nodes=2))(str(where), None)[0]
 
 
-def test_a_failed_attempt_resumes_from_the_newest_local_checkpoint(tmp_path):
+def test_a_failed_attempt_resumes_from_the_newest_local_checkpoint(tmp_path, uninterrupted):
     where = tmp_path / "ckpt"
     results = distributed_task(train_with_checkpoints, pool=GPUPool(nodes=2), retries=1)(str(where), 5)
     assert [(r["attempt"], r["started_at"]) for r in results] == [(2, 6), (2, 6)]
-    assert results[0]["weights"] == results[1]["weights"] == uninterrupted(tmp_path)["weights"]
+    assert results[0]["weights"] == results[1]["weights"] == uninterrupted["weights"]
     assert sorted(p.name for p in where.iterdir()) == [f"step-{s:012d}.pt" for s in (7, 8, 9)]  # keep=3
     assert Checkpointer(where).steps() == [7, 8, 9]
 
@@ -84,11 +87,11 @@ def s3():
     server.stop()
 
 
-def test_resume_from_s3_with_the_pools_aws_credentials(s3, tmp_path):
+def test_resume_from_s3_with_the_pools_aws_credentials(s3, uninterrupted):
     pool = GPUPool(nodes=2, aws_credentials=s3["creds"])
     results = distributed_task(train_with_checkpoints, pool=pool, retries=1)("s3://ckpts/runs/tiny", 5)
     assert [(r["attempt"], r["started_at"]) for r in results] == [(2, 6), (2, 6)]
-    assert results[0]["weights"] == uninterrupted(tmp_path)["weights"]
+    assert results[0]["weights"] == uninterrupted["weights"]
     keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket="ckpts", Prefix="runs/tiny/")["Contents"]]
     assert sorted(keys) == [f"runs/tiny/step-{s:012d}.pt" for s in (7, 8, 9)]
 

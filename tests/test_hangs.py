@@ -59,7 +59,7 @@ def fail_fast_with_a_collateral_rank() -> None:
 
 
 def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast():
-    hang = distributed_task(hang_after_printing, pool=GPUPool(nodes=2), hang_timeout_seconds=HANG, name="hangs")
+    hang = distributed_task(hang_after_printing, pool=GPUPool(nodes=2), hang_timeout_seconds=3, name="hangs")
     fails = distributed_task(fail_fast_with_a_collateral_rank, pool=GPUPool(nodes=2), name="fails")
 
     @flow
