@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone, no install needed
 
 from blocks import GPUPool  # noqa: E402
-from skytasks import distributed_task, rank_info, report, stdout  # noqa: E402
+from skytasks import Checkpointer, distributed_task, rank_info, report, stdout  # noqa: E402
 
 TEXT_PATH = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 
@@ -62,10 +62,11 @@ def build_model(vocab_size: int, block_size: int, n_embd: int = 64, n_head: int 
     return TinyGPT()
 
 
-@distributed_task(pool=pool, name="train")
+@distributed_task(pool=pool, name="train", retries=1)  # a failed attempt resumes from its checkpoint
 @stdout(only="head")
 def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 48, samples: int = 1536,
-          lr: float = 3e-3, checkpoint_dir: str = "checkpoints") -> dict:
+          lr: float = 3e-3, checkpoint_dir: str = "checkpoints", run_id: str = "local",
+          fail_once_at_epoch: int | None = None) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -91,8 +92,18 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
     model = build_model(len(chars), block_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    epoch_losses, steps, seen, started = [], 0, 0, time.perf_counter()
-    for epoch in range(epochs):
+    # Every epoch is checkpointed; a retried attempt goes on from the epoch after the newest one.
+    ckpt = Checkpointer(Path(checkpoint_dir, "runs", run_id), keep=2)
+    found = ckpt.load_latest()
+    first_epoch, epoch_losses = 0, []
+    if found is not None:
+        done, state = found
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        first_epoch, epoch_losses = done + 1, state["epoch_losses"]
+        print(f"attempt {info.attempt}: resuming after epoch {done + 1} from its checkpoint")
+    steps, seen, started = 0, 0, time.perf_counter()
+    for epoch in range(first_epoch, epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
         total = torch.zeros(2, device=device)
         for x, y in loader:
@@ -108,6 +119,10 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
         epoch_losses.append(round((total[0] / total[1]).item(), 4))
         print(f"epoch {epoch + 1}/{epochs}  loss {epoch_losses[-1]:.3f}  ({info.world_size} ranks, {device})")
         report(epoch=epoch + 1, epochs=epochs, loss=epoch_losses[-1])  # live metrics artifact (head only)
+        ckpt.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "epoch_losses": epoch_losses}, epoch)
+        dist.barrier()  # the head's checkpoint of this epoch is complete before anyone goes on
+        if info.attempt == 1 and epoch + 1 == fail_once_at_epoch and info.rank == info.world_size - 1:
+            raise RuntimeError(f"a failure on purpose after epoch {epoch + 1} (fail_once_at_epoch)")
 
     checkpoint = None
     if info.is_head:
@@ -122,6 +137,8 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
         "rank": info.rank,
         "node": info.node_rank,
         "device": info.device,
+        "attempt": info.attempt,
+        "first_epoch": first_epoch + 1,
         "epoch_losses": epoch_losses,
         "steps": steps,
         "samples": seen,
@@ -144,9 +161,12 @@ def summarize(results: list[dict]) -> str:
 
 
 @flow(name="ddp-train", log_prints=True)
-def ddp_train(epochs: int = 10, nodes: int = 2, samples: int = 1536) -> list[dict]:
+def ddp_train(epochs: int = 10, nodes: int = 2, samples: int = 1536, fail_once_at_epoch: int | None = None) -> list[dict]:
+    from prefect.runtime import flow_run
+
     text = TEXT_PATH.read_text()
-    results = train.with_options(nodes=nodes)(text, epochs=epochs, samples=samples)
+    results = train.with_options(nodes=nodes)(text, epochs=epochs, samples=samples, run_id=flow_run.get_id(),
+                                              fail_once_at_epoch=fail_once_at_epoch)
     losses = results[0]["epoch_losses"]
     get_run_logger().info("per-rank summary:\n%s", summarize(results))
     if not losses[-1] < losses[0]:

@@ -78,8 +78,15 @@ class RankRuns:
         assert parent is not None, "rank runs are recorded inside the parent task run"
         self.record = record
         self.runs = {r: RankRun(r) for r in range(world)}
+        # Inside a flow, get_client hands out the flow's own client: entered and exited here, it
+        # would be closed under the flow (the next attempt's or the artifacts' calls then fail).
+        from prefect.context import SyncClientContext
+
+        shared = SyncClientContext.get()
         self._client = get_client(sync_client=True)
-        self._client.__enter__()
+        self._owns_client = shared is None or shared.client is not self._client
+        if self._owns_client:
+            self._client.__enter__()
         # One bookkeeping thread, in order: measured here against Prefect's SQLite server, 16
         # concurrent task-run creations took 13 s (write-lock contention), 16 in sequence 0.9 s.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skytasks-rank-runs")
@@ -190,7 +197,8 @@ class RankRuns:
             except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the call's outcome
                 print(f"[skytasks] could not record a rank run: {exc!r}", file=sys.stderr)
         self._pool.shutdown(wait=False)
-        self._client.__exit__(None, None, None)
+        if self._owns_client:
+            self._client.__exit__(None, None, None)
         return [self.runs[r].outcome for r in sorted(self.runs)]  # type: ignore[misc]
 
 

@@ -39,6 +39,15 @@ def test_example_flow_on_one_node_trains_on_this_machines_device(tmp_path, monke
     assert losses[-1] < losses[0]
 
 
+def test_example_flow_resumes_a_failed_attempt_from_its_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    results = ddp_train(epochs=3, nodes=2, samples=256, fail_once_at_epoch=2)
+    assert [(r["attempt"], r["first_epoch"]) for r in results] == [(2, 3), (2, 3)]  # epochs 1-2 not redone
+    losses = results[0]["epoch_losses"]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # the whole history, across both attempts
+    assert results[0]["steps"] < results[0]["samples"]  # only the last epoch ran on attempt 2
+
+
 def test_example_flow_runs_as_a_script():
     """`python flows/ddp_train.py` works from a clone: embedded Prefect, readable summary."""
     proc = subprocess.run(
