@@ -125,6 +125,10 @@ def test_a_launch_whose_nodes_never_answer_times_out_and_leaves_nothing(moto):
     # One RunInstances call for the whole pool, all of it terminated now.
     assert len(launched) == 2 and len({i["AmiLaunchIndex"] for i in launched}) == 2
     assert all(i["State"]["Name"] == "terminated" for i in launched)
+    back = min(r["running_at"] for r in results)
+    booting = stand_in.booted_at[replacement["InstanceId"]] - terminated["at"]
+    print(f"aws (moto): lost node to retry running {back - terminated['at']:.2f}s, of which waiting for the "
+          f"new instance to boot {booting:.2f}s: {back - terminated['at'] - booting:.2f}s without the launch")
     assert all(i["PrivateIpAddress"].startswith("127.0.0.") and not i.get("PublicIpAddress") for i in launched)
     assert all(i.get("InstanceLifecycle") == "spot" for i in launched)
     tags = {t["Key"]: t["Value"] for t in launched[0]["Tags"]}
@@ -308,6 +312,7 @@ class CloudInitStandIn(threading.Thread):
     def __init__(self, ec2, folder: Path, status: str = "ready"):
         super().__init__(daemon=True)
         self.ec2, self.folder, self.servers, self.user_data, self.status = ec2, folder, {}, {}, status
+        self.booted_at: dict[str, float] = {}  # when each instance's "boot" (its sshd) was done
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -326,6 +331,7 @@ class CloudInitStandIn(threading.Thread):
                                               authorized_key=pair["PublicKey"])
                 STATE_DIR.mkdir(parents=True, exist_ok=True)
                 (STATE_DIR / "status").write_text(self.status + "\n")
+                self.booted_at[iid] = time.time()
 
     def stop(self) -> None:
         self.done.set()
@@ -371,6 +377,10 @@ def test_a_2_node_job_on_launched_instances_in_a_flow_then_everything_is_termina
     tags = {t["Key"]: t["Value"] for t in launched[0]["Tags"]}
     assert tags["prefect.io/flow-run-id"] == flow_run_id
     assert all(i["State"]["Name"] == "terminated" for i in launched)
+    back = min(r["running_at"] for r in results)
+    booting = stand_in.booted_at[replacement["InstanceId"]] - terminated["at"]
+    print(f"aws (moto): lost node to retry running {back - terminated['at']:.2f}s, of which waiting for the "
+          f"new instance to boot {booting:.2f}s: {back - terminated['at'] - booting:.2f}s without the launch")
     assert progress == (f"{tags['skytasks:pool']}-launch", 100.0)  # the launch's progress artifact, in the flow
 
 
@@ -412,3 +422,64 @@ def test_a_node_whose_bootstrap_failed_fails_the_launch_at_once_with_its_log(mot
     finally:
         stand_in.stop()
     assert time.monotonic() - started < 60  # not the 300 s readiness timeout
+
+
+def lose_node_1_once(marker: str) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    info = rank_info()
+    if info.rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()  # the test now terminates this instance
+        time.sleep(120)
+    dist.barrier()
+    return {"attempt": info.attempt, "peers": info.peers, "running_at": time.time()}
+
+
+def test_a_terminated_instance_is_replaced_on_retry_and_everything_ends_terminated(moto, tmp_path):
+    import threading
+    import time
+
+    stand_in = CloudInitStandIn(moto["ec2"], tmp_path)
+    stand_in.start()
+    pool = aws_pool(moto, ssh_user="root", remote_python=sys.executable, ready_timeout_seconds=120)
+    marker = tmp_path / "lost"
+    terminated: dict = {}
+
+    def terminate_node_1_when_asked() -> None:  # what a spot interruption does to a node
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first = pool_instances()
+        terminated["originals"] = {i["InstanceId"] for i in first}
+        victim = max(first, key=lambda i: i["AmiLaunchIndex"])  # node 1 of the launch
+        terminated["id"], terminated["at"] = victim["InstanceId"], time.time()
+        moto["ec2"].terminate_instances(InstanceIds=[victim["InstanceId"]])
+        stand_in.servers[victim["InstanceId"]].stop()  # the machine is gone, sessions and all
+
+    def pool_instances() -> list[dict]:
+        return [i for i in instances_of_latest_pool(moto["ec2"]) if i["State"]["Name"] == "running"]
+
+    killer = threading.Thread(target=terminate_node_1_when_asked, daemon=True)
+    killer.start()
+    try:
+        results = distributed_task(lose_node_1_once, pool=pool, retries=1)(str(marker))
+    finally:
+        killer.join(timeout=5)
+        stand_in.stop()
+    launched = instances_of_latest_pool(moto["ec2"])
+    assert [r["attempt"] for r in results] == [2, 2]
+    assert len(launched) == 3 and terminated["id"] in {i["InstanceId"] for i in launched}
+    [replacement] = [i for i in launched if i["InstanceId"] not in terminated["originals"]]
+    originals = [i for i in launched if i is not replacement]
+    assert results[0]["peers"][1] == replacement["PrivateIpAddress"]  # node 1 is the new instance
+    tags = lambda i: {t["Key"]: t["Value"] for t in i["Tags"]}  # noqa: E731
+    assert tags(replacement)["skytasks:pool"] == tags(originals[0])["skytasks:pool"]
+    assert [g["GroupId"] for g in replacement["SecurityGroups"]] == [g["GroupId"] for g in originals[0]["SecurityGroups"]]
+    assert replacement["KeyName"] == originals[0]["KeyName"]
+    assert all(i["State"]["Name"] == "terminated" for i in launched)
+    back = min(r["running_at"] for r in results)
+    booting = stand_in.booted_at[replacement["InstanceId"]] - terminated["at"]
+    print(f"aws (moto): lost node to retry running {back - terminated['at']:.2f}s, of which waiting for the "
+          f"new instance to boot {booting:.2f}s: {back - terminated['at'] - booting:.2f}s without the launch")

@@ -51,6 +51,8 @@ class AWSProvider:
         try:
             login_key, host_key = self._make_keys()
             self._launch(plan, host_key)
+            self._plan, self._login_key, self._host_key = plan, login_key, host_key  # for replace()
+            self._node_ids = list(self.owned.instance_ids)  # node rank -> its instance
             addresses, private = self._wait_until_ready(plan, login_key, host_key)
             self._nodes = SSHNodes(SSHLogin(
                 targets=[(plan.login, a, 22) for a in addresses], known_hosts=_known_hosts(addresses, host_key),
@@ -65,6 +67,21 @@ class AWSProvider:
 
     def prepare_workdir(self, request) -> tuple[str, str | None]:
         return self._nodes.prepare_workdir(request)  # type: ignore[union-attr]
+
+    def replace(self, node_rank: int) -> NodeLink:
+        """A lost node (its agent gone, its instance terminated: a spot interruption too): the
+        instance is terminated, and one launched exactly alike (group, key, tags, user-data) joins
+        the pool in its place, owned and torn down like the rest."""
+        lost = self._node_ids[node_rank]
+        self._ec2.terminate_instances(InstanceIds=[lost])
+        new = self._ec2.run_instances(**{**self._request, "MinCount": 1, "MaxCount": 1})["Instances"][0]["InstanceId"]
+        self.owned.instance_ids.append(new)
+        self._node_ids[node_rank] = new
+        [address], [private] = self._wait_until_ready(self._plan, self._login_key, self._host_key, ids=[new])
+        assert self._nodes is not None
+        self._nodes.retarget(node_rank, (self._plan.login, address, 22), private,
+                             _known_hosts([address], self._host_key))
+        return self._nodes.replace(node_rank)
 
     def _python(self) -> str:
         # remote_python, when set, names an interpreter the image already has; otherwise it is
@@ -129,15 +146,17 @@ class AWSProvider:
         if pool.iam_instance_profile:
             key = "Arn" if pool.iam_instance_profile.startswith("arn:") else "Name"
             request["IamInstanceProfile"] = {key: pool.iam_instance_profile}
+        self._request = request  # a replacement is launched exactly alike (replace())
         reservation = ec2.run_instances(**request)
         self.owned.instance_ids = [i["InstanceId"] for i in reservation["Instances"]]
 
-    def _wait_until_ready(self, plan: LaunchPlan, login_key: Any, host_key: Any) -> tuple[list[str], list[str]]:
+    def _wait_until_ready(self, plan: LaunchPlan, login_key: Any, host_key: Any,
+                          ids: list[str] | None = None) -> tuple[list[str], list[str]]:
         """Until every node answers SSH with its pinned host key and says its bootstrap is done.
         Returns the addresses to reach them on, and their private addresses (for the peers)."""
         pool = self._pool
         deadline = time.monotonic() + pool.ready_timeout_seconds
-        ids = list(self.owned.instance_ids)
+        ids = list(self.owned.instance_ids) if ids is None else ids
         state: dict[str, str] = {i: "launching" for i in ids}
         addresses: dict[str, str] = {}
         private: dict[str, str] = {}
@@ -145,6 +164,8 @@ class AWSProvider:
         while True:
             for instance in self._describe_new_instances():
                 iid, name = instance["InstanceId"], instance["State"]["Name"]
+                if iid not in ids:
+                    continue  # a lost node's instance, already being terminated
                 if name in ("shutting-down", "terminated", "stopped", "stopping"):
                     reason = instance.get("StateReason", {}).get("Message", "no reason given")
                     raise RuntimeError(f"node {iid} is {name} before it was ready: {reason}")
@@ -161,13 +182,13 @@ class AWSProvider:
                     state[iid] = answer
                     if answer == "ready":
                         ready.add(iid)
-            self._progress(len(ready), pool.nodes, "; ".join(f"{i}: {state[i]}" for i in ids))
-            if len(ready) == pool.nodes:
+            self._progress(len(ready), len(ids), "; ".join(f"{i}: {state[i]}" for i in ids))
+            if len(ready) == len(ids):
                 return [addresses[i] for i in ids], [private[i] for i in ids]
             if time.monotonic() >= deadline:
                 late = [f"{i} ({state[i]})" for i in ids if i not in ready]
                 raise TimeoutError(
-                    f"ready_timeout_seconds: {len(late)} of {pool.nodes} node(s) not ready after "
+                    f"ready_timeout_seconds: {len(late)} of {len(ids)} node(s) not ready after "
                     f"{pool.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
                 )
             if self._aborted.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):

@@ -214,6 +214,14 @@ class SSHNodes:
         hosts = [f"node {i} ({h})" for i, (_, h, _) in enumerate(self._login.targets)]
         return results[0].path, describe_sync(request.root, [(h, r.files_sent, r.bytes_sent) for h, r in zip(hosts, results)])
 
+    def retarget(self, node_rank: int, target: tuple[str | None, str, int], peer_address: str,
+                 known_hosts: str) -> None:
+        """Point a node at another machine (a replacement instance), before `replace`."""
+        self._login.targets[node_rank] = target
+        if self._login.peer_addresses:
+            self._login.peer_addresses[node_rank] = peer_address
+        self._login.known_hosts += known_hosts
+
     def replace(self, node_rank: int) -> NodeLink:
         """A lost node again: a new connection and agent, or an error naming the host."""
         from skytasks.errors import PoolStartError
