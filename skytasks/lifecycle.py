@@ -2,10 +2,10 @@
 it, fail fast, and stop it.
 
 Layers, after torch.distributed.elastic: a provider gives `NodeLink`s (agent streams); a
-`PoolSession` (`skytasks.session`) owns the links of a pool that is up and at most one live `RankGroup`; a
-`RankGroup` is one set of rank processes with one process group, reused across calls in a warm
+`PoolSession` (`skytasks.session`) owns the links of a pool that is up and at most one live
+`RankGroup`; a `RankGroup` is one set of rank processes with one process group, reused across calls in a warm
 pool until a call fails. A failure is a value (`RankFailure`) until the call ends, when the
-first failures become the members of one `DistributedTaskError`.
+first failures become the members of one `DistributedTaskError` (`skytasks.failures`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import cloudpickle
-
-from skytasks.errors import (DistributedTaskError, HangError, RankFailure, RankProcessDied, RemoteRankError,
-                             RemoteTraceback)
+from skytasks.errors import HangError, RankFailure, RankProcessDied
+from skytasks.failures import failure_error, rebuild_exception
 from skytasks.channel import broadcast
 from skytasks.devices import choose_backend, device_environment, place_ranks
 from skytasks.serialization import Blob, loads_out_of_band, same_blob, snapshot
@@ -82,32 +80,8 @@ class RankOutcome:
     stop_reason: str = ""
 
 
-def rebuild_exception(msg: dict[str, Any]) -> BaseException:
-    """The rank's own exception if it can be unpickled here, else a stand-in with its strings."""
-    exc: BaseException | None = None
-    if msg.get("exception") is not None:
-        try:
-            exc = cloudpickle.loads(msg["exception"])
-        except Exception:  # noqa: BLE001 - e.g. its class only exists on the node
-            exc = None
-    if not isinstance(exc, Exception):  # also KeyboardInterrupt/SystemExit: not groupable
-        exc = RemoteRankError(msg["type"], msg["message"], msg.get("traceback", ""))
-    if msg.get("traceback"):
-        exc.__cause__ = RemoteTraceback(msg["traceback"])
-    return exc
-
-
 def _passed(when: float | None, now: float) -> bool:
     return when is not None and now >= when
-
-
-def _is_collateral(exc: BaseException) -> bool:
-    """Errors a rank raises because a peer vanished under a collective."""
-    names = {c.__name__ for c in type(exc).__mro__}
-    if names & {"DistBackendError", "DistNetworkError", "DistStoreError"}:
-        return True
-    text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL"))
 
 
 class RankGroup:
@@ -236,7 +210,7 @@ class RankGroup:
                 self._abort(outcomes, observer, "the caller was interrupted")
             raise
         if failures:
-            raise self._error(label, failures, aborted_at)
+            raise failure_error(label, failures, aborted_at)
         unfinished = sorted(r for r, o in outcomes.items() if o.status != "completed")
         if unfinished:  # never a silent None: a call succeeds only when every rank returned
             raise RuntimeError(f"{label}: ranks {unfinished} ended without a result or a recorded cause "
@@ -363,30 +337,6 @@ class RankGroup:
             f"process group initialisation timed out after {self.spec.init_timeout_seconds:g}s: "
             f"ranks {missing} never joined; ranks {waiting} were waiting for them"
         )
-
-    def _error(self, label: str, failures: list[RankFailure], aborted_at: float | None) -> DistributedTaskError:
-        # Root cause first: the earliest failure that is not merely a peer's collateral (a rank
-        # that exits kills its peers' collectives, and their errors can reach us before its exit).
-        ordered = sorted(failures, key=lambda f: f.at)
-        real = [f for f in ordered if not _is_collateral(f.exception)]
-        first = real[0] if real else ordered[0]
-        cutoff = aborted_at or float("inf")
-        members = [first] + [f for f in real if f is not first and f.at <= cutoff]
-        for f in failures:
-            f.collateral = f not in members
-        stopped = [f.rank for f in failures if f.collateral]
-        if first.rank < 0:  # the call's own clock, not a rank
-            msg = f"{label}: {first.exception}"
-        elif all(isinstance(f.exception, HangError) for f in members):
-            msg = (f"{label}: the call hung: ranks {[f.rank for f in members]} made no progress for "
-                   f"{first.exception.seconds:g}s (each rank's stack is in its log)")
-        else:
-            msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
-        err = DistributedTaskError(msg, [f.exception for f in members],
-                                   failures=members + [f for f in ordered if f not in members])
-        if stopped:
-            err.add_note(f"[skytasks] ranks {stopped} failed afterwards because of it and are not members")
-        return err
 
     def close(self) -> None:
         for node in self.session.nodes:

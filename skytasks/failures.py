@@ -1,0 +1,60 @@
+"""Failures as values, on the controller: a rank's exception rebuilt, collateral told from cause,
+and the one `DistributedTaskError` a caller sees (root cause first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+
+from skytasks.errors import DistributedTaskError, HangError, RankFailure, RemoteRankError, RemoteTraceback
+
+
+def rebuild_exception(msg: dict[str, Any]) -> BaseException:
+    """The rank's own exception if it can be unpickled here, else a stand-in with its strings."""
+    exc: BaseException | None = None
+    if msg.get("exception") is not None:
+        try:
+            exc = cloudpickle.loads(msg["exception"])
+        except Exception:  # noqa: BLE001 - e.g. its class only exists on the node
+            exc = None
+    if not isinstance(exc, Exception):  # also KeyboardInterrupt/SystemExit: not groupable
+        exc = RemoteRankError(msg["type"], msg["message"], msg.get("traceback", ""))
+    if msg.get("traceback"):
+        exc.__cause__ = RemoteTraceback(msg["traceback"])
+    return exc
+
+
+def is_collateral(exc: BaseException) -> bool:
+    """Errors a rank raises because a peer vanished under a collective."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & {"DistBackendError", "DistNetworkError", "DistStoreError"}:
+        return True
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL"))
+
+
+def failure_error(label: str, failures: list[RankFailure], aborted_at: float | None) -> DistributedTaskError:
+    """The error a caller sees: members are the first failures' exceptions, root cause first."""
+    # Root cause first: the earliest failure that is not merely a peer's collateral (a rank
+    # that exits kills its peers' collectives, and their errors can reach us before its exit).
+    ordered = sorted(failures, key=lambda f: f.at)
+    real = [f for f in ordered if not is_collateral(f.exception)]
+    first = real[0] if real else ordered[0]
+    cutoff = aborted_at or float("inf")
+    members = [first] + [f for f in real if f is not first and f.at <= cutoff]
+    for f in failures:
+        f.collateral = f not in members
+    stopped = [f.rank for f in failures if f.collateral]
+    if first.rank < 0:  # the call's own clock, not a rank
+        msg = f"{label}: {first.exception}"
+    elif all(isinstance(f.exception, HangError) for f in members):
+        msg = (f"{label}: the call hung: ranks {[f.rank for f in members]} made no progress for "
+               f"{first.exception.seconds:g}s (each rank's stack is in its log)")
+    else:
+        msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
+    err = DistributedTaskError(msg, [f.exception for f in members],
+                               failures=members + [f for f in ordered if f not in members])
+    if stopped:
+        err.add_note(f"[skytasks] ranks {stopped} failed afterwards because of it and are not members")
+    return err
