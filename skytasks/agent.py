@@ -15,9 +15,11 @@ network, ranks that keep running would hang in a collective or bill for a GPU fo
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -138,9 +140,7 @@ class NodeAgent:
         self._ranks: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
-        import tempfile
-
-        self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # removed when the agent ends
+        self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
 
     def emit(self, msg: dict[str, Any]) -> None:
         try:
@@ -151,10 +151,7 @@ class NodeAgent:
     def _controller_gone(self, why: str) -> None:
         # Nobody wants these ranks any more.
         print(f"skytasks agent: {why}; stopping this node's ranks", file=sys.stderr, flush=True)
-        self.stop_ranks(grace=0.0)
-        import shutil
-
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        self._end_ranks(grace=0.0)
         os._exit(0)
 
     def _send_heartbeats(self) -> None:
@@ -205,10 +202,12 @@ class NodeAgent:
         except ChannelClosed:
             pass
         finally:
-            self.stop_ranks(grace=TERM_GRACE_SECONDS)
-            import shutil
+            self._end_ranks(grace=TERM_GRACE_SECONDS)
 
-            shutil.rmtree(self.scratch, ignore_errors=True)
+    def _end_ranks(self, grace: float) -> None:
+        """The agent is leaving: its ranks go, and so does its scratch folder."""
+        self.stop_ranks(grace=grace)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _dispatch(self, op: str, msg: dict[str, Any]) -> None:
         if op == "spawn":

@@ -25,7 +25,7 @@ from skytasks.errors import DistributedTaskError, PoolConfigError
 from skytasks.serialization import Blob, blob_size, dumps_out_of_band
 from skytasks.wire import BlobRef
 from skytasks.lifecycle import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
-from skytasks.workdir import WorkdirRequest, check_workdir, read_workdir
+from skytasks.workdir import WorkdirRequest, read_workdir
 
 
 # Set by `skytasks run`: rank lines are printed plainly on the console inside a flow too.
@@ -65,10 +65,10 @@ def project_modules() -> list[ModuleType]:
         if name not in _IS_PROJECT:
             file = getattr(module, "__file__", None)
             top = name.partition(".")[0]
+            real = os.path.realpath(file) if file else ""
             _IS_PROJECT[name] = bool(
                 file and name != "__main__" and top not in _SHIPPED_PACKAGES
-                and not _is_installed_file(os.path.realpath(file))
-                and not _is_other_library(top, os.path.realpath(file))
+                and not _is_installed_file(real) and not _is_other_library(top, real)
             )
         if _IS_PROJECT[name]:
             found.append(module)
@@ -197,7 +197,7 @@ def run_call(
                                 pool.accelerators_per_node)
     workdir = None
     if options.workdir is not None:
-        root = check_workdir(options.workdir)
+        root = options.workdir  # already checked and resolved by the task
         # Read (and held to the size limit) before any node is up, when it has to travel.
         workdir = WorkdirRequest(root, None if pool.provider == "local" else read_workdir(root))
     spec = GroupSpec(options.backend, options.init_torch, init_timeout, workdir)

@@ -34,6 +34,10 @@ class NodeChannel:
         self.gpus: list[str] = []  # what the agent reported in its hello
         threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{link.node_rank}").start()
 
+    def sent(self, msg: dict[str, Any]) -> bool:
+        """Whether an event came from this channel (not from the one it replaced)."""
+        return msg.get("channel", self.serial) == self.serial
+
     def _read(self) -> None:
         try:
             while True:

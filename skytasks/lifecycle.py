@@ -187,7 +187,7 @@ class RankGroup:
                         failures.append(RankFailure(-1, -1, "", self._init_timeout_error(), time.time()))
                     aborted_at = aborted_at or self._abort(outcomes, observer, "the call timed out")
                     break
-                if msg.get("group", self.id) != self.id or self._from_replaced_channel(node_rank, msg):
+                if msg.get("group", self.id) != self.id or not self.session.nodes[node_rank].sent(msg):
                     continue  # late news from a group already discarded, or from a replaced node
                 self._handle(node_rank, msg, call_id, outcomes, failures, observer)
                 if msg["op"] in _SIGNS_OF_PROGRESS:
@@ -260,9 +260,6 @@ class RankGroup:
         o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now)
         failures.append(o.failure)
         observer.on_rank_done(o.rank, o)
-
-    def _from_replaced_channel(self, node_rank: int, msg: dict[str, Any]) -> bool:
-        return msg.get("channel", self.session.nodes[node_rank].serial) != self.session.nodes[node_rank].serial
 
     def _collect_stacks(self, call_id, outcomes, failures, observer, wait: float) -> dict[int, str]:
         """Every running rank's stack (asked of the agents), while still handling what arrives."""

@@ -69,8 +69,7 @@ def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restar
         error_file = os.path.join(tmp, "error.json")
         env = {**os.environ, **torchrun_environment(attempt=info.attempt, max_restarts=max_restarts,
                                                      run_id=run_id, error_file=error_file), **extra_env}
-        for private in ("SKYTASKS_CTRL_FD", "PYTHONUNBUFFERED"):
-            env.pop(private, None)
+        env.pop("SKYTASKS_CTRL_FD", None)  # the rank's own channel; the script must not write to it
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the UI as they are printed
         # Same process group as this rank: when fail-fast stops the rank, the script goes with it.
         proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,

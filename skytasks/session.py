@@ -50,7 +50,7 @@ class PoolSession:
                 late = ", ".join(f"node {r} ({n.link.address})" for r, n in sorted(waiting.items()))
                 raise PoolStartError(f"the node agent did not answer within {timeout:g}s on {late}") from None
             node = waiting.get(node_rank)
-            if node is None or msg.get("channel", node.serial) != node.serial:
+            if node is None or not node.sent(msg):
                 continue  # another node's news, or a replaced channel's
             if msg["op"] == "hello":
                 node.gpus = list(msg.get("gpus") or [])

@@ -88,7 +88,9 @@ def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast():
     deadline = time.monotonic() + 20
     while True:
         logs, artifacts = asyncio.run(logs_by_run())
-        ready = "barrier" in logs.get("fails[rank 0/2]", "") and "barrier" in logs.get("hangs[rank 0/2]", "")
+        # Logs reach the API in batches: wait until everything asserted below has arrived.
+        ready = ("barrier" in logs.get("fails[rank 0/2]", "") and "barrier" in logs.get("hangs[rank 0/2]", "")
+                 and "hang_after_printing" in logs.get("hangs[rank 1/2]", "") and artifacts)
         if ready or time.monotonic() > deadline:
             break
         time.sleep(0.5)
