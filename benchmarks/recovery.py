@@ -44,7 +44,7 @@ def go_quiet(marker_dir: str) -> None:
 
 
 def skytasks_replace_s() -> float:
-    from blocks import GPUPool
+    from skytasks import GPUPool
     from skytasks import distributed_task
 
     pool = GPUPool(nodes=2)
@@ -59,7 +59,7 @@ def skytasks_replace_s() -> float:
 
 
 def hang_detect_to_error_s(hang_timeout: float = 4.0) -> float:
-    from blocks import GPUPool
+    from skytasks import GPUPool
     from skytasks import DistributedTaskError, distributed_task
 
     with tempfile.TemporaryDirectory() as out:

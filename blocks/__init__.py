@@ -1,5 +1,5 @@
-"""skytasks' Prefect blocks. `prefect block register -m blocks` registers GPU Pool."""
+"""skytasks' Prefect blocks, installed as `skytasks.blocks`: `prefect block register -m skytasks.blocks`."""
 
-from blocks.gpu_pool import GPUPool
+from skytasks.blocks.gpu_pool import GPUPool
 
 __all__ = ["GPUPool"]

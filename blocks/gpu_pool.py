@@ -42,7 +42,7 @@ class GPUPool(Block):
     _documentation_url = "https://github.com/skytasks/skytasks#readme"
     _code_example = """
 ```python
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import distributed_task
 
 GPUPool(provider="local", nodes=2).save("two-local-nodes")
@@ -137,8 +137,8 @@ def train(epochs: int = 3) -> dict:
         return getattr(self, "_block_document_name", None) or f"{self.provider}-pool"
 
     def _start_session(self, starting: dict | None = None):
-        from skytasks.events import emit, pool_resource
-        from skytasks.session import PoolSession
+        from skytasks.controller.events import emit, pool_resource
+        from skytasks.controller.session import PoolSession
         from skytasks.providers import provider_for
 
         provider = provider_for(self)
@@ -151,7 +151,7 @@ def train(epochs: int = 3) -> dict:
         return session
 
     def _close_session(self, session) -> None:
-        from skytasks.events import emit, pool_resource
+        from skytasks.controller.events import emit, pool_resource
 
         try:
             session.close()

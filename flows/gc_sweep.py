@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect_aws import AwsCredentials
 
-from skytasks.gc import sweep
+from skytasks.providers.aws.gc import sweep
 
 
 @flow(name="skytasks-gc", log_prints=True)

@@ -1,7 +1,7 @@
 """skytasks: multi-node PyTorch training as a normal Prefect task.
 
 Names are imported on first use (PEP 562), so the node agent and rank processes, which import
-`skytasks.agent` and `skytasks.worker`, do not pay for the controller's machinery.
+`skytasks.node.agent` and `skytasks.node.worker`, do not pay for the controller's machinery.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "GPUPool": "skytasks.blocks",
     "DistributedTask": "skytasks.task",
     "distributed_task": "skytasks.task",
     "DistributedTaskError": "skytasks.errors",
@@ -34,6 +35,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from skytasks.blocks import GPUPool
     from skytasks.errors import (DistributedTaskError, HangError, PoolConfigError, PoolStartError, RankProcessDied,
                                  RemoteRankError, ScriptFailed)
     from skytasks.checkpoint import Checkpointer

@@ -55,14 +55,14 @@ def run_command(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     from prefect import flow
 
-    from skytasks.call import ECHO_RANK_LINES
+    from skytasks.controller.call import ECHO_RANK_LINES
     from skytasks.errors import DistributedTaskError, PoolConfigError, ScriptFailed
     from skytasks.script import run_script
 
     if args.pool:
         pool = args.pool
     else:
-        from blocks.gpu_pool import GPUPool
+        from skytasks.blocks.gpu_pool import GPUPool
 
         try:
             pool = GPUPool(provider="local", nodes=args.nodes or 1, procs_per_node=args.procs_per_node or 1)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_command(args)
-    from skytasks.gc import run_gc
+    from skytasks.providers.aws.gc import run_gc
 
     return run_gc(args)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from skytasks.rank import rank_info
 
-_channel: Any = None  # the rank's FrameWriter, set by skytasks.worker
+_channel: Any = None  # the rank's FrameWriter, set by skytasks.node.worker
 
 
 def _plain(value: Any) -> Any:

@@ -36,7 +36,7 @@ def _is_user_file(path: str) -> bool:
 def where(stack: str) -> str:
     """'in `barrier` (distributed_c10d.py:4807), called from train.py:42 in `train`', or ''."""
     threads = _threads(stack)
-    # The thread that runs the user's call: the one whose stack passes through skytasks.worker.
+    # The thread that runs the user's call: the one whose stack passes through skytasks.node.worker.
     main = next((t for t in threads if any(f.endswith("worker.py") and fn == "_run_call" for f, _, fn in t)),
                 threads[0] if threads else [])
     if not main:

@@ -1,4 +1,4 @@
-"""@distributed_task: a thin decorator over `skytasks.call` and `skytasks.prefect_runs`."""
+"""@distributed_task: a thin decorator over `skytasks.controller.call` and `skytasks.controller.prefect_runs`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import functools
 import os
 from typing import Any, Callable, Iterable
 
-from skytasks.call import CallOptions, ConsoleObserver, pack_call, resolve_pool, run_call
+from skytasks.controller.call import CallOptions, ConsoleObserver, pack_call, resolve_pool, run_call
 from skytasks.errors import PoolConfigError
 from skytasks.rank import in_rank
 from skytasks.workdir import check_workdir
@@ -88,7 +88,7 @@ class DistributedTask:
         if FlowRunContext.get() is None:
             return run_call(pool, payload, options, lambda attempt, world: ConsoleObserver())
 
-        from skytasks.prefect_runs import run_as_parent_task
+        from skytasks.controller.prefect_runs import run_as_parent_task
 
         run_tags = (*self.tags, f"pool:{pool.display_name}")
         return run_as_parent_task(

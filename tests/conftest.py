@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
-ROLES = ("skytasks.agent", "skytasks.worker")
+ROLES = ("skytasks.node.agent", "skytasks.node.worker")
 SESSION_STARTED = psutil.Process().create_time()  # psutil's clock: comparable with its create_time()
 
 

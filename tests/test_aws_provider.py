@@ -23,7 +23,7 @@ import yaml
 from prefect_aws import AwsCredentials
 from prefect_aws.client_parameters import AwsClientParameters
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import distributed_task, rank_info
 from skytasks.errors import PoolConfigError
 from tests.sshd import SSHServer
@@ -101,7 +101,7 @@ def test_a_missing_image_subnet_or_unknown_accelerator_is_refused_naming_the_fie
 
 
 def test_the_accelerator_chooses_the_instance_type_and_the_default_image_comes_from_ssm(moto):
-    from skytasks.providers.aws_plan import plan_launch
+    from skytasks.providers.aws.plan import plan_launch
 
     ec2, ssm = moto["ec2"], moto["creds"].get_client("ssm")
     plan = plan_launch(aws_pool(moto, instance_type=None, accelerator="A10G", accelerators_per_node=4), ec2, ssm)
@@ -141,8 +141,8 @@ def test_a_launch_refused_by_ec2_after_the_group_and_key_exist_leaves_nothing(mo
 
 
 def test_teardown_finds_by_tag_what_an_interrupted_create_call_never_reported(moto):
-    from skytasks.providers.aws import AWSProvider
-    from skytasks.providers.aws_plan import plan_launch
+    from skytasks.providers.aws.provider import AWSProvider
+    from skytasks.providers.aws.plan import plan_launch
 
     provider = AWSProvider(aws_pool(moto), progress=lambda *a: None)
     _, host_key = provider._make_keys()
@@ -160,7 +160,7 @@ def test_ctrl_c_or_sigterm_during_the_launch_tears_everything_down(moto, tmp_pat
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 from prefect_aws import AwsCredentials
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import distributed_task
 creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name={REGION!r},
                        aws_client_parameters={{"endpoint_url": {moto['endpoint']!r}}})
@@ -211,7 +211,7 @@ def test_an_async_with_cancelled_during_the_launch_tears_everything_down(moto):
 
 
 def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_torch_settings_say():
-    from skytasks.providers.bootstrap import render_user_data
+    from skytasks.providers.aws.bootstrap import render_user_data
 
     cuda_pool = GPUPool(provider="aws", accelerator="L4", torch_version="2.5.1", torch_cuda="cu121",
                         torchvision=">=0.20", torchaudio="latest", pip_packages=["transformers==4.46.0"],
@@ -267,12 +267,12 @@ def test_the_watchdog_ends_a_node_at_its_max_lifetime_even_with_a_live_controlle
 
 
 def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(moto):
-    from skytasks.providers.aws import AWSProvider
+    from skytasks.providers.aws.provider import AWSProvider
 
     def leak(lifetime_minutes: float, launch: bool) -> AWSProvider:
         """Resources as a controller that died (SIGKILL) would leave them: nobody tears them down."""
         provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=lifetime_minutes), progress=lambda *a: None)
-        from skytasks.providers.aws_plan import plan_launch
+        from skytasks.providers.aws.plan import plan_launch
 
         plan = plan_launch(provider._pool, provider._ec2, provider._ssm)
         _, host_key = provider._make_keys()
@@ -393,8 +393,8 @@ def launch_progress(flow_run_id: str) -> tuple:
 
 def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
     from flows.gc_sweep import skytasks_gc
-    from skytasks.providers.aws import AWSProvider
-    from skytasks.providers.aws_plan import plan_launch
+    from skytasks.providers.aws.provider import AWSProvider
+    from skytasks.providers.aws.plan import plan_launch
 
     moto["creds"].save("skytasks-test-moto", overwrite=True)
     provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01), progress=lambda *a: None)

@@ -7,7 +7,7 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import DistributedTaskError, distributed_task, rank_info
 from tests.conftest import skytasks_processes
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import distributed_task, rank_info
 from skytasks.checkpoint import Checkpointer
 

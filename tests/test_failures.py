@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import DistributedTaskError, RankProcessDied, RemoteRankError, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
 
@@ -268,7 +268,7 @@ def test_a_cancelled_flow_run_stops_every_rank(tmp_path):
                 flow_run = run_deployment("sleepy-flow/cancel-me", timeout=0)
             except Exception:  # noqa: BLE001 - the deployment is not registered yet
                 time.sleep(1)
-        while sum("skytasks.worker" in " ".join(p.cmdline()) for p in skytasks_processes()) < 2:
+        while sum("skytasks.node.worker" in " ".join(p.cmdline()) for p in skytasks_processes()) < 2:
             assert time.monotonic() < deadline, "ranks never started"
             time.sleep(0.2)
 
@@ -298,7 +298,7 @@ def silent_for_a_while() -> int:
 def test_a_rank_silent_longer_than_the_idle_wake_still_returns_its_result(monkeypatch):
     """The controller wakes every IDLE_WAKE_SECONDS with nothing to hear (an hour in production);
     waking must never end the call, let alone as a success full of None."""
-    import skytasks.lifecycle as lifecycle
+    import skytasks.controller.rank_group as lifecycle
 
     monkeypatch.setattr(lifecycle, "IDLE_WAKE_SECONDS", 0.3)
     assert distributed_task(silent_for_a_while, pool=GPUPool(nodes=2), init_torch=False)() == [100, 101]

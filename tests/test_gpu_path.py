@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import DistributedTaskError, distributed_task, rank_info
 from skytasks.errors import PoolConfigError
 from tests.conftest import started_here
@@ -102,9 +102,9 @@ def test_agent_starts_when_skytasks_is_importable_only_through_the_controllers_s
         dest = checkout / "skytasks" / f.relative_to(ROOT / "skytasks")
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(f.read_bytes())
-    (checkout / "blocks").mkdir()
+    (checkout / "skytasks" / "blocks").mkdir()  # where an install puts the repository's blocks/
     for f in (ROOT / "blocks").glob("*.py"):
-        (checkout / "blocks" / f.name).write_bytes(f.read_bytes())
+        (checkout / "skytasks" / "blocks" / f.name).write_bytes(f.read_bytes())
     script = tmp_path / "elsewhere" / "controller.py"
     script.parent.mkdir()
     script.write_text(textwrap.dedent(f"""
@@ -112,7 +112,7 @@ def test_agent_starts_when_skytasks_is_importable_only_through_the_controllers_s
         sys.path.insert(0, {str(checkout)!r})
         import skytasks
         assert skytasks.__file__.startswith({str(checkout)!r}), skytasks.__file__
-        from blocks import GPUPool
+        from skytasks import GPUPool
         from skytasks import distributed_task, rank_info
 
         def where():

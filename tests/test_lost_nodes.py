@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import DistributedTaskError, distributed_task, rank_info
 from skytasks.errors import PoolStartError
 

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import DistributedTaskError, distributed_task, rank_info
 from tests.conftest import skytasks_processes
 from tests.sshd import SSHServer
@@ -132,7 +132,7 @@ def test_a_link_going_down_mid_run_fails_the_call_in_bounded_time_and_leaves_not
 
     def pull_the_cable_once_running() -> None:
         deadline = time.monotonic() + 120
-        while len([p for p in skytasks_processes() if "skytasks.worker" in " ".join(p.cmdline())]) < 2:
+        while len([p for p in skytasks_processes() if "skytasks.node.worker" in " ".join(p.cmdline())]) < 2:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.2)

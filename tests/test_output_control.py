@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import distributed_task, rank_info, silent, stderr, stdout
 
 

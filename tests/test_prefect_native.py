@@ -16,7 +16,7 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.settings import PREFECT_API_URL
 from prefect_aws import AwsCredentials
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import distributed_task, rank_info, report, stdout
 
 LIVE_MARK = "line-before-the-long-sleep"
@@ -201,7 +201,7 @@ def test_events_for_pool_up_down_rank_failed_and_call_completed():
 
 def test_block_registration_lists_gpu_pool_and_only_it():
     env = {"PREFECT_API_URL": PREFECT_API_URL.value()}
-    proc = subprocess.run([sys.executable, "-m", "prefect", "block", "register", "-m", "blocks"],
+    proc = subprocess.run([sys.executable, "-m", "prefect", "block", "register", "-m", "skytasks.blocks"],
                           capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **env})
     assert proc.returncode == 0, proc.stderr
     assert "GPU Pool" in proc.stdout

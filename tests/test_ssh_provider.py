@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import DistributedTaskError, RankProcessDied, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
 from tests.sshd import SSHServer, free_port, keygen
@@ -87,7 +87,7 @@ def test_the_controller_disappearing_kills_the_remote_ranks(sshd, tmp_path):
     script.write_text(f"""
 import sys, time, os
 sys.path.insert(0, {str(ROOT)!r})
-from blocks import GPUPool
+from skytasks import GPUPool
 from skytasks import distributed_task, rank_info
 def forever():
     open(os.path.join({str(tmp_path)!r}, f"rank{{rank_info().rank}}"), "w").write(str(os.getpid()))

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 
-import skytasks.lifecycle as lifecycle
-from blocks import GPUPool
+import skytasks.controller.rank_group as lifecycle
+from skytasks import GPUPool
 from skytasks import distributed_task
 from skytasks.serialization import blob_size
 from tests.conftest import skytasks_processes
@@ -22,7 +22,7 @@ def test_agents_stay_light_and_ranks_keep_their_process_group_across_calls():
     task = distributed_task(rank_env, pool=pool)
     with pool:
         first = task()
-        agents = [p for p in skytasks_processes() if "skytasks.agent" in " ".join(p.cmdline())]
+        agents = [p for p in skytasks_processes() if "skytasks.node.agent" in " ".join(p.cmdline())]
         assert len(agents) == 2
         for agent in agents:  # the agent never loads torch: it starts in milliseconds
             maps = open(f"/proc/{agent.pid}/maps").read()

@@ -1,7 +1,7 @@
 """Providers bring nodes up and start a node agent on each; that is all that differs between them.
 
 Everything after the agent's stream exists (spawning ranks, calls, failures, teardown of rank
-processes) is the shared rank lifecycle in `skytasks.lifecycle`.
+processes) is the shared rank lifecycle in `skytasks.controller.rank_group`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def heartbeat_settings() -> tuple[float, float]:
 
 def agent_args(heartbeat_file: str | None = None) -> list[str]:
     interval, timeout = heartbeat_settings()
-    args = ["-m", "skytasks.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}"]
+    args = ["-m", "skytasks.node.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}"]
     return args + (["--heartbeat-file", heartbeat_file] if heartbeat_file else [])
 
 
@@ -67,7 +67,7 @@ def provider_for(pool) -> NodeProvider:
 
         return SSHProvider(pool)
     if pool.provider == "aws":
-        from skytasks.providers.aws import AWSProvider
+        from skytasks.providers.aws.provider import AWSProvider
 
         return AWSProvider(pool)
     raise ValueError(f"provider: unknown provider {pool.provider!r}")

@@ -1,6 +1,6 @@
 """provider="ssh": machines you already have, reached with asyncssh; host keys always checked.
 
-Each node's agent runs as `remote_python -m skytasks.agent` on an SSH channel. The controller's
+Each node's agent runs as `remote_python -m skytasks.node.agent` on an SSH channel. The controller's
 own skytasks is shipped to `~/.cache/skytasks/<content hash>` on each node first, so a node
 always runs the controller's version. The channel is bridged to a pair of local pipes, so the
 shared rank lifecycle reads and writes it exactly like a local node's pipes.

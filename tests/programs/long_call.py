@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from blocks import GPUPool  # noqa: E402
+from skytasks import GPUPool  # noqa: E402
 from skytasks import distributed_task, rank_info  # noqa: E402
 
 MARKER_DIR = Path(sys.argv[1])

@@ -46,7 +46,7 @@ class RankProcess:
         # A session of its own, so stopping a rank also stops its DataLoader workers and any
         # other children it made (killpg).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skytasks.worker"],
+            [sys.executable, "-m", "skytasks.node.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -304,7 +304,7 @@ def _end_on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m skytasks.agent")
+    parser = argparse.ArgumentParser(prog="python -m skytasks.node.agent")
     parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
     parser.add_argument("--heartbeat-timeout", type=float, default=60.0)
     parser.add_argument("--heartbeat-file", default=None)

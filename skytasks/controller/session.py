@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Any
 
-from skytasks.channel import NodeChannel, keep_heartbeats
+from skytasks.controller.channel import NodeChannel, keep_heartbeats
 from skytasks.errors import PoolStartError
-from skytasks.lifecycle import CallObserver, GroupSpec, RankGroup
+from skytasks.controller.rank_group import CallObserver, GroupSpec, RankGroup
 from skytasks.providers import NodeProvider, heartbeat_settings
 from skytasks.workdir import WorkdirRequest
 

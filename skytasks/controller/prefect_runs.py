@@ -23,9 +23,9 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.states import Cancelled, Completed, Failed
 
-from skytasks.call import ECHO_RANK_LINES
-from skytasks.events import emit, pool_resource, rank_resource
-from skytasks.lifecycle import RankOutcome
+from skytasks.controller.call import ECHO_RANK_LINES
+from skytasks.controller.events import emit, pool_resource, rank_resource
+from skytasks.controller.rank_group import RankOutcome
 
 RANK_RUN_JOIN_SECONDS = 60.0
 METRICS_ARTIFACT_EVERY_SECONDS = 5.0  # each write is a new artifact version: keep the graph readable

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
-from skytasks.providers.aws_resources import CREATED_TAG, EXPIRES_TAG, POOL_TAG, PoolResources, parse_time
+from skytasks.providers.aws.resources import CREATED_TAG, EXPIRES_TAG, POOL_TAG, PoolResources, parse_time
 
 LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 

@@ -2,10 +2,10 @@
 it, fail fast, and stop it.
 
 Layers, after torch.distributed.elastic: a provider gives `NodeLink`s (agent streams); a
-`PoolSession` (`skytasks.session`) owns the links of a pool that is up and at most one live
+`PoolSession` (`skytasks.controller.session`) owns the links of a pool that is up and at most one live
 `RankGroup`; a `RankGroup` is one set of rank processes with one process group, reused across calls in a warm
 pool until a call fails. A failure is a value (`RankFailure`) until the call ends, when the
-first failures become the members of one `DistributedTaskError` (`skytasks.failures`).
+first failures become the members of one `DistributedTaskError` (`skytasks.controller.failures`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.failures import failure_error, rebuild_exception
-from skytasks.channel import broadcast
+from skytasks.controller.failures import failure_error, rebuild_exception
+from skytasks.controller.channel import broadcast
 from skytasks.devices import choose_backend, device_environment, place_ranks
 from skytasks.serialization import Blob, loads_out_of_band, same_blob, snapshot
 from skytasks.rank import rank_environment
@@ -27,7 +27,7 @@ from skytasks.stacks import where
 from skytasks.workdir import WorkdirRequest
 
 if TYPE_CHECKING:
-    from skytasks.session import PoolSession
+    from skytasks.controller.session import PoolSession
 
 # How long stopped ranks may take to be confirmed gone before the call returns anyway.
 STOP_CONFIRM_SECONDS = 10.0

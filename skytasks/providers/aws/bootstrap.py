@@ -24,7 +24,7 @@ STATE_DIR = "/var/lib/skytasks"  # status file ("ready" or the failure) and the 
 VENV = "/opt/skytasks/venv"
 VENV_PYTHON = f"{VENV}/bin/python"
 HEARTBEAT_FILE = f"{STATE_DIR}/heartbeat"
-WATCHDOG_SOURCE = Path(__file__).resolve().parent.parent / "watchdog.py"
+WATCHDOG_SOURCE = Path(__file__).resolve().parent / "watchdog.py"
 _BARE_VERSION = re.compile(r"^\d+(\.\d+)*([a-z]+\d*)?(\+[\w.]+)?$")
 
 

@@ -24,7 +24,7 @@ from skytasks.devices import check_backend_before_launch
 from skytasks.errors import DistributedTaskError, PoolConfigError
 from skytasks.serialization import Blob, blob_size, dumps_out_of_band
 from skytasks.wire import BlobRef
-from skytasks.lifecycle import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
+from skytasks.controller.rank_group import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
 from skytasks.workdir import WorkdirRequest, read_workdir
 
 
@@ -50,7 +50,7 @@ _INSTALLED_ROOTS = tuple(
               sysconfig.get_paths()["platstdlib"]}
 )
 # Installed on every node (the controller's own version is what runs there).
-_SHIPPED_PACKAGES = {"skytasks", "blocks"}
+_SHIPPED_PACKAGES = {"skytasks"}
 
 
 def project_modules() -> list[ModuleType]:
@@ -163,7 +163,7 @@ def _dumps_or_explain(fn: Callable, args: tuple, kwargs: dict) -> bytes:
 
 def resolve_pool(pool: Any):
     """The pool object for a call: a block, a saved block's name, or the active `with pool:`."""
-    from blocks.gpu_pool import GPUPool, active_pool
+    from skytasks.blocks.gpu_pool import GPUPool, active_pool
 
     if pool is None:
         found = active_pool()

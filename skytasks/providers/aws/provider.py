@@ -20,9 +20,9 @@ import uuid
 from typing import Any, Callable
 
 from skytasks.providers import NodeLink
-from skytasks.providers.aws_plan import LaunchPlan, plan_launch
-from skytasks.providers.aws_resources import POLL_SECONDS, PoolResources, pool_tags
-from skytasks.providers.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON, render_user_data
+from skytasks.providers.aws.plan import LaunchPlan, plan_launch
+from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
+from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON, render_user_data
 from skytasks.providers.ssh import SSHLogin, SSHNodes
 
 
