@@ -7,32 +7,20 @@ across calls and always tears them down.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import ipaddress
 import re
-import signal
-import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 
+from skytasks.pool_spec import AWSSpec, PoolSpec, SSHSpec
+
+if TYPE_CHECKING:
+    from skytasks.controller.pool_runtime import PoolRuntime
+
 HOST_PATTERN = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>\d{1,5}))?$")
-
-# The pools entered with `with pool:` in this context, innermost last. A contextvar follows
-# async tasks and Prefect's task threads (they copy the context); the process-wide stack is the
-# fallback for threads that were started without a copy.
-_ACTIVE: contextvars.ContextVar[tuple["GPUPool", ...]] = contextvars.ContextVar("skytasks_active_pools", default=())
-_ACTIVE_ANY_THREAD: list["GPUPool"] = []
-_ACTIVE_LOCK = threading.Lock()
-
-
-class TerminationRequested(SystemExit):
-    """SIGTERM arrived while a pool was up: unwind so teardown runs, then exit 143."""
-
 
 class GPUPool(Block):
     _block_type_name = "GPU Pool"
@@ -85,10 +73,7 @@ def train(epochs: int = 3) -> dict:
     idle_minutes: float = Field(15, gt=0)
     max_lifetime_minutes: float = Field(720, gt=0)
 
-    _session: Any = PrivateAttr(default=None)
-    _depth: int = PrivateAttr(default=0)
-    _tokens: list = PrivateAttr(default_factory=list)
-    _previous_sigterm: Any = PrivateAttr(default=None)
+    _runtime: Any = PrivateAttr(default=None)
 
     @field_validator("hosts")
     @classmethod
@@ -125,140 +110,76 @@ def train(epochs: int = 3) -> dict:
                 raise ValueError(f"ssh_ingress_cidr: {cidr!r} is not a network such as 203.0.113.7/32") from None
         return cidr
 
-    # -- bringing nodes up and down ---------------------------------------------------------
+    # -- what it is, frozen ---------------------------------------------------------------
 
     @property
-    def is_up(self) -> bool:
-        return self._session is not None
+    def saved_name(self) -> str | None:
+        """The name it was saved or loaded as, if any."""
+        return getattr(self, "_block_document_name", None)
 
     @property
     def display_name(self) -> str:
         """The saved block's name, or the provider's for an unsaved pool (tags, events)."""
-        return getattr(self, "_block_document_name", None) or f"{self.provider}-pool"
+        return self.saved_name or f"{self.provider}-pool"
 
-    def _start_session(self, starting: dict | None = None):
-        from skytasks.controller.events import emit, pool_resource
-        from skytasks.controller.session import PoolSession
-        from skytasks.providers import provider_for
+    def spec(self) -> PoolSpec:
+        """The validated fields as the frozen, typed spec the runtime and providers use."""
+        login = dict(ssh_user=self.ssh_user, ssh_private_key=self.ssh_private_key, remote_python=self.remote_python,
+                     pip_packages=tuple(self.pip_packages))
+        ssh = aws = None
+        if self.provider == "ssh":
+            ssh = SSHSpec(hosts=tuple(self.hosts), known_hosts=self.known_hosts,
+                          ready_timeout_seconds=self.ready_timeout_seconds, **login)
+        elif self.provider == "aws":
+            aws = AWSSpec(
+                credentials=self.aws_credentials, accelerator=self.accelerator,
+                accelerators_per_node=self.accelerators_per_node, instance_type=self.instance_type,
+                image_id=self.image_id, subnet_id=self.subnet_id, security_group_ids=tuple(self.security_group_ids),
+                key_name=self.key_name, spot=self.spot, root_volume_gb=self.root_volume_gb,
+                iam_instance_profile=self.iam_instance_profile, tags=dict(self.tags),
+                ssh_ingress_cidr=self.ssh_ingress_cidr, torch_version=self.torch_version, torch_cuda=self.torch_cuda,
+                torchvision=self.torchvision, torchaudio=self.torchaudio,
+                ready_timeout_seconds=self.ready_timeout_seconds, idle_minutes=self.idle_minutes,
+                max_lifetime_minutes=self.max_lifetime_minutes, **login)
+        return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes,
+                        procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
+                        env={**aws_environment(self.aws_credentials), **self.env}, ssh=ssh, aws=aws)
 
-        provider = provider_for(self)
-        if starting is not None:  # lets a cancelled `async with` abort a launch in progress
-            starting["provider"] = provider
-        session = PoolSession(provider, self.procs_per_node, {**aws_environment(self.aws_credentials), **self.env})
-        emit("skytasks.pool.up", pool_resource(self.display_name),
-             payload={"provider": self.provider, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
-                      "addresses": [n.link.address for n in session.nodes]})
-        return session
+    def reshaped(self, **shape: int) -> GPUPool:
+        """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so
+        the copy has a runtime of its own."""
+        copy = self.model_copy(update=shape)
+        copy._runtime = None
+        return copy
 
-    def _close_session(self, session) -> None:
-        from skytasks.controller.events import emit, pool_resource
+    # -- bringing nodes up and down: the runtime does it ------------------------------------
 
-        try:
-            session.close()
-        finally:
-            emit("skytasks.pool.down", pool_resource(self.display_name), payload={"provider": self.provider})
+    def runtime(self) -> PoolRuntime:
+        """This pool's runtime (skytasks.controller.pool_runtime), made from its spec on first use."""
+        from skytasks.controller.pool_runtime import PoolRuntime
 
-    @contextmanager
-    def _nodes(self) -> Iterator[Any]:
-        """The live session: this pool's if it is up, else one brought up for this call only."""
-        if self._session is not None:
-            yield self._session
-            return
-        # A pool brought up for one call owns launched machines too: SIGTERM must unwind
-        # through the teardown here exactly as it does for `with pool:`.
-        self._trap_sigterm()
-        try:
-            session = self._start_session()
-            try:
-                yield session
-            finally:
-                self._close_session(session)
-        finally:
-            self._restore_sigterm()
+        rt = self._runtime
+        if rt is None or (not rt.is_up and rt.spec != (spec := self.spec())):
+            rt = self._runtime = PoolRuntime(self.spec() if rt is None else spec, self)
+        return rt
 
-    def _push_active(self) -> None:
-        self._depth += 1
-        self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self,)))
-        with _ACTIVE_LOCK:
-            _ACTIVE_ANY_THREAD.append(self)
-
-    def _pop_active(self) -> Any:
-        """Leave one level of `with`; returns the session to close when it was the last one."""
-        with _ACTIVE_LOCK:
-            for i in range(len(_ACTIVE_ANY_THREAD) - 1, -1, -1):
-                if _ACTIVE_ANY_THREAD[i] is self:
-                    del _ACTIVE_ANY_THREAD[i]
-                    break
-        try:
-            _ACTIVE.reset(self._tokens.pop())
-        except ValueError:  # left from another context than it was entered in
-            pass
-        self._depth -= 1
-        if self._depth > 0:
-            return None
-        session, self._session = self._session, None
-        return session
+    @property
+    def is_up(self) -> bool:
+        return self._runtime is not None and self._runtime.is_up
 
     def __enter__(self) -> GPUPool:
-        if self._depth == 0:
-            self._session = self._start_session()
-            self._trap_sigterm()
-        self._push_active()
+        self.runtime().enter()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        session = self._pop_active()
-        if self._depth == 0:
-            try:
-                if session is not None:
-                    self._close_session(session)
-            finally:
-                self._restore_sigterm()
+        self.runtime().exit()
 
     async def __aenter__(self) -> GPUPool:
-        if self._depth == 0:
-            starting: dict = {}
-            future = asyncio.get_running_loop().run_in_executor(None, self._start_session, starting)
-            try:
-                self._session = await asyncio.shield(future)
-            except asyncio.CancelledError:
-                # The start goes on in its thread: cut a launch short where the provider can,
-                # and take down whatever still comes up.
-                abort = getattr(starting.get("provider"), "abort", None)
-                if abort is not None:
-                    abort()
-                future.add_done_callback(self._close_late_session)
-                raise
-        self._push_active()
+        await self.runtime().aenter()
         return self
 
-    def _close_late_session(self, future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            threading.Thread(target=self._close_session, args=(future.result(),), name="skytasks-late-close").start()
-
     async def __aexit__(self, *exc_info: Any) -> None:
-        session = self._pop_active()
-        if session is not None:
-            # shield: teardown finishes even when the awaiting task is being cancelled.
-            await asyncio.shield(asyncio.to_thread(self._close_session, session))
-
-    def _trap_sigterm(self) -> None:
-        # Python's default SIGTERM ends the process without unwinding, which would skip
-        # teardown; turn it into an exception while the pool is up (main thread only).
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            raise TerminationRequested(143)
-
-        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _restore_sigterm(self) -> None:
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        await self.runtime().aexit()
 
 
 def aws_environment(creds: AwsCredentials) -> dict[str, str]:
@@ -274,11 +195,3 @@ def aws_environment(creds: AwsCredentials) -> dict[str, str]:
         "AWS_ENDPOINT_URL": creds.aws_client_parameters.endpoint_url if creds.aws_client_parameters else None,
     }
     return {k: str(v) for k, v in values.items() if v}
-
-
-def active_pool() -> GPUPool | None:
-    stack = _ACTIVE.get()
-    if stack:
-        return stack[-1]
-    with _ACTIVE_LOCK:
-        return _ACTIVE_ANY_THREAD[-1] if _ACTIVE_ANY_THREAD else None

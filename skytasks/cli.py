@@ -55,7 +55,7 @@ def run_command(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     from prefect import flow
 
-    from skytasks.controller.call import ECHO_RANK_LINES
+    from skytasks.controller.runner import ECHO_RANK_LINES
     from skytasks.errors import DistributedTaskError, PoolConfigError, ScriptFailed
     from skytasks.script import run_script
 

@@ -143,7 +143,7 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
     non-zero fails the call like a raising rank (`DistributedTaskError` of `ScriptFailed`)."""
     import uuid
 
-    from skytasks.controller.call import resolve_pool
+    from skytasks.task import resolve_pool
     from skytasks.task import DistributedTask
     from skytasks.workdir import check_workdir
 

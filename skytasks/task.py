@@ -1,12 +1,20 @@
-"""@distributed_task: a thin decorator over `skytasks.controller.call` and `skytasks.controller.prefect_runs`."""
+"""@distributed_task: a thin decorator. It checks its options, finds the pool, and hands the call
+to the runner (`skytasks.controller.runner`): directly outside a flow, as a Prefect task run
+inside one (`skytasks.controller.prefect_task`)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from typing import Any, Callable, Iterable
 
-from skytasks.controller.call import CallOptions, ConsoleObserver, pack_call, resolve_pool, run_call
+from prefect.context import FlowRunContext
+
+from skytasks.controller.console import ConsoleObserver
+from skytasks.controller.packing import pack_call
+from skytasks.controller.pool_runtime import active_pool
+from skytasks.controller.runner import CallOptions, PreparedCall, run_call
 from skytasks.errors import PoolConfigError
 from skytasks.rank import in_rank
 from skytasks.workdir import check_workdir
@@ -46,6 +54,7 @@ class DistributedTask:
         self.retries, self.retry_delay_seconds = retries, retry_delay_seconds
         self.name = name or getattr(fn, "__name__", "distributed_task")
         self.tags = tuple(tags)
+        self._prefect_task = None  # the Prefect Task this is in flows, made on first use
         functools.update_wrapper(self, fn)
 
     @property
@@ -60,43 +69,87 @@ class DistributedTask:
         current = {k: getattr(self, k) for k in _OPTION_NAMES}
         return DistributedTask(self._fn, **{**current, **changes})
 
-    def _pool_for_call(self):
-        pool = resolve_pool(self.pool)
-        shape = {k: v for k, v in (("nodes", self.nodes), ("procs_per_node", self.procs_per_node)) if v is not None}
-        if shape and any(getattr(pool, k) != v for k, v in shape.items()):
-            # Another shape cannot use the warm nodes: a copy is brought up for this call.
-            pool = pool.model_copy(update=shape)
-            pool._session = None
-        return pool
-
-    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+    def _prepare(self) -> PreparedCall:
         if in_rank():
             raise RuntimeError(
                 f"distributed task {self.name!r} was called inside a rank: nested fan-out is not "
                 "supported; call the plain function with .fn instead"
             )
-        payload = pack_call(self._fn, args, kwargs)
-        pool = self._pool_for_call()
+        pool = resolve_pool(self.pool)
+        shape = {k: v for k, v in (("nodes", self.nodes), ("procs_per_node", self.procs_per_node)) if v is not None}
+        if shape and any(getattr(pool, k) != v for k, v in shape.items()):
+            pool = pool.reshaped(**shape)  # another shape cannot use the warm nodes
         options = CallOptions(
             label=self.name, backend=self.backend, init_torch=self.init_torch,
             timeout_seconds=self.timeout_seconds, retries=self.retries,
             retry_delay_seconds=self.retry_delay_seconds, workdir=check_workdir(self.workdir),
             hang_timeout_seconds=self.hang_timeout_seconds,
         )
-        from prefect.context import FlowRunContext
+        return PreparedCall(self._fn, pool.runtime(), options, (*self.tags, f"pool:{pool.display_name}"))
 
+    def _parent_task(self):
+        from skytasks.controller.prefect_task import parent_task
+
+        if self._prefect_task is None:
+            self._prefect_task = parent_task(self.name)
+        return self._prefect_task
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Every rank's return value, in rank order. In an async flow, an awaitable of it: the
+        call runs in a thread, and the event loop goes on."""
+        call = self._prepare()
+        flow_run = FlowRunContext.get()
+        if flow_run is None:
+            payload = pack_call(self._fn, args, kwargs)
+            return run_call(call.runtime, payload, call.options, ConsoleObserver())
+        from skytasks.controller import prefect_task
+
+        if flow_run.flow is not None and flow_run.flow.isasync and _loop_running_here():
+            return prefect_task.call_in_async_flow(self._parent_task(), call, args, kwargs)
+        return prefect_task.call_in_flow(self._parent_task(), call, args, kwargs)
+
+    def submit(self, *args: Any, wait_for: Any = None, **kwargs: Any) -> Any:
+        """Start the call in the flow's task runner; a `PrefectFuture` of the per-rank list.
+        Calls on different pools run at the same time; calls on one pool take turns."""
         if FlowRunContext.get() is None:
-            return run_call(pool, payload, options, lambda attempt, world: ConsoleObserver())
+            raise RuntimeError(f"{self.name}.submit(): submit needs a flow run (as Prefect's Task.submit does); "
+                               "outside a flow, call the distributed task directly")
+        from skytasks.controller import prefect_task
 
-        from skytasks.controller.prefect_runs import run_as_parent_task
-
-        run_tags = (*self.tags, f"pool:{pool.display_name}")
-        return run_as_parent_task(
-            self.name, pool.display_name, run_tags, lambda observer_for: run_call(pool, payload, options, observer_for)
-        )
+        return prefect_task.submit_in_flow(self._parent_task(), self._prepare(), args, kwargs, wait_for=wait_for)
 
     def __repr__(self) -> str:
         return f"DistributedTask({self.name!r})"
+
+
+def _loop_running_here() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+def resolve_pool(pool: Any) -> Any:
+    """The pool object for a call: a block, a saved block's name, or the active `with pool:`."""
+    from skytasks.blocks.gpu_pool import GPUPool
+
+    if pool is None:
+        found = active_pool()
+        if found is None:
+            raise PoolConfigError(
+                "no pool for this distributed task: pass pool= to @distributed_task (a GPUPool or "
+                "the name of a saved GPUPool block), or call it inside `with pool:`"
+            )
+        return found
+    if isinstance(pool, GPUPool):
+        return pool
+    if isinstance(pool, str):
+        active = active_pool()
+        if active is not None and active.saved_name == pool:
+            return active
+        return GPUPool.load(pool)
+    raise PoolConfigError(f"pool: expected a GPUPool, a saved block name or None, got {type(pool).__qualname__}")
 
 
 def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs_per_node=None, backend=None,

@@ -60,6 +60,8 @@ def _out_of_band(value: Any, depth: int = 0) -> Any:
 def encode(msg: dict[str, Any], relay: bool = False) -> list[Any]:
     """The frame as a list of byte chunks, ready for writelines (no concatenation copies)."""
     buffers: list[pickle.PickleBuffer] = []
+    if type(msg["op"]) is not str:  # a protocol.Op: the wire carries its plain string
+        msg = {**msg, "op": str(msg["op"])}
     meta = pickle.dumps(_out_of_band(msg), protocol=5, buffer_callback=buffers.append)
     chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers), RELAY if relay else 0), meta]
     for buf in buffers:

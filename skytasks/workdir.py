@@ -16,7 +16,6 @@ from pathlib import Path
 
 from skytasks.errors import PoolConfigError
 
-DEFAULT_LIMIT_BYTES = 100 * 1000 * 1000
 LIMIT_ENV = "SKYTASKS_WORKDIR_LIMIT_MB"
 
 
@@ -46,8 +45,9 @@ class Workdir:
 
 
 def limit_bytes() -> int:
-    raw = os.environ.get(LIMIT_ENV)
-    return int(float(raw) * 1000 * 1000) if raw else DEFAULT_LIMIT_BYTES
+    from skytasks.settings import settings
+
+    return int(settings().workdir_limit_mb * 1000 * 1000)
 
 
 def check_workdir(workdir: str | os.PathLike | None, argument: str = "workdir") -> Path | None:

@@ -104,16 +104,16 @@ def test_the_accelerator_chooses_the_instance_type_and_the_default_image_comes_f
     from skytasks.providers.aws.plan import plan_launch
 
     ec2, ssm = moto["ec2"], moto["creds"].get_client("ssm")
-    plan = plan_launch(aws_pool(moto, instance_type=None, accelerator="A10G", accelerators_per_node=4), ec2, ssm)
+    plan = plan_launch(aws_pool(moto, instance_type=None, accelerator="A10G", accelerators_per_node=4).spec(), ec2, ssm)
     assert (plan.instance_type, plan.gpus_per_node, plan.cuda, plan.placement_group) == ("g5.12xlarge", 4, True, True)
-    plan = plan_launch(aws_pool(moto, instance_type=None, accelerator="A100"), ec2, ssm)
+    plan = plan_launch(aws_pool(moto, instance_type=None, accelerator="A100").spec(), ec2, ssm)
     assert (plan.instance_type, plan.efa) == ("p4d.24xlarge", True)
-    plan = plan_launch(aws_pool(moto, instance_type=None), ec2, ssm)
+    plan = plan_launch(aws_pool(moto, instance_type=None).spec(), ec2, ssm)
     assert (plan.instance_type, plan.cuda, plan.placement_group) == ("m6i.xlarge", False, False)
     assert "2 x m6i.xlarge in us-east-1: about $0.38/hour" in plan.cost_line(2, 12, spot=False)
     # moto holds no Ubuntu parameter: the error names the field and the public parameter.
     with pytest.raises(PoolConfigError, match=r"image_id: unset.*/aws/service/canonical/ubuntu"):
-        plan_launch(aws_pool(moto, image_id=None), ec2, ssm)
+        plan_launch(aws_pool(moto, image_id=None).spec(), ec2, ssm)
 
 
 def test_a_launch_whose_nodes_never_answer_times_out_and_leaves_nothing(moto):
@@ -144,9 +144,9 @@ def test_teardown_finds_by_tag_what_an_interrupted_create_call_never_reported(mo
     from skytasks.providers.aws.provider import AWSProvider
     from skytasks.providers.aws.plan import plan_launch
 
-    provider = AWSProvider(aws_pool(moto), progress=lambda *a: None)
+    provider = AWSProvider(aws_pool(moto).spec(), progress=lambda *a: None)
     _, host_key = provider._make_keys()
-    provider._launch(plan_launch(provider._pool, provider._ec2, provider._ssm), host_key)
+    provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
     # As if Ctrl-C had landed while each create call was in flight: AWS made it, the ids never came back.
     provider.owned.instance_ids, provider.owned.security_group_id, provider.owned.key_name = [], None, None
     assert len(leftovers(moto["ec2"])["instances"]) == 2
@@ -216,7 +216,7 @@ def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_t
     cuda_pool = GPUPool(provider="aws", accelerator="L4", torch_version="2.5.1", torch_cuda="cu121",
                         torchvision=">=0.20", torchaudio="latest", pip_packages=["transformers==4.46.0"],
                         idle_minutes=10, max_lifetime_minutes=60)
-    text = render_user_data(cuda_pool, True, "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----",
+    text = render_user_data(cuda_pool.spec(), True, "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----",
                             "ssh-ed25519 AAAAC3 host", python_version="3.11")
     assert text.startswith("#cloud-config\n") and len(text.encode()) < 16384  # EC2's user-data limit
     config = yaml.safe_load(text)
@@ -234,7 +234,7 @@ def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_t
         config["runcmd"].index(["bash", "/opt/skytasks/bootstrap.sh"])
 
     cpu_pool = GPUPool(provider="aws", torch_version=">=2.3,<3")
-    script = yaml.safe_load(render_user_data(cpu_pool, False, "k", "ssh-ed25519 AAAA host"))["write_files"][2]["content"]
+    script = yaml.safe_load(render_user_data(cpu_pool.spec(), False, "k", "ssh-ed25519 AAAA host"))["write_files"][2]["content"]
     assert "--index-url https://download.pytorch.org/whl/cpu 'torch>=2.3,<3'\n" in script
     assert "torchvision" not in script and "cu128" not in script
 
@@ -271,10 +271,10 @@ def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(
 
     def leak(lifetime_minutes: float, launch: bool) -> AWSProvider:
         """Resources as a controller that died (SIGKILL) would leave them: nobody tears them down."""
-        provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=lifetime_minutes), progress=lambda *a: None)
+        provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=lifetime_minutes).spec(), progress=lambda *a: None)
         from skytasks.providers.aws.plan import plan_launch
 
-        plan = plan_launch(provider._pool, provider._ec2, provider._ssm)
+        plan = plan_launch(provider._spec, provider._ec2, provider._ssm)
         _, host_key = provider._make_keys()
         if launch:
             provider._launch(plan, host_key)
@@ -397,9 +397,9 @@ def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
     from skytasks.providers.aws.plan import plan_launch
 
     moto["creds"].save("skytasks-test-moto", overwrite=True)
-    provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01), progress=lambda *a: None)
+    provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01).spec(), progress=lambda *a: None)
     _, host_key = provider._make_keys()
-    provider._launch(plan_launch(provider._pool, provider._ec2, provider._ssm), host_key)
+    provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
     time.sleep(1.0)
     assert skytasks_gc(aws_credentials_block="skytasks-test-moto") == [provider.pool_id]
 

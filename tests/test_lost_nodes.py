@@ -31,7 +31,7 @@ def test_a_lost_local_node_is_replaced_and_the_retry_succeeds(capsys, tmp_path):
     pool = GPUPool(nodes=2)
     task = distributed_task(kill_my_agent_once, pool=pool, retries=1)
     with pool:
-        agents_before = {n.link.node_rank: n for n in pool._session.nodes}
+        agents_before = {n.link.node_rank: n for n in pool.runtime().session.nodes}
         results = task(str(tmp_path / "killed"))
         again = task(str(tmp_path / "killed"))  # the pool stays whole for later calls too
     assert [r["attempt"] for r in results] == [2, 2]

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-import skytasks.controller.rank_group as lifecycle
+import skytasks.controller.session as session_module
 from skytasks import GPUPool
 from skytasks import distributed_task
 from skytasks.serialization import blob_size
@@ -38,14 +38,14 @@ def checksum(data: np.ndarray, salt: int) -> float:
 
 def test_a_large_argument_travels_once_per_node_and_not_again_while_warm(monkeypatch):
     sent: list[int] = []
-    real_broadcast = lifecycle.broadcast
+    real_broadcast = session_module.broadcast
 
     def spy(nodes, msg, relay=False):
         if msg["op"] == "call":
             sent.append(sum(blob_size(b) for b in msg["blobs"].values()) * len(nodes))
         return real_broadcast(nodes, msg, relay)
 
-    monkeypatch.setattr(lifecycle, "broadcast", spy)
+    monkeypatch.setattr(session_module, "broadcast", spy)
     data = np.arange(4_000_000, dtype=np.float64)  # 32 MB
     pool = GPUPool(nodes=2, procs_per_node=2)
     task = distributed_task(checksum, pool=pool, init_torch=False)

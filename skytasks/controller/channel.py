@@ -12,7 +12,8 @@ import queue
 import threading
 from typing import Any
 
-from skytasks.providers import NodeLink, heartbeat_settings
+from skytasks.providers import NodeLink
+from skytasks.settings import settings
 from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20
@@ -94,7 +95,7 @@ def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False
 def keep_heartbeats(nodes: list[NodeChannel], closed: threading.Event) -> None:
     """Until `closed`: a heartbeat to every node each interval (one sender thread per node, so
     one stuck link delays no other), and a watch that gives up a node silent past the timeout."""
-    interval, timeout = heartbeat_settings()
+    interval, timeout = settings().heartbeat
 
     def send(node: NodeChannel) -> None:
         while not closed.wait(interval) and node.alive:

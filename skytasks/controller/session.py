@@ -12,11 +12,33 @@ import threading
 import time
 from typing import Any
 
-from skytasks.controller.channel import NodeChannel, keep_heartbeats
+from skytasks.controller.call_run import CallRun, drive
+from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats
+from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
-from skytasks.controller.rank_group import CallObserver, GroupSpec, RankGroup
-from skytasks.providers import NodeProvider, heartbeat_settings
+from skytasks.protocol import NODE_FAILURES, Op
+from skytasks.providers import NodeProvider
+from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest
+
+
+class ChannelBus:
+    """The rank group's `NodeBus` over the session's live channels."""
+
+    def __init__(self, nodes: list[NodeChannel]):
+        self.nodes = nodes
+
+    def send(self, node_rank: int, msg: dict[str, Any]) -> None:
+        self.nodes[node_rank].send(msg)
+
+    def broadcast(self, msg: dict[str, Any], relay: bool = False) -> None:
+        broadcast(self.nodes, msg, relay=relay)
+
+    def alive(self) -> set[int]:
+        return {n.link.node_rank for n in self.nodes if n.alive}
+
+    def is_current(self, node_rank: int, msg: dict[str, Any]) -> bool:
+        return self.nodes[node_rank].sent(msg)
 
 
 class PoolSession:
@@ -30,6 +52,7 @@ class PoolSession:
         self._lock = threading.Lock()
         self.group: RankGroup | None = None
         self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
+        self.bus = ChannelBus(self.nodes)
         self._closed = threading.Event()
         keep_heartbeats(self.nodes, self._closed)
         try:
@@ -41,7 +64,7 @@ class PoolSession:
     def _await_agents(self, nodes: list[NodeChannel] | None = None) -> None:
         """Every agent says hello, with the GPUs its node has, before a rank is placed."""
         waiting = {n.link.node_rank: n for n in (self.nodes if nodes is None else nodes)}
-        _, timeout = heartbeat_settings()
+        _, timeout = settings().heartbeat
         deadline = time.monotonic() + timeout
         while waiting:
             try:
@@ -52,10 +75,10 @@ class PoolSession:
             node = waiting.get(node_rank)
             if node is None or not node.sent(msg):
                 continue  # another node's news, or a replaced channel's
-            if msg["op"] == "hello":
+            if msg["op"] == Op.HELLO:
                 node.gpus = list(msg.get("gpus") or [])
                 del waiting[node_rank]
-            elif msg["op"] in ("lost", "agent_error"):
+            elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
 
@@ -66,12 +89,19 @@ class PoolSession:
             g = self.group
             if g is None or g.broken or g.spec != spec or not all(n.alive for n in self.nodes):
                 if g is not None and not g.broken:
-                    g.close()
+                    g.close(self.bus)
                 self._replace_lost_nodes(observer)
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
-                self.group = g = RankGroup(self, spec, node_dir)
+                shapes = [NodeShape(n.link.node_rank, n.link.address, n.link.machine, tuple(n.gpus),
+                                    tuple(n.link.env.items())) for n in self.nodes]
+                self.group = g = RankGroup(shapes, self.procs_per_node, spec, self.provider.free_port(), self.env,
+                                           node_dir)
+                g.start(self.bus)
+            run = CallRun(g, self.bus, observer, label=label, attempt=attempt, deadline=deadline,
+                          hang_timeout=hang_timeout, stop_confirm_seconds=settings().stop_confirm_seconds,
+                          now=time.monotonic())
             try:
-                return g.run(payload, attempt, deadline, observer, label, hang_timeout)
+                return drive(run, self.events, payload)
             finally:
                 if g.broken:
                     self.group = None
@@ -110,7 +140,7 @@ class PoolSession:
         self._closed.set()
         with self._lock:
             if self.group is not None and not self.group.broken:
-                self.group.close()
+                self.group.close(self.bus)
             self.group = None
             try:
                 self.provider.stop()

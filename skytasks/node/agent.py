@@ -197,8 +197,6 @@ class NodeAgent:
                 except Exception:  # noqa: BLE001 - reported, then this node's ranks are stopped
                     self.emit({"op": "agent_error", "error": traceback.format_exc()})
                     self.stop_ranks(grace=0.0)
-                if op == "shutdown":
-                    break
         except ChannelClosed:
             pass
         finally:
@@ -225,13 +223,10 @@ class NodeAgent:
     def _spawn(self, msg: dict[str, Any]) -> None:
         # Start every rank before waiting on any: torch import dominates and runs in parallel.
         group = msg["group"]
-        started = []
         with self._lock:
             for spec in msg["ranks"]:
                 rp = RankProcess(self, group, spec["rank"], {**msg["env"], **spec["env"]})
                 self._ranks[spec["rank"]] = rp
-                started.append((spec["rank"], rp.proc.pid))
-        self.emit({"op": "spawned", "group": group, "pids": started})
 
     def _send_stacks(self, msg: dict[str, Any]) -> None:
         ranks = [rp for rp in list(self._ranks.values()) if rp.group == msg.get("group")]
@@ -275,7 +270,6 @@ class NodeAgent:
                 rp.kill()
         with self._lock:
             self._ranks.clear()
-        self.emit({"op": "closed", "group": msg.get("group")})
 
     def stop_ranks(self, grace: float) -> None:
         with self._lock:

@@ -6,11 +6,15 @@ processes) is the shared rank lifecycle in `skytasks.controller.rank_group`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
 
+from skytasks.settings import settings
+
+from skytasks.errors import PoolConfigError
+
 if TYPE_CHECKING:
+    from skytasks.pool_spec import PoolSpec
     from skytasks.workdir import WorkdirRequest
 
 
@@ -29,16 +33,9 @@ class NodeLink:
     close: Callable[[], None] = lambda: None  # release the transport (process, SSH channel)
 
 
-def heartbeat_settings() -> tuple[float, float]:
-    """(interval, timeout) in seconds: both ends send a heartbeat every interval, and each
-    gives the other up after `timeout` of silence. Environment knobs, for tests and slow links."""
-    interval = float(os.environ.get("SKYTASKS_HEARTBEAT_SECONDS", "5"))
-    timeout = float(os.environ.get("SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS", "60"))
-    return interval, max(timeout, 2 * interval)
-
-
 def agent_args(heartbeat_file: str | None = None) -> list[str]:
-    interval, timeout = heartbeat_settings()
+    """The agent's command line: it is told its heartbeat, never left to a default of its own."""
+    interval, timeout = settings().heartbeat
     args = ["-m", "skytasks.node.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}"]
     return args + (["--heartbeat-file", heartbeat_file] if heartbeat_file else [])
 
@@ -57,17 +54,17 @@ class NodeProvider(Protocol):
         """Tear down everything `start` made. Idempotent, safe after a partial start."""
 
 
-def provider_for(pool) -> NodeProvider:
-    if pool.provider == "local":
+def provider_for(spec: PoolSpec) -> NodeProvider:
+    if spec.provider == "local":
         from skytasks.providers.local import LocalProvider
 
-        return LocalProvider(pool)
-    if pool.provider == "ssh":
+        return LocalProvider(spec)
+    if spec.provider == "ssh":
         from skytasks.providers.ssh import SSHProvider
 
-        return SSHProvider(pool)
-    if pool.provider == "aws":
+        return SSHProvider(spec)
+    if spec.provider == "aws":
         from skytasks.providers.aws.provider import AWSProvider
 
-        return AWSProvider(pool)
-    raise ValueError(f"provider: unknown provider {pool.provider!r}")
+        return AWSProvider(spec)
+    raise PoolConfigError(f"provider: unknown provider {spec.provider!r}")

@@ -8,25 +8,26 @@ import subprocess
 import sys
 
 from skytasks.devices import split_local_gpus, visible_gpus
+from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
 
 LOOPBACK = "127.0.0.1"
 
 
 class LocalProvider:
-    def __init__(self, pool):
-        self._pool = pool
+    def __init__(self, spec: PoolSpec):
+        self._spec = spec
         self._procs: dict[int, subprocess.Popen] = {}  # node rank -> its agent
 
     def start(self) -> list[NodeLink]:
         self._gpus = visible_gpus()
-        self._slices = split_local_gpus(self._gpus, self._pool.nodes, self._pool.procs_per_node)
+        self._slices = split_local_gpus(self._gpus, self._spec.nodes, self._spec.procs_per_node)
         # The agent needs the controller's import path as much as its ranks do: skytasks may be
         # importable here only through sys.path (a checkout, run from another directory).
-        user_path = self._pool.env.get("PYTHONPATH")
+        user_path = self._spec.env.get("PYTHONPATH")
         self._path = os.pathsep.join(p for p in (user_path, _controller_path()) if p)
         try:
-            return [self._start_node(node_rank) for node_rank in range(self._pool.nodes)]
+            return [self._start_node(node_rank) for node_rank in range(self._spec.nodes)]
         except BaseException:
             self.stop()
             raise

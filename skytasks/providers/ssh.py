@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -276,13 +277,15 @@ class SSHNodes:
 class SSHProvider(SSHNodes):
     """provider="ssh": the pool's own hosts, login and known_hosts."""
 
-    def __init__(self, pool):
+    def __init__(self, spec: PoolSpec):
+        ssh = spec.ssh
+        assert ssh is not None
         super().__init__(SSHLogin(
-            targets=[parse_host(h, pool.ssh_user) for h in pool.hosts],
-            known_hosts=pool.known_hosts or "",
-            private_key=pool.ssh_private_key.get_secret_value() if pool.ssh_private_key else None,
-            python=pool.remote_python or "python3", pip_packages=list(pool.pip_packages), env=dict(pool.env),
-            timeout=pool.ready_timeout_seconds,
+            targets=[parse_host(h, ssh.ssh_user) for h in ssh.hosts],
+            known_hosts=ssh.known_hosts or "",
+            private_key=ssh.ssh_private_key.get_secret_value() if ssh.ssh_private_key else None,
+            python=ssh.remote_python or "python3", pip_packages=list(ssh.pip_packages), env=dict(spec.env),
+            timeout=ssh.ready_timeout_seconds,
         ))
 
 

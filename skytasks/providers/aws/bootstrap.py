@@ -11,13 +11,17 @@ package over SSH once the node is ready, cached there by content hash, so there 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from skytasks.pool_spec import PoolSpec
 
 TORCH_INDEX = "https://download.pytorch.org/whl/{suffix}"
 STATE_DIR = "/var/lib/skytasks"  # status file ("ready" or the failure) and the agent's heartbeat
@@ -41,21 +45,21 @@ def requirement(package: str, spec: str | None) -> str | None:
     return f"{package}{spec}"
 
 
-def torch_install(pool: Any, cuda: bool) -> tuple[list[str], str]:
+def torch_install(spec: PoolSpec, cuda: bool) -> tuple[list[str], str]:
     """The torch family to install and the wheel index to take it from."""
-    wanted = [requirement("torch", pool.torch_version), requirement("torchvision", pool.torchvision),
-              requirement("torchaudio", pool.torchaudio)]
-    index = TORCH_INDEX.format(suffix=pool.torch_cuda if cuda else "cpu")
+    wanted = [requirement("torch", spec.aws.torch_version), requirement("torchvision", spec.aws.torchvision),
+              requirement("torchaudio", spec.aws.torchaudio)]
+    index = TORCH_INDEX.format(suffix=spec.aws.torch_cuda if cuda else "cpu")
     return [w for w in wanted if w], index
 
 
-def bootstrap_script(pool: Any, cuda: bool, python_version: str | None = None) -> str:
+def bootstrap_script(spec: PoolSpec, cuda: bool, python_version: str | None = None) -> str:
     import cloudpickle
 
     python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
-    torch_reqs, index = torch_install(pool, cuda)
+    torch_reqs, index = torch_install(spec, cuda)
     # cloudpickle must match the controller's exactly: it is the wire format of the function.
-    extras = [f"cloudpickle=={cloudpickle.__version__}", "numpy", "psutil", *pool.pip_packages]
+    extras = [f"cloudpickle=={cloudpickle.__version__}", "numpy", "psutil", *spec.aws.pip_packages]
     q = " ".join
     return "\n".join([
         "#!/bin/bash",
@@ -81,9 +85,9 @@ class _Literal(str):
 yaml.SafeDumper.add_representer(_Literal, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|"))
 
 
-def render_user_data(pool: Any, cuda: bool, host_key_private: str, host_key_public: str,
+def render_user_data(spec: PoolSpec, cuda: bool, host_key_private: str, host_key_public: str,
                      python_version: str | None = None) -> str:
-    idle, lifetime = pool.idle_minutes * 60, pool.max_lifetime_minutes * 60
+    idle, lifetime = spec.aws.idle_minutes * 60, spec.aws.max_lifetime_minutes * 60
     watchdog_unit = "\n".join([
         "[Unit]", "Description=skytasks watchdog: terminate this node when its controller is gone", "",
         "[Service]",
@@ -101,7 +105,7 @@ def render_user_data(pool: Any, cuda: bool, host_key_private: str, host_key_publ
             {"path": "/opt/skytasks/watchdog.py", "permissions": "0755", "content": _Literal(WATCHDOG_SOURCE.read_text())},
             {"path": "/etc/systemd/system/skytasks-watchdog.service", "content": _Literal(watchdog_unit)},
             {"path": "/opt/skytasks/bootstrap.sh", "permissions": "0755",
-             "content": _Literal(bootstrap_script(pool, cuda, python_version))},
+             "content": _Literal(bootstrap_script(spec, cuda, python_version))},
         ],
         "runcmd": [
             ["systemctl", "daemon-reload"],

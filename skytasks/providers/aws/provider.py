@@ -13,6 +13,8 @@ power loss) is ended by the node's own watchdog, and anything left behind is fou
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import asyncio
 import threading
 import time
@@ -25,13 +27,16 @@ from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_t
 from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON, render_user_data
 from skytasks.providers.ssh import SSHLogin, SSHNodes
 
+if TYPE_CHECKING:
+    from skytasks.pool_spec import PoolSpec
+
 
 class AWSProvider:
-    def __init__(self, pool: Any, *, progress: Callable[[int, int, str], None] | None = None):
-        self._pool = pool
+    def __init__(self, spec: PoolSpec, *, progress: Callable[[int, int, str], None] | None = None):
+        self._spec = spec
         self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
-        self._ec2 = pool.aws_credentials.get_client("ec2")
-        self._ssm = pool.aws_credentials.get_client("ssm")
+        self._ec2 = spec.aws.credentials.get_client("ec2")
+        self._ssm = spec.aws.credentials.get_client("ssm")
         self._progress = progress or LaunchProgress(self.pool_id)
         self.owned = PoolResources(self._ec2, self.pool_id)
         self._nodes: SSHNodes | None = None
@@ -45,9 +50,9 @@ class AWSProvider:
     # -- start ------------------------------------------------------------------------------
 
     def start(self) -> list[NodeLink]:
-        pool = self._pool
-        plan = plan_launch(pool, self._ec2, self._ssm)  # raises before anything exists
-        self._progress(0, pool.nodes, plan.cost_line(pool.nodes, pool.max_lifetime_minutes / 60, pool.spot))
+        spec = self._spec
+        plan = plan_launch(spec, self._ec2, self._ssm)  # raises before anything exists
+        self._progress(0, spec.nodes, plan.cost_line(spec.nodes, spec.aws.max_lifetime_minutes / 60, spec.aws.spot))
         try:
             login_key, host_key = self._make_keys()
             self._launch(plan, host_key)
@@ -58,7 +63,7 @@ class AWSProvider:
                 targets=[(plan.login, a, 22) for a in addresses], known_hosts=_known_hosts(addresses, host_key),
                 peer_addresses=private,
                 private_key=login_key.export_private_key().decode(), python=self._python(),
-                env=dict(pool.env), heartbeat_file=HEARTBEAT_FILE, timeout=pool.ready_timeout_seconds,
+                env=dict(spec.env), heartbeat_file=HEARTBEAT_FILE, timeout=spec.aws.ready_timeout_seconds,
             ))
             return self._nodes.start()
         except BaseException:
@@ -86,19 +91,19 @@ class AWSProvider:
     def _python(self) -> str:
         # remote_python, when set, names an interpreter the image already has; otherwise it is
         # the venv the bootstrap built.
-        return self._pool.remote_python or VENV_PYTHON
+        return self._spec.aws.remote_python or VENV_PYTHON
 
     def _tags(self, resource_type: str) -> list[dict]:
-        tags = pool_tags(self.pool_id, self._pool.max_lifetime_minutes, self._pool.tags, _flow_run_id())
+        tags = pool_tags(self.pool_id, self._spec.aws.max_lifetime_minutes, self._spec.aws.tags, _flow_run_id())
         return [{"ResourceType": resource_type, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
 
     def _make_keys(self) -> tuple[Any, Any]:
         import asyncssh
 
-        pool = self._pool
+        spec = self._spec
         host_key = asyncssh.generate_private_key("ssh-ed25519")
-        if pool.key_name:  # the user's own key pair; its private half is ssh_private_key
-            return asyncssh.import_private_key(pool.ssh_private_key.get_secret_value()), host_key
+        if spec.aws.key_name:  # the user's own key pair; its private half is ssh_private_key
+            return asyncssh.import_private_key(spec.aws.ssh_private_key.get_secret_value()), host_key
         login_key = asyncssh.generate_private_key("ssh-ed25519")
         self._ec2.import_key_pair(KeyName=self.pool_id, PublicKeyMaterial=login_key.export_public_key(),
                                   TagSpecifications=self._tags("key-pair"))
@@ -106,7 +111,7 @@ class AWSProvider:
         return login_key, host_key
 
     def _launch(self, plan: LaunchPlan, host_key: Any) -> None:
-        pool, ec2 = self._pool, self._ec2
+        spec, ec2 = self._spec, self._ec2
         sg = ec2.create_security_group(GroupName=self.pool_id, VpcId=plan.vpc_id, TagSpecifications=self._tags("security-group"),
                                        Description=f"skytasks pool {self.pool_id}: SSH from the controller, all traffic inside")
         sg_id = self.owned.security_group_id = sg["GroupId"]
@@ -119,18 +124,18 @@ class AWSProvider:
             ec2.create_placement_group(GroupName=self.pool_id, Strategy="cluster",
                                        TagSpecifications=self._tags("placement-group"))
             self.owned.placement_group = self.pool_id
-        groups = [sg_id, *pool.security_group_ids]
+        groups = [sg_id, *spec.aws.security_group_ids]
         request: dict[str, Any] = dict(
-            ImageId=plan.image_id, InstanceType=plan.instance_type, MinCount=pool.nodes, MaxCount=pool.nodes,
-            KeyName=self.owned.key_name or pool.key_name,
-            UserData=render_user_data(pool, plan.cuda, host_key.export_private_key().decode(),
+            ImageId=plan.image_id, InstanceType=plan.instance_type, MinCount=spec.nodes, MaxCount=spec.nodes,
+            KeyName=self.owned.key_name or spec.aws.key_name,
+            UserData=render_user_data(spec, plan.cuda, host_key.export_private_key().decode(),
                                       host_key.export_public_key().decode()),
             InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's shutdown ends the instance
             # The user-data holds the host's private key: only IMDSv2 (a session token, no
             # one-hop SSRF) may read it back on the node.
             MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
             BlockDeviceMappings=[{"DeviceName": plan.root_device,
-                                  "Ebs": {"VolumeSize": pool.root_volume_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}],
+                                  "Ebs": {"VolumeSize": spec.aws.root_volume_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}],
             TagSpecifications=self._tags("instance") + self._tags("volume"),
         )
         if plan.efa:  # EFA needs the interface spelled out; the subnet and groups move into it
@@ -140,12 +145,12 @@ class AWSProvider:
             request.update(SubnetId=plan.subnet_id, SecurityGroupIds=groups)
         if self.owned.placement_group:
             request["Placement"] = {"GroupName": self.owned.placement_group}
-        if pool.spot:
+        if spec.aws.spot:
             request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-        if pool.iam_instance_profile:
-            key = "Arn" if pool.iam_instance_profile.startswith("arn:") else "Name"
-            request["IamInstanceProfile"] = {key: pool.iam_instance_profile}
+        if spec.aws.iam_instance_profile:
+            key = "Arn" if spec.aws.iam_instance_profile.startswith("arn:") else "Name"
+            request["IamInstanceProfile"] = {key: spec.aws.iam_instance_profile}
         self._request = request  # a replacement is launched exactly alike (replace())
         reservation = ec2.run_instances(**request)
         self.owned.instance_ids = [i["InstanceId"] for i in reservation["Instances"]]
@@ -154,8 +159,8 @@ class AWSProvider:
                           ids: list[str] | None = None) -> tuple[list[str], list[str]]:
         """Until every node answers SSH with its pinned host key and says its bootstrap is done.
         Returns the addresses to reach them on, and their private addresses (for the peers)."""
-        pool = self._pool
-        deadline = time.monotonic() + pool.ready_timeout_seconds
+        spec = self._spec
+        deadline = time.monotonic() + spec.aws.ready_timeout_seconds
         ids = list(self.owned.instance_ids) if ids is None else ids
         state: dict[str, str] = {i: "launching" for i in ids}
         addresses: dict[str, str] = {}
@@ -189,7 +194,7 @@ class AWSProvider:
                 late = [f"{i} ({state[i]})" for i in ids if i not in ready]
                 raise TimeoutError(
                     f"ready_timeout_seconds: {len(late)} of {len(ids)} node(s) not ready after "
-                    f"{pool.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
+                    f"{spec.aws.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
                 )
             if self._aborted.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
                 raise InterruptedError(f"the launch of {self.pool_id} was cancelled; everything launched was terminated")

@@ -1,47 +1,25 @@
-"""One distributed call, without Prefect: pack the payload, find the pool, run with retries.
+"""A call's payload: the function and its arguments, cloudpickled once on the controller.
 
-`skytasks.task` wraps this in Prefect task runs when there is a flow; outside a flow it is
-called directly with a console observer.
+The user's own modules travel by value; libraries never do. Large arguments travel as blobs of
+their own, so a warm rank group that still holds the same bytes is not sent them again.
 """
 
 from __future__ import annotations
 
-import contextvars
 import os
 import pickle
 import site
 import sys
 import sysconfig
-import time
+import threading
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
 import cloudpickle
 
-from skytasks.devices import check_backend_before_launch
-from skytasks.errors import DistributedTaskError, PoolConfigError
 from skytasks.serialization import Blob, blob_size, dumps_out_of_band
 from skytasks.wire import BlobRef
-from skytasks.controller.rank_group import DEFAULT_INIT_TIMEOUT_SECONDS, CallObserver, GroupSpec, RankOutcome
-from skytasks.workdir import WorkdirRequest, read_workdir
-
-
-# Set by `skytasks run`: rank lines are printed plainly on the console inside a flow too.
-ECHO_RANK_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_echo_rank_lines", default=False)
-
-
-@dataclass(frozen=True)
-class CallOptions:
-    label: str
-    backend: str | None
-    init_torch: bool
-    timeout_seconds: float | None
-    retries: int
-    retry_delay_seconds: float
-    workdir: Path | None = None
-    hang_timeout_seconds: float | None = None
 
 
 _INSTALLED_ROOTS = tuple(
@@ -111,8 +89,18 @@ class PackedCall:
     blobs: list[Blob]  # blobs[i]: one large argument, pickled with out-of-band buffers
 
 
+# cloudpickle's by-value registration is process-wide: two calls packed at once in two threads
+# (`.submit()`, async flows) would unregister each other's modules half-way.
+_PICKLE_LOCK = threading.Lock()
+
+
 def pack_call(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
     """cloudpickle the call, or say exactly which part cannot travel, before any rank starts."""
+    with _PICKLE_LOCK:
+        return _pack(fn, args, kwargs)
+
+
+def _pack(fn: Callable, args: tuple, kwargs: dict) -> PackedCall:
     registered = []
     for module in project_modules():
         try:
@@ -159,89 +147,3 @@ def _dumps_or_explain(fn: Callable, args: tuple, kwargs: dict) -> bytes:
                     f"pickled with cloudpickle: {exc}"
                 ) from exc
         raise TypeError(f"cannot pickle the call to send it to the ranks: {whole}") from whole
-
-
-def resolve_pool(pool: Any):
-    """The pool object for a call: a block, a saved block's name, or the active `with pool:`."""
-    from skytasks.blocks.gpu_pool import GPUPool, active_pool
-
-    if pool is None:
-        found = active_pool()
-        if found is None:
-            raise PoolConfigError(
-                "no pool for this distributed task: pass pool= to @distributed_task (a GPUPool or "
-                "the name of a saved GPUPool block), or call it inside `with pool:`"
-            )
-        return found
-    if isinstance(pool, GPUPool):
-        return pool
-    if isinstance(pool, str):
-        active = active_pool()
-        if active is not None and getattr(active, "_block_document_name", None) == pool:
-            return active
-        return GPUPool.load(pool)
-    raise PoolConfigError(f"pool: expected a GPUPool, a saved block name or None, got {type(pool).__qualname__}")
-
-
-def run_call(
-    pool: Any,
-    payload: PackedCall,
-    options: CallOptions,
-    observer_for_attempt: Callable[[int, int], CallObserver],
-) -> list[Any]:
-    """Run the call on every rank, restarting the whole group on failure up to `retries` times."""
-    deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
-    init_timeout = float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", DEFAULT_INIT_TIMEOUT_SECONDS))
-    world = pool.nodes * pool.procs_per_node
-    check_backend_before_launch(options.backend, pool.provider, pool.nodes, pool.procs_per_node,
-                                pool.accelerators_per_node)
-    workdir = None
-    if options.workdir is not None:
-        root = options.workdir  # already checked and resolved by the task
-        # Read (and held to the size limit) before any node is up, when it has to travel.
-        workdir = WorkdirRequest(root, None if pool.provider == "local" else read_workdir(root))
-    spec = GroupSpec(options.backend, options.init_torch, init_timeout, workdir)
-    with pool._nodes() as session:
-        for attempt in range(1, options.retries + 2):
-            observer = observer_for_attempt(attempt, world)
-            try:
-                return session.call(payload, spec, attempt=attempt, deadline=deadline, observer=observer,
-                                    label=options.label, hang_timeout=options.hang_timeout_seconds)
-            except DistributedTaskError as err:
-                timed_out = any(isinstance(e, TimeoutError) for e in err.exceptions)
-                if attempt > options.retries or (deadline is not None and timed_out):
-                    raise
-                # A collective cannot survive a partial restart: the next attempt is a fresh group.
-                print(
-                    f"[skytasks] {options.label}: attempt {attempt} failed ({err.exceptions[0]!r}); "
-                    f"restarting all {world} ranks in {options.retry_delay_seconds:g}s",
-                    file=sys.stderr,
-                )
-                time.sleep(options.retry_delay_seconds)
-    raise AssertionError("unreachable")
-
-
-class ConsoleObserver:
-    """Outside a flow: each rank's lines on this process's console, prefixed `[rank R]`."""
-
-    def on_output(self, rank: int, stream: str, line: str) -> None:
-        print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
-
-    def on_log(self, rank: int, level: int, line: str) -> None:
-        print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-
-    def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
-        pass
-
-    def on_notice(self, text: str) -> None:
-        print(f"[skytasks] {text}", file=sys.stderr, flush=True)
-
-    def on_stacks(self, stacks: dict[int, str], why: str) -> None:
-        from skytasks.stacks import where
-
-        for rank, stack in sorted(stacks.items()):
-            print(f"[rank {rank}] was {where(stack) or 'somewhere unreadable'} ({why})", file=sys.stderr, flush=True)
-
-    def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
-        shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        print(f"[rank {rank}] report: {shown}", flush=True)

@@ -1,0 +1,278 @@
+"""One call on a rank group, as a state machine driven one event at a time.
+
+    RUNNING --a rank fails / the call hangs--> STACKS --stacks in or 1-2 s--> STOPPING --agents confirm--> DONE
+    RUNNING --timeout / init timeout-----------------------------------> STOPPING
+    RUNNING --every rank returned------------------------------------------------------------> DONE
+
+`handle(node_rank, msg, now)` takes one message from the nodes, `tick(now)` lets the clocks act,
+and `wake_at()` says when the next clock runs out. Nothing here reads a queue or a clock of its
+own: `drive` does that for real calls, and the unit tests drive it by hand with a fake bus.
+
+A call can stop early only through `_record` (a failure with its cause) or an interrupt, which
+raises: so "ended with no result and no recorded cause" cannot happen. `result()` checks it anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import signal
+import time
+from enum import Enum
+from typing import Any
+
+from skytasks.controller.failures import failure_error, rebuild_exception
+from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
+from skytasks.errors import HangError, RankFailure, RankProcessDied
+from skytasks.protocol import NODE_FAILURES, SIGNS_OF_PROGRESS, Op
+from skytasks.serialization import loads_out_of_band
+from skytasks.stacks import where
+
+_call_ids = itertools.count(1)
+_OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL)  # how a rank ends when our stop reaches it
+STACKS_WAIT_SECONDS = 1.0  # after a failure: the other ranks' stacks, before they are stopped
+HANG_STACKS_WAIT_SECONDS = 2.0
+
+
+class Phase(Enum):
+    RUNNING = "running"
+    STACKS = "collecting stacks"
+    STOPPING = "stopping"
+    DONE = "done"
+
+
+class CallRun:
+    def __init__(self, group: RankGroup, bus: NodeBus, observer: CallObserver, *, label: str, attempt: int,
+                 deadline: float | None, hang_timeout: float | None, stop_confirm_seconds: float, now: float):
+        self.group, self.bus, self.observer, self.label = group, bus, observer, label
+        self.attempt, self.deadline, self.hang_timeout = attempt, deadline, hang_timeout
+        self.stop_confirm_seconds = stop_confirm_seconds
+        self.id = next(_call_ids)
+        self.outcomes = group.outcomes()
+        self.failures: list[RankFailure] = []
+        self.phase = Phase.RUNNING
+        self.aborted_at: float | None = None  # wall clock of the stop, for the root-cause cut
+        self.last_heard = now
+        self.init_deadline: float | None = None
+        if group.spec.init_torch and len(group.ready) < group.world_size:
+            # The clock starts when the first rank is ready to rendezvous, so a slow torch import
+            # on a busy machine is not mistaken for a missing peer; a group where no rank ever
+            # gets that far is still bounded, at three times the timeout.
+            self.init_deadline = now + 3 * group.spec.init_timeout_seconds
+        self._stacks: dict[int, str] = {}
+        self._stacks_wanted: set[int] = set()
+        self._stacks_until = 0.0
+        self._stacks_why = ""
+        self._hung = False
+        self._stop_waiting: set[int] = set()
+        self._stop_until = 0.0
+
+    # -- the machine's inputs --------------------------------------------------------------
+
+    def start(self, payload: Any) -> None:
+        if self.group.notice is not None and self.group.calls == 0:
+            self.observer.on_notice(self.group.notice)
+        self.group.calls += 1
+        self.bus.broadcast(self.group.call_message(self.id, payload, self.attempt), relay=True)
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.DONE
+
+    def wake_at(self) -> float | None:
+        """The next moment `tick` has something to do; None: only a message can change things."""
+        if self.phase is Phase.STACKS:
+            return self._stacks_until
+        if self.phase is Phase.STOPPING:
+            return self._stop_until
+        hang_at = None if self.hang_timeout is None else self.last_heard + self.hang_timeout
+        times = [t for t in (self.deadline, self.init_deadline, hang_at) if t is not None]
+        return min(times) if times else None
+
+    def tick(self, now: float) -> None:
+        if self.phase is Phase.STACKS and now >= self._stacks_until:
+            self._stacks_collected(now)
+        elif self.phase is Phase.STOPPING and now >= self._stop_until:
+            self.phase = Phase.DONE  # the agents did not confirm in time: return anyway
+        elif self.phase is Phase.RUNNING:
+            if self.deadline is not None and now >= self.deadline:
+                running = sorted(r for r, o in self.outcomes.items() if o.status == "pending")
+                self._record_call_error(TimeoutError(
+                    f"{self.label}: the call timed out (timeout_seconds); ranks {running} were still running "
+                    f"and were stopped"))
+                self._stop("the call timed out", now)
+            elif self.init_deadline is not None and now >= self.init_deadline:
+                self._record_call_error(self._init_timeout_error())
+                self._stop("the call timed out", now)
+            elif self.hang_timeout is not None and now >= self.last_heard + self.hang_timeout:
+                self._hung = True
+                self._ask_stacks(f"no rank wrote output, reported or finished for {self.hang_timeout:g}s",
+                                 HANG_STACKS_WAIT_SECONDS, now)
+
+    def handle(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        op = msg["op"]
+        if msg.get("group", self.group.id) != self.group.id or not self.bus.is_current(node_rank, msg):
+            return  # late news from a group already discarded, or from a replaced node
+        if self.phase is Phase.STOPPING:
+            self._while_stopping(node_rank, msg, now)
+        elif op == Op.STACK and self.phase is Phase.STACKS:
+            if msg["rank"] in self._stacks_wanted and msg["stack"]:
+                self._stacks[msg["rank"]] = msg["stack"]
+            if not self._stacks_wanted - set(self._stacks):
+                self._stacks_collected(now)
+        else:
+            self._running(node_rank, msg, now)
+
+    def interrupt(self, now: float) -> None:
+        """Ctrl-C, SIGTERM, cancellation: the ranks go before the exception does."""
+        if self.phase in (Phase.RUNNING, Phase.STACKS):
+            self._stop("the caller was interrupted", now)
+        self.phase = Phase.DONE
+
+    def result(self) -> list[Any]:
+        if self.failures:
+            raise failure_error(self.label, self.failures, self.aborted_at)
+        unfinished = sorted(r for r, o in self.outcomes.items() if o.status != "completed")
+        if unfinished:  # never a silent None: a call succeeds only when every rank returned
+            raise RuntimeError(f"{self.label}: ranks {unfinished} ended without a result or a recorded cause "
+                               f"(a skytasks bug; please report it)")
+        return [self.outcomes[r].value for r in sorted(self.outcomes)]
+
+    # -- transitions -----------------------------------------------------------------------
+
+    def _running(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        op, rank = msg["op"], msg.get("rank")
+        if op in SIGNS_OF_PROGRESS:
+            self.last_heard = now
+        if op == Op.OUTPUT:
+            self.observer.on_output(rank, msg["stream"], msg["line"])
+        elif op == Op.LOG:
+            self.observer.on_log(rank, msg["level"], msg["line"])
+        elif op == Op.REPORT:
+            self.observer.on_report(rank, msg["metrics"])
+        elif op == Op.JOINING:
+            self.group.joining.add(rank)
+            if self.init_deadline is not None and len(self.group.joining) == 1:
+                self.init_deadline = min(self.init_deadline, now + self.group.spec.init_timeout_seconds)
+        elif op == Op.READY:
+            self.group.ready.add(rank)
+            self.outcomes[rank].started = self.outcomes[rank].started or time.time()
+            if len(self.group.ready) == self.group.world_size:
+                self.init_deadline = None
+        elif op == Op.RESULT and msg["call"] == self.id and self.outcomes[rank].status == "pending":
+            o = self.outcomes[rank]
+            o.status, o.started, o.ended = "completed", msg["started"], msg["ended"]
+            o.value = loads_out_of_band(msg["value"], copy=False)
+            self.observer.on_rank_done(rank, o)
+        elif op == Op.FAILED and msg["call"] in (self.id, None):
+            self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"))
+        elif op == Op.EXITED:
+            self.group.broken = True  # whatever the reason, a group missing a rank can serve no more
+            if self.outcomes[rank].status == "pending":
+                self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
+        elif op in NODE_FAILURES:
+            what = f"lost the agent of node {node_rank}" if op == Op.LOST else f"the agent of node {node_rank} failed"
+            detail = msg.get("reason") or msg.get("error", "")
+            for o in self.outcomes.values():
+                if o.node_rank == node_rank and o.status == "pending":
+                    self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None)
+        if self.phase is Phase.RUNNING:
+            if self.failures:
+                first = self.failures[0]
+                self._ask_stacks(f"stopped because rank {first.rank} failed", STACKS_WAIT_SECONDS, now)
+            elif all(o.status == "completed" for o in self.outcomes.values()):
+                self.phase = Phase.DONE
+
+    def _ask_stacks(self, why: str, wait: float, now: float) -> None:
+        """Where every still-running rank is, into its log, before it is stopped."""
+        self._stacks_wanted = {r for r, o in self.outcomes.items() if o.status == "pending"}
+        self._stacks_why, self._stacks = why, {}
+        if not self._stacks_wanted:
+            self._stacks_collected(now)
+            return
+        self.phase = Phase.STACKS
+        self._stacks_until = now + wait
+        self.bus.broadcast({"op": Op.STACKS, "group": self.group.id})
+
+    def _stacks_collected(self, now: float) -> None:
+        self.observer.on_stacks(self._stacks, self._stacks_why)
+        if self._hung:
+            for o in self.outcomes.values():
+                if o.status == "pending":
+                    stack = self._stacks.get(o.rank, "")
+                    self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack), None)
+            self._stop("the call hung", now)
+        else:
+            self._stop(f"rank {self.failures[0].rank} failed", now)
+
+    def _stop(self, reason: str, now: float) -> None:
+        """Stop every rank of the group now; they never wait for a collective to time out."""
+        self.group.broken = True
+        self.aborted_at = time.time()
+        self.bus.broadcast({"op": Op.STOP, "group": self.group.id, "grace": 1.0})
+        for o in self.outcomes.values():
+            if o.status == "pending":
+                o.status, o.stop_reason, o.ended = "stopped", f"stopped because {reason}", time.time()
+                self.observer.on_rank_done(o.rank, o)
+        self._stop_waiting = set(self.bus.alive())
+        self._stop_until = now + self.stop_confirm_seconds
+        self.phase = Phase.STOPPING if self._stop_waiting else Phase.DONE
+
+    def _while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        """Until every agent confirms its ranks are gone, keeping failures that raced the stop."""
+        op, rank = msg["op"], msg.get("rank")
+        if op in (Op.STOPPED, Op.LOST):
+            self._stop_waiting.discard(node_rank)
+            if not self._stop_waiting:
+                self.phase = Phase.DONE
+        elif op == Op.FAILED and msg["call"] in (self.id, None) and self.outcomes[rank].status == "stopped":
+            self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"))
+        elif op == Op.EXITED and self.outcomes[rank].status == "stopped" and msg["returncode"] not in _OUR_STOP_CODES:
+            # it ended by itself while the stop was on its way
+            self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
+        elif op == Op.OUTPUT:
+            self.observer.on_output(rank, msg["stream"], msg["line"])
+        elif op == Op.LOG:
+            self.observer.on_log(rank, msg["level"], msg["line"])
+
+    def _record(self, o: RankOutcome, exc: BaseException, ended: float | None) -> None:
+        self.group.broken = True
+        now = time.time()
+        o.status, o.ended = "failed", ended or now
+        exc.add_note(f"[skytasks] rank {o.rank} failed (node {o.node_rank}, {o.node_addr}, device {o.device})")
+        exc.skytasks_rank = o.rank  # type: ignore[attr-defined]
+        exc.skytasks_node = o.node_rank  # type: ignore[attr-defined]
+        o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now)
+        self.failures.append(o.failure)
+        self.observer.on_rank_done(o.rank, o)
+
+    def _record_call_error(self, exc: BaseException) -> None:
+        self.failures.append(RankFailure(-1, -1, "", exc, time.time()))  # the call's own clock, not a rank
+
+    def _init_timeout_error(self) -> TimeoutError:
+        g = self.group
+        missing = sorted(set(g.placement) - g.joining - g.ready)
+        waiting = sorted(g.joining - g.ready)
+        return TimeoutError(f"process group initialisation timed out after {g.spec.init_timeout_seconds:g}s: "
+                            f"ranks {missing} never joined; ranks {waiting} were waiting for them")
+
+
+def drive(call: CallRun, events: queue.Queue, payload: Any) -> list[Any]:
+    """Run a call to its end on the session's event queue; returns the ranks' values or raises."""
+    try:
+        call.start(payload)
+        while not call.done:
+            now = time.monotonic()
+            wake = call.wake_at()
+            try:
+                node_rank, msg = events.get(timeout=None if wake is None else max(0.0, wake - now))
+            except queue.Empty:
+                call.tick(time.monotonic())
+                continue
+            call.handle(node_rank, msg, time.monotonic())
+            if (wake := call.wake_at()) is not None and time.monotonic() >= wake:
+                call.tick(time.monotonic())  # a busy stream must not starve the clocks
+    except BaseException:
+        call.interrupt(time.monotonic())
+        raise
+    return call.result()

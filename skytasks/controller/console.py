@@ -1,0 +1,42 @@
+"""The console observer: outside a flow, each rank's lines on this process's console."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from skytasks.controller.rank_group import RankOutcome
+from skytasks.stacks import where
+
+
+class ConsoleObserver:
+    """Lines prefixed `[rank R]`; the runner's notices prefixed `[skytasks]`."""
+
+    def on_attempt_start(self, attempt: int, world_size: int) -> None:
+        pass
+
+    def on_attempt_end(self, attempt: int, error: BaseException | None) -> None:
+        pass
+
+    def on_call_end(self, error: BaseException | None) -> None:
+        pass
+
+    def on_output(self, rank: int, stream: str, line: str) -> None:
+        print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+
+    def on_log(self, rank: int, level: int, line: str) -> None:
+        print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+    def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
+        pass
+
+    def on_notice(self, text: str) -> None:
+        print(f"[skytasks] {text}", file=sys.stderr, flush=True)
+
+    def on_stacks(self, stacks: dict[int, str], why: str) -> None:
+        for rank, stack in sorted(stacks.items()):
+            print(f"[rank {rank}] was {where(stack) or 'somewhere unreadable'} ({why})", file=sys.stderr, flush=True)
+
+    def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
+        shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        print(f"[rank {rank}] report: {shown}", flush=True)

@@ -1,0 +1,195 @@
+"""What a pool is while it is in use: its session, nesting, SIGTERM handling, and which pool a
+call without `pool=` gets. The `GPUPool` block is configuration; this is its runtime, built
+from the block's frozen `PoolSpec`, and owned by skytasks, not by the block's fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from skytasks.controller.events import emit, pool_resource
+from skytasks.controller.session import PoolSession
+from skytasks.pool_spec import PoolSpec
+from skytasks.providers import provider_for
+
+# The pools entered with `with pool:` in this context, innermost last. A contextvar follows async
+# tasks, Prefect's task threads and `asyncio.to_thread` (they copy the context); a thread started
+# without a copy has no default pool, rather than whichever pool another thread entered last.
+_ACTIVE: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("skytasks_active_pools", default=())
+
+
+def active_pool() -> Any:
+    """The innermost pool of `with pool:` in this context (a GPUPool), or None."""
+    stack = _ACTIVE.get()
+    return stack[-1] if stack else None
+
+
+class TerminationRequested(SystemExit):
+    """SIGTERM arrived while a pool was up: unwind so teardown runs, then exit 143."""
+
+
+class PoolRuntime:
+    def __init__(self, spec: PoolSpec, owner: Any):
+        self.spec = spec
+        self.owner = owner  # the block, for `active_pool()`
+        self._session: PoolSession | None = None
+        self._depth = 0
+        self._lock = threading.Lock()  # the depth and the session
+        self._call_lock = threading.Lock()  # one call at a time on one pool, warm or not
+        self._tokens: list[contextvars.Token] = []
+        self._previous_sigterm: Any = None
+
+    @property
+    def is_up(self) -> bool:
+        return self._session is not None
+
+    @property
+    def session(self) -> PoolSession | None:
+        """The session of `with pool:`, while it is up."""
+        return self._session
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def start_session(self, starting: dict | None = None) -> PoolSession:
+        provider = provider_for(self.spec)
+        if starting is not None:  # lets a cancelled `async with` abort a launch in progress
+            starting["provider"] = provider
+        session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env))
+        emit("skytasks.pool.up", pool_resource(self.spec.name),
+             payload={"provider": self.spec.provider, "nodes": self.spec.nodes,
+                      "procs_per_node": self.spec.procs_per_node, "addresses": [n.link.address for n in session.nodes]})
+        return session
+
+    def close_session(self, session: PoolSession) -> None:
+        try:
+            session.close()
+        finally:
+            emit("skytasks.pool.down", pool_resource(self.spec.name), payload={"provider": self.spec.provider})
+
+    @contextmanager
+    def calls(self) -> Iterator[CallSessions]:
+        """For one call: the pool's own session if it is up, else one started on first use and
+        torn down at the end. Calls on one pool take turns (they cannot share a process group)."""
+        with self._call_lock:
+            sessions = CallSessions(self)
+            try:
+                yield sessions
+            finally:
+                sessions.close()
+
+    # -- with pool: ------------------------------------------------------------------------
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._session = self.start_session()
+                self.trap_sigterm()
+            self._depth += 1
+        self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self.owner,)))
+
+    def exit(self) -> None:
+        session = self._leave()
+        if session is not None:
+            try:
+                self.close_session(session)
+            finally:
+                self.restore_sigterm()
+
+    async def aenter(self) -> None:
+        with self._lock:
+            first = self._depth == 0
+            self._depth += 1
+        if first:
+            starting: dict = {}
+            future = asyncio.get_running_loop().run_in_executor(None, self.start_session, starting)
+            try:
+                self._session = await asyncio.shield(future)
+            except BaseException:
+                with self._lock:
+                    self._depth -= 1
+                # The start goes on in its thread: cut a launch short where the provider can,
+                # and take down whatever still comes up.
+                abort = getattr(starting.get("provider"), "abort", None)
+                if abort is not None:
+                    abort()
+                future.add_done_callback(self._close_late_session)
+                raise
+        self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self.owner,)))
+
+    async def aexit(self) -> None:
+        session = self._leave()
+        if session is not None:
+            # shield: teardown finishes even when the awaiting task is being cancelled.
+            await asyncio.shield(asyncio.to_thread(self.close_session, session))
+
+    def _leave(self) -> PoolSession | None:
+        """Leave one level of `with`; the session to close when it was the last one."""
+        try:
+            _ACTIVE.reset(self._tokens.pop())
+        except ValueError:  # left from another context than it was entered in
+            pass
+        with self._lock:
+            self._depth -= 1
+            if self._depth > 0:
+                return None
+            session, self._session = self._session, None
+            return session
+
+    def _close_late_session(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            threading.Thread(target=self.close_session, args=(future.result(),), name="skytasks-late-close").start()
+
+    def trap_sigterm(self) -> None:
+        # Python's default SIGTERM ends the process without unwinding, which would skip
+        # teardown; turn it into an exception while the pool is up (main thread only).
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            raise TerminationRequested(143)
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+
+class CallSessions:
+    """The session one call runs on. A call-scoped one starts on first use, inside the runner's
+    attempt loop (a pool that fails to start is retried like a failed attempt)."""
+
+    def __init__(self, runtime: PoolRuntime):
+        self._runtime = runtime
+        self._own: PoolSession | None = None
+        self._trapped = False
+
+    def get(self) -> PoolSession:
+        warm = self._runtime._session
+        if warm is not None:
+            return warm
+        if self._own is None:
+            # A pool brought up for one call owns launched machines too: SIGTERM must unwind
+            # through the teardown here exactly as it does for `with pool:`.
+            if not self._trapped:
+                self._runtime.trap_sigterm()
+                self._trapped = True
+            self._own = self._runtime.start_session()
+        return self._own
+
+    def close(self) -> None:
+        try:
+            if self._own is not None:
+                self._runtime.close_session(self._own)
+        finally:
+            if self._trapped:
+                self._runtime.restore_sigterm()
+

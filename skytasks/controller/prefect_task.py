@@ -1,0 +1,60 @@
+"""Inside a flow, a distributed call is a Prefect task run: called, submitted, or awaited.
+
+The parent task run is an ordinary Prefect `Task`, so the flow treats it as one: `.submit()`
+gives a `PrefectFuture`, futures and `wait_for=` are resolved by Prefect before the call starts,
+and the per-rank list is its persisted result. Its body packs the (resolved) arguments and hands
+the call to the runner with a `PrefectObserver`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prefect import Task, tags
+from prefect.cache_policies import CachePolicy
+from prefect.futures import PrefectFuture
+
+from skytasks.controller.packing import pack_call
+from skytasks.controller.prefect_observer import PrefectObserver
+from skytasks.controller.runner import PreparedCall, run_call
+
+
+class _ThisTaskRunOnly(CachePolicy):
+    """A key unique to one task run: the parent's result is written to storage (NO_CACHE would
+    leave it unwritten) and no other call, even an identical one in the same flow run, can be
+    served from it. Prefect's RUN_ID is keyed on the flow run, so it would do exactly that."""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
+        return f"skytasks-call-{task_ctx.task_run.id}" if task_ctx else None
+
+
+def _distributed_call(args: tuple, kwargs: dict, call: PreparedCall) -> list[Any]:
+    payload = pack_call(call.fn, args, kwargs)
+    observer = PrefectObserver(call.options.label, call.runtime.spec.name, call.run_tags)
+    return run_call(call.runtime, payload, call.options, observer)
+
+
+def parent_task(label: str) -> Task:
+    """The Prefect task a distributed task is in flows (made once per distributed task)."""
+    return Task(
+        _distributed_call, name=label, task_run_name=label, tags=["skytasks"],
+        cache_policy=_ThisTaskRunOnly(), persist_result=True,
+        result_serializer="pickle",  # Prefect's pickle serializer is cloudpickle
+        retries=0,  # attempts are the runner's: a retry restarts the whole rank group
+    )
+
+
+def call_in_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict) -> list[Any]:
+    with tags(*call.run_tags):
+        return task(args, kwargs, call)
+
+
+def submit_in_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict, wait_for: Any = None) -> PrefectFuture:
+    with tags(*call.run_tags):
+        return task.submit(args, kwargs, call, wait_for=wait_for)
+
+
+async def call_in_async_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict) -> list[Any]:
+    """In an async flow: the call runs in a thread (with this context), the event loop runs on."""
+    return await asyncio.to_thread(call_in_flow, task, call, args, kwargs)

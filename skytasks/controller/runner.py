@@ -1,0 +1,110 @@
+"""The runner: one distributed call from payload to result, owning its attempts and retries.
+
+It tells one observer everything that happens (attempt start and end, every rank's output,
+logs, reports and outcome, notices, stacks, the call's end). The console and Prefect are two
+such observers; neither wraps the call nor is called back into by it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from skytasks.controller.packing import PackedCall
+from skytasks.controller.rank_group import CallObserver, GroupSpec, RankOutcome
+from skytasks.devices import check_backend_before_launch
+from skytasks.errors import DistributedTaskError, PoolStartError
+from skytasks.settings import settings
+from skytasks.workdir import WorkdirRequest, read_workdir
+
+# Set by `skytasks run`: rank lines are printed plainly on the console inside a flow too.
+ECHO_RANK_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_echo_rank_lines", default=False)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    label: str
+    backend: str | None
+    init_torch: bool
+    timeout_seconds: float | None
+    retries: int
+    retry_delay_seconds: float
+    workdir: Path | None = None
+    hang_timeout_seconds: float | None = None
+
+
+class PreparedCall:
+    """What a call needs besides its arguments. A plain object: Prefect's input resolution
+    treats it as one opaque value, and never walks into it."""
+
+    def __init__(self, fn: Callable, runtime: Any, options: CallOptions, run_tags: tuple[str, ...]):
+        self.fn, self.runtime, self.options, self.run_tags = fn, runtime, options, run_tags
+
+
+class RunObserver(CallObserver, Protocol):
+    """A call observer that also hears the runner's own steps."""
+
+    def on_attempt_start(self, attempt: int, world_size: int) -> None: ...
+    def on_attempt_end(self, attempt: int, error: BaseException | None) -> None: ...
+    def on_call_end(self, error: BaseException | None) -> None: ...
+
+
+def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: RunObserver) -> list[Any]:
+    """Run the call on every rank of `runtime`'s pool (a `PoolRuntime`), restarting the whole
+    group on failure up to `retries` times. Starting a call-scoped pool happens inside the
+    attempt, so a pool that fails to start is retried like a failed attempt."""
+    spec = runtime.spec
+    deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
+    world = spec.nodes * spec.procs_per_node
+    check_backend_before_launch(options.backend, spec.provider, spec.nodes, spec.procs_per_node,
+                                spec.accelerators_per_node)
+    workdir = None
+    if options.workdir is not None:
+        # Read (and held to the size limit) before any node is up, when it has to travel.
+        workdir = WorkdirRequest(options.workdir, None if spec.provider == "local" else read_workdir(options.workdir))
+    group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
+    error: BaseException | None = None
+    try:
+        with runtime.calls() as sessions:
+            for attempt in range(1, options.retries + 2):
+                observer.on_attempt_start(attempt, world)
+                attempt_error: BaseException | None = None
+                try:
+                    session = sessions.get()
+                    return session.call(payload, group_spec, attempt=attempt, deadline=deadline, observer=observer,
+                                        label=options.label, hang_timeout=options.hang_timeout_seconds)
+                except (DistributedTaskError, PoolStartError) as err:
+                    attempt_error = err
+                    timed_out = isinstance(err, DistributedTaskError) and any(
+                        isinstance(e, TimeoutError) for e in err.exceptions)
+                    if attempt > options.retries or (deadline is not None and timed_out):
+                        raise
+                    # A collective cannot survive a partial restart: the next attempt is a fresh group.
+                    cause = err.exceptions[0] if isinstance(err, DistributedTaskError) else err
+                    observer.on_notice(f"{options.label}: attempt {attempt} failed ({cause!r}); restarting all "
+                                       f"{world} ranks in {options.retry_delay_seconds:g}s")
+                except BaseException as err:
+                    attempt_error = err
+                    raise
+                finally:
+                    observer.on_attempt_end(attempt, attempt_error)
+                time.sleep(options.retry_delay_seconds)
+        raise AssertionError("unreachable")
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        observer.on_call_end(error)
+
+
+def outcome_summary(outcome: RankOutcome) -> str:
+    if outcome.status == "failed" and outcome.failure is not None:
+        text = f"{type(outcome.failure.exception).__name__}: {outcome.failure.exception}"
+    elif outcome.status == "completed":
+        text = repr(outcome.value)
+    else:
+        text = outcome.stop_reason
+    return text if len(text) <= 100 else text[:97] + "..."

@@ -1,0 +1,75 @@
+"""What a pool is, frozen: the typed configuration providers and the runtime are built from.
+
+`GPUPool` (the Prefect block) validates its fields once and gives a `PoolSpec`; nothing behind it
+reads the block. Each provider gets the common part and its own part (`ssh` or `aws`), never the
+other provider's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional
+
+from pydantic import SecretStr
+
+
+@dataclass(frozen=True)
+class SSHSpec:
+    """provider="ssh": machines you already have."""
+
+    hosts: tuple[str, ...]
+    ssh_user: Optional[str]
+    ssh_private_key: Optional[SecretStr]
+    known_hosts: Optional[str]
+    remote_python: Optional[str]
+    pip_packages: tuple[str, ...]
+    ready_timeout_seconds: float
+
+
+@dataclass(frozen=True)
+class AWSSpec:
+    """provider="aws": what is launched, how it is reached, and when it ends itself."""
+
+    credentials: Any  # a prefect_aws.AwsCredentials block: it makes the boto3 clients
+    accelerator: Optional[str]
+    accelerators_per_node: Optional[int]
+    instance_type: Optional[str]
+    image_id: Optional[str]
+    subnet_id: Optional[str]
+    security_group_ids: tuple[str, ...]
+    key_name: Optional[str]
+    spot: bool
+    root_volume_gb: int
+    iam_instance_profile: Optional[str]
+    tags: Mapping[str, str]
+    ssh_ingress_cidr: Optional[str]
+    ssh_user: Optional[str]
+    ssh_private_key: Optional[SecretStr]
+    remote_python: Optional[str]
+    pip_packages: tuple[str, ...]
+    torch_version: str
+    torch_cuda: str
+    torchvision: Optional[str]
+    torchaudio: Optional[str]
+    ready_timeout_seconds: float
+    idle_minutes: float
+    max_lifetime_minutes: float
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str  # the saved block's name, or "<provider>-pool": tags and events
+    provider: Literal["local", "ssh", "aws"]
+    nodes: int
+    procs_per_node: int
+    accelerators_per_node: Optional[int]
+    env: Mapping[str, str] = field(default_factory=dict)  # every rank's environment (AWS variables included)
+    ssh: Optional[SSHSpec] = None
+    aws: Optional[AWSSpec] = None
+
+    def __post_init__(self) -> None:
+        wanted = {"local": None, "ssh": "ssh", "aws": "aws"}[self.provider]
+        for part in ("ssh", "aws"):
+            if (getattr(self, part) is not None) != (part == wanted):
+                raise ValueError(f"provider={self.provider!r}: the {part} part must be "
+                                 f"{'set' if part == wanted else 'absent'}")

@@ -1,0 +1,34 @@
+"""Every tunable of the controller, in one place, each with its environment name.
+
+`SKYTASKS_<FIELD>` sets a field (pydantic-settings, as Prefect's own settings are read). They are
+read when used, not at import, so a test or a long-lived flow process can change them between
+calls. The node side never imports this: the controller hands nodes what they need (agent
+arguments, rank environment), so nodes need nothing but the standard library and torch.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SkytasksSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SKYTASKS_", extra="ignore")
+
+    heartbeat_seconds: float = Field(5.0, gt=0, description="Both ends of a node stream send a heartbeat this often.")
+    heartbeat_timeout_seconds: float = Field(
+        60.0, gt=0, description="Either end gives the other up after this much silence (at least 2 heartbeats).")
+    init_timeout_seconds: float = Field(
+        120.0, gt=0, description="How long ranks may wait for their peers in init_process_group.")
+    stop_confirm_seconds: float = Field(
+        10.0, gt=0, description="How long stopped ranks may take to be confirmed gone before a call returns anyway.")
+    workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
+
+    @property
+    def heartbeat(self) -> tuple[float, float]:
+        """(interval, timeout), the timeout never under two intervals."""
+        return self.heartbeat_seconds, max(self.heartbeat_timeout_seconds, 2 * self.heartbeat_seconds)
+
+
+def settings() -> SkytasksSettings:
+    return SkytasksSettings()
