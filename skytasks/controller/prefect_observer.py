@@ -3,7 +3,9 @@
 Per attempt, a task run per rank (`rank_runs`); per call, a live progress bar, a live metrics
 table from `skytasks.report`, a final table with one row per rank, a stacks table when ranks
 were stopped, and `skytasks.*` events. The call itself is the parent task run
-(`prefect_task`), which this observer only reads from the context.
+(`prefect_task`), which this observer only reads from the context. Nothing here waits on the
+API during the call: task runs are events, logs are batched by Prefect, artifacts are written
+beside it; at its end the call waits only for artifact writes still under way.
 """
 
 from __future__ import annotations
@@ -11,14 +13,12 @@ from __future__ import annotations
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextvars import copy_context
-from typing import Any, Callable
+from typing import Any
 
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
+from skytasks.controller.artifacts import ProgressBar, wait_for, write_table
 from skytasks.controller.events import emit, pool_resource, rank_resource
 from skytasks.controller.rank_group import RankOutcome
 from skytasks.controller.rank_runs import RankRuns
@@ -33,29 +33,6 @@ def artifact_key(label: str, suffix: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"{label}-{suffix}".lower()).strip("-")
 
 
-class _ArtifactWriter:
-    """Artifact writes are REST calls: they run in order on one thread, off the call's path,
-    and the call waits for them only at its very end (they overlap with the ranks' work)."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skytasks-artifacts")
-        self._pending: list[Future] = []
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-        ctx = copy_context()  # the parent task run's context: artifacts are linked to it
-        fut = self._pool.submit(ctx.run, fn, *args, **kwargs)
-        self._pending.append(fut)
-        return fut
-
-    def join(self) -> None:
-        for fut in self._pending:
-            try:
-                fut.result(timeout=60)
-            except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the call's outcome
-                print(f"[skytasks] could not write an artifact: {exc!r}", flush=True)
-        self._pool.shutdown(wait=False)
-
-
 class PrefectObserver:
     def __init__(self, label: str, pool_name: str, run_tags: tuple[str, ...]):
         parent = TaskRunContext.get()
@@ -65,10 +42,11 @@ class PrefectObserver:
         self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
         self._echo = ECHO_RANK_LINES.get()
         self._started = time.monotonic()
-        self._artifacts = _ArtifactWriter()
-        self._progress: Future = self._artifacts.submit(
-            create_progress_artifact, 0.0, key=artifact_key(label, "progress"),
-            description=f"{label}: progress of the distributed call")
+        ids = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
+        self._ids = ids
+        self._progress = ProgressBar(artifact_key(label, "progress"), f"{label}: progress of the distributed call",
+                                     **ids)
+        self._writes: list[Any] = []  # artifact writes of this call, waited for at its end
         self._metrics: list[dict[str, Any]] = []
         self._metrics_written_at = 0.0
         self._lock = threading.Lock()
@@ -91,17 +69,17 @@ class PrefectObserver:
         rows = [{"rank": o.rank, "node": o.node_rank, "address": o.node_addr, "outcome": o.status,
                  "seconds": round(o.ended - o.started, 3) if o.started and o.ended else None,
                  "summary": outcome_summary(o)} for o in self.outcomes]
-        self._artifacts.submit(create_table_artifact, rows, key=artifact_key(self.label, "ranks"),
-                               description=f"{self.label}: one row per rank")
-        if error is None:
-            self._artifacts.submit(self._set_progress, 100.0)
+        self._writes.append(write_table(rows, artifact_key(self.label, "ranks"), f"{self.label}: one row per rank",
+                                        **self._ids))
+        if error is None and self._progress.exists:
+            self._progress.set(100.0)
         emit("skytasks.call.failed" if error else "skytasks.call.completed",
              {"prefect.resource.id": f"skytasks.call.{self.label}", "prefect.resource.name": self.label},
              related=[pool_resource(self.pool_name)],
              payload={"task": self.label, "ranks": len(self.outcomes),
                       "seconds": round(time.monotonic() - self._started, 3),
                       "error": repr(error)[:500] if error else None})
-        self._artifacts.join()
+        wait_for(self._writes + self._progress.writes)
 
     # -- what the ranks do -------------------------------------------------------------------
 
@@ -128,7 +106,7 @@ class PrefectObserver:
         if progress is None and "epoch" in metrics and metrics.get("epochs"):
             progress = metrics["epoch"] / metrics["epochs"]
         if isinstance(progress, (int, float)):
-            self._artifacts.submit(self._set_progress, max(0.0, min(100.0, progress * 100 if progress <= 1 else progress)))
+            self._progress.set(progress * 100 if progress <= 1 else progress)
         if time.monotonic() - self._metrics_written_at >= METRICS_ARTIFACT_EVERY_SECONDS:
             self._write_metrics()
 
@@ -140,18 +118,15 @@ class PrefectObserver:
         self.runs.on_stacks(stacks, why)  # type: ignore[union-attr]
         rows = [{"rank": r, "where": where(st), "user frame": user_frame(st)} for r, st in sorted(stacks.items())]
         if rows:
-            self._artifacts.submit(create_table_artifact, rows, key=artifact_key(self.label, "stacks"),
-                                   description=f"{self.label}: where each rank was ({why})")
+            self._writes.append(write_table(rows, artifact_key(self.label, "stacks"),
+                                            f"{self.label}: where each rank was ({why})", **self._ids))
 
     # -- artifacts ---------------------------------------------------------------------------
-
-    def _set_progress(self, value: float) -> None:
-        update_progress_artifact(self._progress.result(), value)
 
     def _write_metrics(self) -> None:
         with self._lock:
             rows = list(self._metrics)
         if rows:
             self._metrics_written_at = time.monotonic()
-            self._artifacts.submit(create_table_artifact, rows, key=artifact_key(self.label, "metrics"),
-                                   description=f"{self.label}: metrics reported by the ranks (skytasks.report)")
+            self._writes.append(write_table(rows, artifact_key(self.label, "metrics"),
+                                            f"{self.label}: metrics reported by the ranks (skytasks.report)", **self._ids))

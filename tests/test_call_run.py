@@ -1,0 +1,258 @@
+"""The call state machine, driven by hand: no processes, no queue, no clock but the one we pass.
+
+Each test feeds `CallRun` the messages the nodes would send (protocol.Op), lets the clocks run
+with `tick(now)`, and checks what it sent to the nodes, what the observer heard and how the call
+ends. This is where "stopped with no recorded cause" is shown impossible: every early end either
+records a cause or raises.
+"""
+
+from __future__ import annotations
+
+import time
+
+import cloudpickle
+import pytest
+
+from skytasks.controller.call_run import CallRun, Phase
+from skytasks.controller.packing import PackedCall
+from skytasks.controller.rank_group import GroupSpec, NodeShape, RankGroup
+from skytasks.errors import DistributedTaskError, HangError, RankProcessDied
+from skytasks.protocol import Op
+from skytasks.serialization import dumps_out_of_band
+
+
+class FakeBus:
+    def __init__(self, nodes: int):
+        self.sent: list[tuple[str, dict]] = []  # (to, msg): "all" or the node rank
+        self.nodes_alive = set(range(nodes))
+        self.replaced: set[int] = set()  # nodes whose old channel's news must be ignored
+
+    def send(self, node_rank, msg):
+        self.sent.append((node_rank, msg))
+
+    def broadcast(self, msg, relay=False):
+        self.sent.append(("all", msg))
+
+    def alive(self):
+        return set(self.nodes_alive)
+
+    def is_current(self, node_rank, msg):
+        return not (node_rank in self.replaced and msg.get("channel") == "old")
+
+    def ops(self) -> list[str]:
+        return [str(m["op"]) for _, m in self.sent]
+
+
+class Heard:
+    def __init__(self):
+        self.lines, self.done, self.notices, self.stacks = [], {}, [], []
+
+    def on_output(self, rank, stream, line):
+        self.lines.append((rank, line))
+
+    def on_log(self, rank, level, line):
+        self.lines.append((rank, line))
+
+    def on_rank_done(self, rank, outcome):
+        self.done[rank] = outcome.status
+
+    def on_report(self, rank, metrics):
+        pass
+
+    def on_notice(self, text):
+        self.notices.append(text)
+
+    def on_stacks(self, stacks, why):
+        self.stacks.append((dict(stacks), why))
+
+
+def make_call(nodes=2, ppn=1, *, init_torch=False, deadline=None, hang=None, init_timeout=30.0, now=0.0):
+    shapes = [NodeShape(n, f"10.0.0.{n}", f"m{n}") for n in range(nodes)]
+    group = RankGroup(shapes, ppn, GroupSpec(None, init_torch, init_timeout), port=29400, pool_env={})
+    bus, heard = FakeBus(nodes), Heard()
+    group.start(bus)
+    call = CallRun(group, bus, heard, label="t", attempt=1, deadline=deadline, hang_timeout=hang,
+                   stop_confirm_seconds=10.0, now=now)
+    call.start(PackedCall(cloudpickle.dumps((len, (), {})), []))
+    return call, group, bus, heard
+
+
+def result(call, rank, value):
+    node = rank  # one rank per node in these tests
+    return node, {"op": Op.RESULT, "group": call.group.id, "rank": rank, "call": call.id,
+                  "value": dumps_out_of_band(value), "started": time.time(), "ended": time.time()}
+
+
+def failed(call, rank, exc, call_id="this"):
+    return rank, {"op": Op.FAILED, "group": call.group.id, "rank": rank, "call": call.id if call_id == "this" else call_id,
+                  "type": type(exc).__name__, "message": str(exc), "traceback": "",
+                  "exception": cloudpickle.dumps(exc), "started": time.time(), "ended": time.time()}
+
+
+def test_building_a_group_sends_nothing_and_start_spawns_once_per_node():
+    shapes = [NodeShape(0, "a", "m0"), NodeShape(1, "b", "m1")]
+    group = RankGroup(shapes, 2, GroupSpec(None, True, 30.0), port=29400, pool_env={"X": "1"})
+    bus = FakeBus(2)
+    assert bus.sent == [] and group.world_size == 4 and group.backend == "gloo"
+    group.start(bus)
+    assert [(to, str(m["op"])) for to, m in bus.sent] == [(0, "spawn"), (1, "spawn")]
+    ranks = [r["rank"] for r in bus.sent[1][1]["ranks"]]
+    assert ranks == [2, 3] and bus.sent[1][1]["env"]["X"] == "1"
+    assert bus.sent[0][1]["ranks"][1]["env"]["MASTER_ADDR"] == "a"
+
+
+def test_every_rank_returning_ends_the_call_with_values_in_rank_order():
+    call, _, bus, heard = make_call()
+    assert bus.ops()[-1] == "call"
+    call.handle(*result(call, 1, "one"), now=1.0)
+    assert not call.done
+    call.handle(*result(call, 0, "zero"), now=2.0)
+    assert call.done and call.result() == ["zero", "one"]
+    assert heard.done == {0: "completed", 1: "completed"} and "stop" not in bus.ops()
+
+
+def test_a_long_silent_call_has_nothing_to_wake_for_and_still_returns():
+    """The silent-None bug: a call with no clocks never ends on its own, however long."""
+    call, *_ = make_call()
+    assert call.wake_at() is None
+    call.tick(now=10 * 3600.0)  # ten silent hours
+    assert not call.done and call.phase is Phase.RUNNING
+    call.handle(*result(call, 0, 0), now=10 * 3600.0)
+    call.handle(*result(call, 1, 1), now=10 * 3600.0)
+    assert call.result() == [0, 1]
+
+
+def test_a_raising_rank_asks_for_stacks_then_stops_the_rest_and_is_the_root_cause():
+    call, _, bus, heard = make_call()
+    call.handle(*failed(call, 1, ValueError("bad batch")), now=1.0)
+    assert call.phase is Phase.STACKS and bus.ops()[-1] == "stacks"
+    call.handle(0, {"op": Op.STACK, "group": call.group.id, "rank": 0, "stack": "File x, in barrier"}, now=1.1)
+    assert call.phase is Phase.STOPPING and bus.ops()[-1] == "stop"
+    assert heard.stacks == [({0: "File x, in barrier"}, "stopped because rank 1 failed")]
+    assert heard.done == {1: "failed", 0: "stopped"}
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id}, now=1.2)
+    assert not call.done
+    call.handle(1, {"op": Op.STOPPED, "group": call.group.id}, now=1.3)
+    assert call.done
+    with pytest.raises(DistributedTaskError) as err:
+        call.result()
+    assert [type(e) for e in err.value.exceptions] == [ValueError] and "root cause on rank 1" in str(err.value)
+
+
+def test_stacks_that_never_come_do_not_hold_the_stop_up():
+    call, _, bus, _ = make_call()
+    call.handle(*failed(call, 0, ValueError("x")), now=1.0)
+    assert call.wake_at() == pytest.approx(2.0)
+    call.tick(now=2.0)
+    assert call.phase is Phase.STOPPING and bus.ops()[-1] == "stop"
+    call.tick(now=12.0)  # the agents never confirm either: the call ends anyway, with its cause
+    assert call.done
+    with pytest.raises(DistributedTaskError):
+        call.result()
+
+
+def test_a_lost_node_fails_its_own_ranks_as_the_root_cause():
+    call, _, _, heard = make_call()
+    call.handle(1, {"op": Op.LOST, "reason": "stream closed"}, now=1.0)
+    assert heard.done[1] == "failed"
+    call.tick(now=5.0)  # no stacks arrive
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id}, now=5.1)
+    call.bus.nodes_alive.discard(1)
+    call.handle(1, {"op": Op.LOST, "reason": "stream closed"}, now=5.2)
+    assert call.done
+    with pytest.raises(DistributedTaskError) as err:
+        call.result()
+    assert isinstance(err.value.exceptions[0], ConnectionError) and "node 1" in str(err.value.exceptions[0])
+
+
+def test_a_timeout_names_the_ranks_still_running_and_stops_them():
+    call, _, bus, heard = make_call(deadline=30.0)
+    call.handle(*result(call, 0, 0), now=1.0)
+    assert call.wake_at() == 30.0
+    call.tick(now=30.0)
+    assert call.phase is Phase.STOPPING and bus.ops()[-1] == "stop" and heard.done[1] == "stopped"
+    call.tick(now=41.0)
+    with pytest.raises(DistributedTaskError) as err:
+        call.result()
+    assert "timed out" in str(err.value) and "ranks [1] were still running" in str(err.value)
+    assert "rank -1" not in str(err.value)
+
+
+def test_a_hang_collects_stacks_and_fails_each_stuck_rank_with_where_it_was():
+    call, _, bus, heard = make_call(hang=5.0)
+    call.handle(0, {"op": Op.OUTPUT, "group": call.group.id, "rank": 0, "stream": "stdout", "line": "epoch 1"}, now=3.0)
+    assert call.wake_at() == 8.0  # output is progress: the hang clock restarted
+    call.tick(now=8.0)
+    assert call.phase is Phase.STACKS
+    stack = 'File "train.py", line 9, in step\n  dist.all_reduce(t)'
+    for r in (0, 1):
+        call.handle(r, {"op": Op.STACK, "group": call.group.id, "rank": r, "stack": stack}, now=8.1)
+    assert call.phase is Phase.STOPPING
+    with pytest.raises(DistributedTaskError) as err:
+        call.tick(now=20.0)
+        call.result()
+    assert all(isinstance(e, HangError) for e in err.value.exceptions) and "hung" in str(err.value)
+
+
+def test_init_timeout_names_who_never_joined():
+    call, *_ = make_call(init_torch=True, init_timeout=10.0)
+    assert call.wake_at() == 30.0  # three times the timeout until anyone joins
+    call.handle(0, {"op": Op.JOINING, "group": call.group.id, "rank": 0}, now=2.0)
+    assert call.wake_at() == 12.0
+    call.tick(now=12.0)
+    call.tick(now=23.0)
+    with pytest.raises(DistributedTaskError) as err:
+        call.result()
+    assert "ranks [1] never joined; ranks [0] were waiting" in str(err.value)
+
+
+def test_late_news_from_an_old_group_or_a_replaced_channel_is_ignored():
+    call, _, bus, heard = make_call()
+    old_group = call.group.id - 1
+    call.handle(0, {"op": Op.FAILED, "group": old_group, "rank": 0, "call": 1, "type": "X", "message": "old"}, now=1.0)
+    bus.replaced.add(1)
+    call.handle(1, {"op": Op.LOST, "reason": "old channel", "channel": "old"}, now=1.0)
+    assert call.phase is Phase.RUNNING and heard.done == {}
+    call.handle(*result(call, 0, 0), now=2.0)
+    call.handle(*result(call, 1, 1), now=2.0)
+    assert call.result() == [0, 1]
+
+
+def test_a_failure_that_races_the_stop_is_kept_but_our_own_stop_is_not_a_failure():
+    call, _, _, heard = make_call()
+    call.handle(*failed(call, 0, ValueError("first")), now=1.0)
+    call.tick(now=2.0)  # stop sent; rank 1 is "stopped"
+    call.handle(1, {"op": Op.EXITED, "group": call.group.id, "rank": 1, "returncode": -15, "at": time.time()}, now=2.1)
+    assert heard.done[1] == "stopped"  # SIGTERM is our own stop
+    call.handle(*failed(call, 1, RuntimeError("raced")), now=2.2)
+    assert heard.done[1] == "failed"
+    call.tick(now=13.0)
+    with pytest.raises(DistributedTaskError) as err:
+        call.result()
+    assert [type(e) for e in err.value.exceptions] == [ValueError]  # the root cause; the race came later
+    assert {(f.rank, type(f.exception)) for f in err.value.failures} == {(0, ValueError), (1, RuntimeError)}
+
+
+def test_a_rank_process_that_dies_fails_the_call():
+    call, *_ = make_call()
+    call.handle(0, {"op": Op.EXITED, "group": call.group.id, "rank": 0, "returncode": -9, "at": time.time()}, now=1.0)
+    call.tick(now=3.0)
+    call.tick(now=14.0)
+    with pytest.raises(DistributedTaskError) as err:
+        call.result()
+    assert isinstance(err.value.exceptions[0], RankProcessDied)
+
+
+def test_an_interrupt_stops_every_rank_and_ends_the_call():
+    call, _, bus, heard = make_call()
+    call.interrupt(now=1.0)
+    assert call.done and bus.ops()[-1] == "stop" and heard.done == {0: "stopped", 1: "stopped"}
+    assert call.group.broken
+
+
+def test_a_result_from_another_call_on_the_same_group_is_not_this_calls():
+    call, *_ = make_call()
+    node, stale = result(call, 0, "stale")
+    stale["call"] = call.id - 1
+    call.handle(node, stale, now=1.0)
+    assert not call.done and call.outcomes[0].status == "pending"
