@@ -241,7 +241,7 @@ def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_t
 
 def test_the_watchdog_shuts_down_only_once_its_heartbeat_is_stale(tmp_path):
     heartbeat, shutdown = tmp_path / "heartbeat", tmp_path / "shutdown-called"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "skytasks/watchdog.py"), "--heartbeat-file", str(heartbeat),
+    proc = subprocess.Popen([sys.executable, str(ROOT / "skytasks/providers/aws/watchdog.py"), "--heartbeat-file", str(heartbeat),
                              "--idle-seconds", "2", "--max-lifetime-seconds", "600", "--check-every", "0.1",
                              "--started-at", str(time.time()), "--shutdown-command", f"touch {shutdown}"])
     try:
@@ -259,7 +259,7 @@ def test_the_watchdog_shuts_down_only_once_its_heartbeat_is_stale(tmp_path):
 def test_the_watchdog_ends_a_node_at_its_max_lifetime_even_with_a_live_controller(tmp_path):
     heartbeat, shutdown = tmp_path / "heartbeat", tmp_path / "shutdown-called"
     heartbeat.write_text("alive")
-    proc = subprocess.run([sys.executable, str(ROOT / "skytasks/watchdog.py"), "--heartbeat-file", str(heartbeat),
+    proc = subprocess.run([sys.executable, str(ROOT / "skytasks/providers/aws/watchdog.py"), "--heartbeat-file", str(heartbeat),
                            "--idle-seconds", "600", "--max-lifetime-seconds", "1", "--check-every", "0.1",
                            "--started-at", str(time.time()), "--shutdown-command", f"touch {shutdown}"],
                           timeout=10, capture_output=True, text=True)

@@ -9,6 +9,7 @@ the call to the runner with a `PrefectObserver`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from prefect import Task, tags
@@ -18,6 +19,7 @@ from prefect.futures import PrefectFuture
 from skytasks.controller.packing import pack_call
 from skytasks.controller.prefect_observer import PrefectObserver
 from skytasks.controller.runner import PreparedCall, run_call
+from skytasks.errors import DistributedTaskError
 
 
 class _ThisTaskRunOnly(CachePolicy):
@@ -27,6 +29,27 @@ class _ThisTaskRunOnly(CachePolicy):
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any) -> str | None:
         return f"skytasks-call-{task_ctx.task_run.id}" if task_ctx else None
+
+
+class _OneLineGroups(logging.Filter):
+    """A rank failure used to print its whole exception group three times in a flow (about 230
+    lines for one ValueError): Prefect's task engine logs it, the flow engine logs it again, and
+    Python prints it when it reaches the top. Each failing rank's traceback is already in that
+    rank's own task run log, so Prefect's two engine logs get one line per root cause instead;
+    the group itself is printed in full once, by whoever finally handles it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, DistributedTaskError):
+            causes = "; ".join(f"rank {getattr(e, 'skytasks_rank', '?')}: {type(e).__name__}: {str(e)[:300]}"
+                               for e in exc.exceptions)
+            record.msg = f"{record.getMessage()} | root cause {causes} (its traceback is in the rank's task run)"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+for _name in ("prefect.task_runs", "prefect.flow_runs"):
+    logging.getLogger(_name).addFilter(_OneLineGroups())
 
 
 def _distributed_call(args: tuple, kwargs: dict, call: PreparedCall) -> list[Any]:
