@@ -85,7 +85,7 @@ class DistributedTask:
             retry_delay_seconds=self.retry_delay_seconds, workdir=check_workdir(self.workdir),
             hang_timeout_seconds=self.hang_timeout_seconds,
         )
-        return PreparedCall(self._fn, pool.runtime(), options, (*self.tags, f"pool:{pool.display_name}"))
+        return PreparedCall(self._fn, pool.runtime(), options, self.tags)
 
     def _parent_task(self):
         from skytasks.controller.prefect_task import parent_task

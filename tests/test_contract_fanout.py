@@ -7,9 +7,8 @@ import os
 
 import pytest
 from prefect import flow
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from tests.prefect_api import settled_task_runs
 from skytasks import GPUPool
 from skytasks import distributed_task, rank_info
 
@@ -102,11 +101,7 @@ def test_parent_and_rank_task_runs_are_recorded_and_never_cached():
     first, second = state.result()
     assert [r["info"].rank for r in first] == [0, 1] == [r["info"].rank for r in second]
 
-    async def read_runs():
-        async with get_client() as client:
-            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-
-    runs = asyncio.run(read_runs())
+    runs = settled_task_runs(state.state_details.flow_run_id, expect=6)
     parents = [r for r in runs if r.name == "probe"]
     ranks = [r for r in runs if r.name.startswith("probe[rank")]
     assert len(parents) == 2 and len(ranks) == 4
@@ -116,7 +111,7 @@ def test_parent_and_rank_task_runs_are_recorded_and_never_cached():
         assert {"skytasks", f"rank:{rank}", "team:ml", "pool:local-pool"} <= set(r.tags)
         assert r.state.type.value == "COMPLETED" and r.state.name == "Completed"
     for p in parents:
-        assert "skytasks" in p.tags and p.state.name == "Completed"
+        assert set(p.tags) == {"team:ml"} and p.state.name == "Completed"  # the user's tags, no others
         assert p.state.data is not None  # the gathered list is persisted as the parent's result
     # Rank runs are children of their parent task run.
     parent_ids = {p.id for p in parents}

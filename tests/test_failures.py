@@ -14,8 +14,8 @@ import psutil
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from tests.prefect_api import settled_task_runs
 from skytasks import GPUPool
 from skytasks import DistributedTaskError, RankProcessDied, RemoteRankError, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
@@ -173,11 +173,7 @@ def test_in_a_flow_the_parent_and_failing_rank_fail_and_the_others_say_why_they_
     state = fragile_flow(return_state=True)
     assert state.is_failed()
 
-    async def read_runs():
-        async with get_client() as client:
-            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-
-    runs = {r.name: r for r in asyncio.run(read_runs())}
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, expect=4)}
     assert runs["fragile"].state.is_failed()
     assert runs["fragile[rank 1/3]"].state.is_failed()
     for other in ("fragile[rank 0/3]", "fragile[rank 2/3]"):

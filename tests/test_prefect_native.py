@@ -16,6 +16,7 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.settings import PREFECT_API_URL
 from prefect_aws import AwsCredentials
 
+from tests.prefect_api import settled_task_runs
 from skytasks import GPUPool
 from skytasks import distributed_task, rank_info, report, stdout
 
@@ -58,7 +59,7 @@ def test_rank_runs_logs_results_and_artifacts_are_in_the_api():
 
     state = chatty_flow(return_state=True)
     assert state.is_completed()
-    runs = {r.name: r for r in asyncio.run(_runs_of(state.state_details.flow_run_id))}
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, expect=3)}
     assert {"chatty", "chatty[rank 0/2]", "chatty[rank 1/2]"} <= set(runs)
 
     # Each rank's lines are in that rank's run, with levels kept; stdout only from the head.

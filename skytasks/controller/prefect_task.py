@@ -54,14 +54,18 @@ for _name in ("prefect.task_runs", "prefect.flow_runs"):
 
 def _distributed_call(args: tuple, kwargs: dict, call: PreparedCall) -> list[Any]:
     payload = pack_call(call.fn, args, kwargs)
-    observer = PrefectObserver(call.options.label, call.runtime.spec.name, call.run_tags)
+    observer = PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags)
     return run_call(call.runtime, payload, call.options, observer)
 
 
 def parent_task(label: str) -> Task:
     """The Prefect task a distributed task is in flows (made once per distributed task)."""
     return Task(
-        _distributed_call, name=label, task_run_name=label, tags=["skytasks"],
+        # No tags of our own: a tagged task run acquires tag concurrency slots through the API
+        # before it starts (Prefect's rule for every tagged task), which cost up to 2 s here on a
+        # busy SQLite server. The user's `tags=` do go on it, with that cost, so a tag
+        # concurrency limit holds for distributed calls as for any task.
+        _distributed_call, name=label, task_run_name=label,
         cache_policy=_ThisTaskRunOnly(), persist_result=True,
         result_serializer="pickle",  # Prefect's pickle serializer is cloudpickle
         retries=0,  # attempts are the runner's: a retry restarts the whole rank group
@@ -69,12 +73,12 @@ def parent_task(label: str) -> Task:
 
 
 def call_in_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict) -> list[Any]:
-    with tags(*call.run_tags):
+    with tags(*call.tags):
         return task(args, kwargs, call)
 
 
 def submit_in_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict, wait_for: Any = None) -> PrefectFuture:
-    with tags(*call.run_tags):
+    with tags(*call.tags):
         return task.submit(args, kwargs, call, wait_for=wait_for)
 
 

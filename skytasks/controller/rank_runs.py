@@ -103,7 +103,7 @@ class RankRuns:
     def __init__(self, label: str, world: int, attempt: int, tags: tuple[str, ...], flow_run_id: Any,
                  parent_id: Any, echo: bool = False):
         self._lock = threading.Lock()  # rank news comes from the call's thread; close from another
-        self.runs = {r: RankRun(label, r, world, flow_run_id, parent_id, attempt, ["skytasks", f"rank:{r}", *tags])
+        self.runs = {r: RankRun(label, r, world, flow_run_id, parent_id, attempt, [f"rank:{r}", *tags])
                      for r in range(world)}
         self._echo = echo
 

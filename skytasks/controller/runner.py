@@ -40,8 +40,13 @@ class PreparedCall:
     """What a call needs besides its arguments. A plain object: Prefect's input resolution
     treats it as one opaque value, and never walks into it."""
 
-    def __init__(self, fn: Callable, runtime: Any, options: CallOptions, run_tags: tuple[str, ...]):
-        self.fn, self.runtime, self.options, self.run_tags = fn, runtime, options, run_tags
+    def __init__(self, fn: Callable, runtime: Any, options: CallOptions, tags: tuple[str, ...] = ()):
+        self.fn, self.runtime, self.options, self.tags = fn, runtime, options, tuple(tags)
+
+    @property
+    def rank_tags(self) -> tuple[str, ...]:
+        """Every rank run's tags: `skytasks`, `rank:R` (added per rank), the pool's, the user's."""
+        return ("skytasks", f"pool:{self.runtime.spec.name}", *self.tags)
 
 
 class RunObserver(CallObserver, Protocol):
