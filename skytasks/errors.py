@@ -54,7 +54,11 @@ class PoolConfigError(ValueError):
 
 
 class PoolStartError(RuntimeError):
-    """The pool's nodes could not be brought up; the message names the node."""
+    """The pool's nodes could not be brought up; the message names the provider's node."""
+
+
+class PoolTeardownError(RuntimeError):
+    """Something the pool launched could not be confirmed gone; the message names it."""
 
 
 @dataclass

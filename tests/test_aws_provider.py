@@ -25,7 +25,7 @@ from prefect_aws.client_parameters import AwsClientParameters
 
 from skytasks import GPUPool
 from skytasks import distributed_task, rank_info
-from skytasks.errors import PoolConfigError
+from skytasks.errors import PoolConfigError, PoolStartError
 from tests.sshd import SSHServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ def test_the_accelerator_chooses_the_instance_type_and_the_default_image_comes_f
 
 def test_a_launch_whose_nodes_never_answer_times_out_and_leaves_nothing(moto):
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ready_timeout_seconds: 2 of 2 node\(s\) not ready after 4s"):
+    with pytest.raises(PoolStartError, match=r"ready_timeout_seconds: 2 of 2 node\(s\) not ready after 4s"):
         distributed_task(lambda: 1, pool=aws_pool(moto, spot=True, tags={"team": "ml"}))()
     assert time.monotonic() - started < 60
     launched = instances_of_latest_pool(moto["ec2"])
@@ -409,7 +409,7 @@ def test_a_node_whose_bootstrap_failed_fails_the_launch_at_once_with_its_log(mot
     stand_in.start()
     started = time.monotonic()
     try:
-        with pytest.raises(RuntimeError, match=r"bootstrap failed: ERROR: No matching distribution for torch==9\.9"):
+        with pytest.raises(PoolStartError, match=r"bootstrap failed: ERROR: No matching distribution for torch==9\.9"):
             distributed_task(lambda: 1, pool=aws_pool(moto, ssh_user="root", ready_timeout_seconds=300))()
     finally:
         stand_in.stop()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from skytasks import GPUPool
-from skytasks import DistributedTaskError, RankProcessDied, distributed_task, rank_info
+from skytasks import DistributedTaskError, PoolStartError, RankProcessDied, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
 from tests.sshd import SSHServer, free_port, keygen
 
@@ -55,13 +55,13 @@ def test_a_two_node_gloo_job_across_two_ssh_hosts(sshd):
 def test_a_wrong_host_key_is_refused_naming_the_host(sshd, tmp_path):
     other = keygen(tmp_path / "other_host_key")
     wrong = "".join(f"[{h}]:{sshd['port']} {' '.join(other.split()[:2])}\n" for h in HOSTS)
-    with pytest.raises(ConnectionRefusedError, match=r"host key of 127\.0\.0\.\d"):
+    with pytest.raises(PoolStartError, match=r"node \d \(127\.0\.0\.\d:\d+\): host key of 127\.0\.0\.\d"):
         distributed_task(where, pool=ssh_pool(sshd, known_hosts=wrong))()
 
 
 def test_an_unknown_host_is_refused(sshd):
     only_first = sshd["known_hosts"].splitlines()[0] + "\n"
-    with pytest.raises(ConnectionRefusedError, match=r"host key of 127\.0\.0\.2"):
+    with pytest.raises(PoolStartError, match=r"node 1 \(127\.0\.0\.2:\d+\): host key of 127\.0\.0\.2"):
         distributed_task(where, pool=ssh_pool(sshd, known_hosts=only_first))()
 
 
@@ -150,7 +150,7 @@ def test_pip_packages_and_env_apply_on_the_ssh_nodes(sshd, tmp_path):
 
 def test_a_package_that_cannot_be_installed_fails_the_start_naming_pip_packages(sshd):
     pool = ssh_pool(sshd, pip_packages=["/nonexistent/skytasks_missing-1.0-py3-none-any.whl"], env={"PIP_NO_INDEX": "1"})
-    with pytest.raises(RuntimeError, match="pip_packages"):
+    with pytest.raises(PoolStartError, match="pip_packages"):
         distributed_task(lambda: 1, pool=pool, init_torch=False)()
 
 

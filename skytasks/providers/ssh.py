@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
 
@@ -92,7 +93,7 @@ class SSHNodes:
     async def _start_all(self) -> list[NodeLink]:
         hosts = self._login.targets
         # All nodes in parallel: the slowest node, not the sum, sets the start time.
-        connected = await asyncio.gather(*(self._connect(*h) for h in hosts), return_exceptions=True)
+        connected = await asyncio.gather(*(self._connect(i, *h) for i, h in enumerate(hosts)), return_exceptions=True)
         self._conns = [c for c in connected if not isinstance(c, BaseException)]
         failed = [c for c in connected if isinstance(c, BaseException)]
         if failed:  # all or nothing; stop() closes the connections that did open
@@ -108,12 +109,12 @@ class SSHNodes:
 
         text = self._login.known_hosts
         if not text:
-            raise ValueError("known_hosts: provider='ssh' needs known_hosts (text or a path); host keys are never trusted blindly")
+            raise PoolConfigError("known_hosts: provider='ssh' needs known_hosts (text or a path); host keys are never trusted blindly")
         if "\n" not in text.strip() and os.path.exists(os.path.expanduser(text)):
             text = Path(os.path.expanduser(text)).read_text()
         return asyncssh.import_known_hosts(text)
 
-    async def _connect(self, user: str | None, host: str, port: int) -> Any:
+    async def _connect(self, node_rank: int, user: str | None, host: str, port: int) -> Any:
         import asyncssh
 
         keys = None
@@ -124,11 +125,16 @@ class SSHNodes:
                                           client_keys=keys, agent_path=None, keepalive_interval=10,
                                           keepalive_count_max=3)
         except asyncssh.HostKeyNotVerifiable as exc:
-            raise ConnectionRefusedError(
-                f"host key of {host}:{port} does not match known_hosts (or the host is not in it): refused ({exc})"
+            raise PoolStartError(
+                f"node {node_rank} ({host}:{port}): host key of {host}:{port} does not match known_hosts (or the "
+                f"host is not in it): refused ({exc})"
             ) from None
+        except (OSError, asyncssh.Error) as exc:
+            raise PoolStartError(f"node {node_rank} ({host}:{port}): cannot connect over SSH: {exc}") from exc
 
     async def _start_agent(self, conn: Any, node_rank: int, host: str, bundle: bytes, digest: str) -> NodeLink:
+        import asyncssh
+
         login = self._login
         remote_dir = f".cache/skytasks/{digest}"
         await conn.run(f"test -d {remote_dir}/skytasks || (mkdir -p {remote_dir} && tar -xzf - -C {remote_dir})",
@@ -147,16 +153,23 @@ class SSHNodes:
         to_agent_r, to_agent_w = os.pipe()
         loop = asyncio.get_running_loop()
 
+        # A dropped connection ends both readers; that is how a node is lost, not an error of
+        # theirs: the closed pipe tells the controller (and nothing is left for asyncio to log).
         async def agent_to_controller() -> None:
             try:
                 while data := await proc.stdout.read(CHUNK):
                     await loop.run_in_executor(None, _write_all, from_agent_w, data)
+            except (OSError, asyncssh.Error):
+                pass
             finally:
                 os.close(from_agent_w)  # the controller sees the node as lost
 
         async def agent_stderr() -> None:
-            while line := await proc.stderr.readline():
-                print(f"[node {node_rank} {host}] {line.decode(errors='replace').rstrip()}", flush=True)
+            try:
+                while line := await proc.stderr.readline():
+                    print(f"[node {node_rank} {host}] {line.decode(errors='replace').rstrip()}", flush=True)
+            except (OSError, asyncssh.Error):
+                pass
 
         def controller_to_agent() -> None:
             try:
@@ -194,7 +207,7 @@ class SSHNodes:
             f"(mv -T $tmp {target} 2>/dev/null || rm -rf $tmp)) && test -f {target}/.done)"
         )
         if result.exit_status != 0:
-            raise RuntimeError(f"pip_packages: installing {login.pip_packages} on {conn.get_extra_info('peername')} "
+            raise PoolStartError(f"pip_packages: installing {login.pip_packages} on {conn.get_extra_info('peername')} "
                                f"failed: {str(result.stderr).strip()[-2000:]}")
         return target
 
@@ -235,7 +248,7 @@ class SSHNodes:
             except Exception:  # noqa: BLE001 - it is gone already
                 pass
             try:
-                conn = await self._connect(user, host, port)
+                conn = await self._connect(node_rank, user, host, port)
             except Exception as exc:  # noqa: BLE001
                 raise PoolStartError(f"node {node_rank} ({host}:{port}) was lost and cannot be reached "
                                      f"again: {exc}") from exc

@@ -59,7 +59,7 @@ def bootstrap_script(spec: PoolSpec, cuda: bool, python_version: str | None = No
     python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     torch_reqs, index = torch_install(spec, cuda)
     # cloudpickle must match the controller's exactly: it is the wire format of the function.
-    extras = [f"cloudpickle=={cloudpickle.__version__}", "numpy", "psutil", *spec.aws.pip_packages]
+    extras = [f"cloudpickle=={cloudpickle.__version__}", "numpy", *spec.aws.pip_packages]
     q = " ".join
     return "\n".join([
         "#!/bin/bash",
@@ -82,7 +82,12 @@ class _Literal(str):
     pass
 
 
-yaml.SafeDumper.add_representer(_Literal, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|"))
+class _Dumper(yaml.SafeDumper):
+    """Block scalars for _Literal, on a dumper of our own: yaml.SafeDumper itself, which every
+    other library shares, is left as it was."""
+
+
+_Dumper.add_representer(_Literal, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|"))
 
 
 def render_user_data(spec: PoolSpec, cuda: bool, host_key_private: str, host_key_public: str,
@@ -113,4 +118,4 @@ def render_user_data(spec: PoolSpec, cuda: bool, host_key_private: str, host_key
             ["bash", "/opt/skytasks/bootstrap.sh"],
         ],
     }
-    return "#cloud-config\n" + yaml.safe_dump(config, sort_keys=False, width=1000)
+    return "#cloud-config\n" + yaml.dump(config, Dumper=_Dumper, sort_keys=False, width=1000)

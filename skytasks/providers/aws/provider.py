@@ -21,9 +21,11 @@ import time
 import uuid
 from typing import Any, Callable
 
+from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
+from skytasks.providers.aws.progress import LaunchProgress, flow_run_id
 from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON, render_user_data
 from skytasks.providers.ssh import SSHLogin, SSHNodes
 
@@ -94,7 +96,7 @@ class AWSProvider:
         return self._spec.aws.remote_python or VENV_PYTHON
 
     def _tags(self, resource_type: str) -> list[dict]:
-        tags = pool_tags(self.pool_id, self._spec.aws.max_lifetime_minutes, self._spec.aws.tags, _flow_run_id())
+        tags = pool_tags(self.pool_id, self._spec.aws.max_lifetime_minutes, self._spec.aws.tags, flow_run_id())
         return [{"ResourceType": resource_type, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
 
     def _make_keys(self) -> tuple[Any, Any]:
@@ -173,7 +175,7 @@ class AWSProvider:
                     continue  # a lost node's instance, already being terminated
                 if name in ("shutting-down", "terminated", "stopped", "stopping"):
                     reason = instance.get("StateReason", {}).get("Message", "no reason given")
-                    raise RuntimeError(f"node {iid} is {name} before it was ready: {reason}")
+                    raise PoolStartError(f"aws node {iid} is {name} before it was ready: {reason}")
                 address = instance.get("PublicIpAddress") or instance.get("PrivateIpAddress")
                 if name == "running" and address:
                     addresses[iid], private[iid] = address, instance.get("PrivateIpAddress") or address
@@ -183,7 +185,7 @@ class AWSProvider:
                 answers = _run_async(_probe_all([addresses[i] for i in waiting], plan.login, login_key, host_key))
                 for iid, answer in zip(waiting, answers):
                     if answer.startswith("failed"):
-                        raise RuntimeError(f"node {iid} ({addresses[iid]}): bootstrap {answer}")
+                        raise PoolStartError(f"aws node {iid} ({addresses[iid]}): bootstrap {answer}")
                     state[iid] = answer
                     if answer == "ready":
                         ready.add(iid)
@@ -192,7 +194,7 @@ class AWSProvider:
                 return [addresses[i] for i in ids], [private[i] for i in ids]
             if time.monotonic() >= deadline:
                 late = [f"{i} ({state[i]})" for i in ids if i not in ready]
-                raise TimeoutError(
+                raise PoolStartError(
                     f"ready_timeout_seconds: {len(late)} of {len(ids)} node(s) not ready after "
                     f"{spec.aws.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
                 )
@@ -269,16 +271,6 @@ def _known_hosts(addresses: list[str], host_key: Any) -> str:
     return "".join(f"{a} {public}\n" for a in addresses)
 
 
-def _flow_run_id() -> str | None:
-    try:
-        from prefect.context import FlowRunContext
-
-        ctx = FlowRunContext.get()
-        return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def _run_async(coro: Any) -> Any:
     """Run a coroutine to the end from sync code, even when this thread already has a loop."""
     box: dict[str, Any] = {}
@@ -295,38 +287,3 @@ def _run_async(coro: Any) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-class LaunchProgress:
-    """Launch progress on the console (rich), and as a Prefect progress artifact inside a flow."""
-
-    def __init__(self, pool_id: str):
-        from rich.console import Console
-
-        self._console = Console(stderr=True)
-        self._pool_id = pool_id
-        self._artifact = None
-        self._last = None
-
-    def __call__(self, ready: int, total: int, detail: str) -> None:
-        if (ready, detail) == self._last:
-            return  # print changes only
-        self._last = (ready, detail)
-        line = f"{self._pool_id}: {ready}/{total} nodes ready - {detail}"
-        self._console.print(f"[bold]skytasks aws[/bold] {line}", highlight=False, soft_wrap=True)
-        if _flow_run_id() is None:
-            return
-        try:
-            from prefect import get_run_logger
-            from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-            get_run_logger().info(line)  # the cost line and progress in the flow run's own logs
-
-            percent = 100.0 * ready / max(total, 1)
-            if self._artifact is None:
-                self._artifact = create_progress_artifact(
-                    percent, key=f"{self._pool_id}-launch", description=f"nodes of {self._pool_id} ready")
-            else:
-                update_progress_artifact(self._artifact, percent)
-        except Exception:  # noqa: BLE001 - progress display never fails a launch
-            pass

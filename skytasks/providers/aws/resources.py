@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
+from skytasks.errors import PoolTeardownError
+
 POOL_TAG, EXPIRES_TAG, CREATED_TAG = "skytasks:pool", "skytasks:expires-at", "skytasks:created-at"
 FLOW_RUN_TAG = "prefect.io/flow-run-id"
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -80,7 +82,7 @@ class PoolResources:
         # The security group cannot go while an instance still uses it.
         while any(i["State"]["Name"] != "terminated" for i in self.describe_instances()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"instances {self.instance_ids} not terminated after {TERMINATE_WAIT_SECONDS:g}s")
+                raise PoolTeardownError(f"instances {self.instance_ids} not terminated after {TERMINATE_WAIT_SECONDS:g}s")
             time.sleep(POLL_SECONDS)
         self.instance_ids = []
 

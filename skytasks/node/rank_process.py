@@ -1,0 +1,119 @@
+"""One rank process as its node agent sees it: started in a session of its own, its output
+relayed line by line, its exit reported, stopped with SIGTERM then SIGKILL, asked for its stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, BinaryIO
+
+from skytasks.wire import ChannelClosed, FrameWriter, read_frame
+
+if TYPE_CHECKING:
+    from skytasks.node.agent import NodeAgent
+
+# How long a stopped rank gets to exit on SIGTERM before SIGKILL.
+TERM_GRACE_SECONDS = 1.0
+
+
+class RankProcess:
+    """One rank's process and the threads that relay its output and messages."""
+
+    def __init__(self, agent: NodeAgent, group: int, rank: int, env: dict[str, str]):
+        self.group, self.rank = group, rank
+        ctrl_read, ctrl_write = os.pipe()
+        # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).
+        self.stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
+        full_env = {**os.environ, **env, "SKYTASKS_CTRL_FD": str(ctrl_write), "PYTHONUNBUFFERED": "1",
+                    "SKYTASKS_STACK_FILE": self.stack_file}
+        # A session of its own, so stopping a rank also stops its DataLoader workers and any
+        # other children it made (killpg).
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skytasks.node.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+            pass_fds=(ctrl_write,),
+            start_new_session=True,
+        )
+        os.close(ctrl_write)
+        self.to_rank = FrameWriter(self.proc.stdin)  # type: ignore[arg-type]
+        self._agent = agent
+        self._relays = [
+            threading.Thread(target=self._relay_frames, args=(os.fdopen(ctrl_read, "rb"),), daemon=True),
+            threading.Thread(target=self._relay_lines, args=(self.proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._relay_lines, args=(self.proc.stderr, "stderr"), daemon=True),
+        ]
+        for t in self._relays:
+            t.start()
+        threading.Thread(target=self._report_exit, daemon=True).start()
+
+    def _relay_frames(self, stream: BinaryIO) -> None:
+        try:
+            while True:
+                msg = read_frame(stream)
+                msg["rank"] = self.rank
+                msg["group"] = self.group
+                self._agent.emit(msg)
+        except (ChannelClosed, OSError):
+            pass
+
+    def _relay_lines(self, stream: BinaryIO, name: str) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self._agent.emit({"op": "output", "group": self.group, "rank": self.rank, "stream": name, "line": line})
+
+    def _report_exit(self) -> None:
+        code = self.proc.wait()
+        exited_at = time.time()  # before the relays drain: when it really ended, for root-cause order
+        # Let the relays drain first, so a result or traceback sent just before the exit is
+        # reported before the exit itself. A grandchild holding a pipe open must not stall this.
+        for t in self._relays:
+            t.join(timeout=2.0)
+        self._agent.emit({"op": "exited", "group": self.group, "rank": self.rank, "returncode": code,
+                          "at": exited_at})
+
+    def stack(self, wait: float = 0.5) -> str:
+        """Every thread's Python stack, innermost frame first, even while the rank is blocked
+        in a C++ collective: faulthandler dumps from its C signal handler, no GIL needed."""
+        try:
+            before = os.path.getsize(self.stack_file)
+        except OSError:
+            before = 0
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        deadline = time.monotonic() + wait
+        text = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                with open(self.stack_file, "rb") as f:
+                    f.seek(before)
+                    now = f.read().decode("utf-8", "replace")
+            except OSError:
+                continue
+            if now and now == text:
+                break  # written and no longer growing: the dump is whole
+            text = now
+        return text.strip()
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
