@@ -23,8 +23,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import workloads  # noqa: E402
 
-from skytasks import GPUPool  # noqa: E402
-from skytasks import distributed_task  # noqa: E402
+from skytasks import GPUPool, distributed_task  # noqa: E402
 
 
 def _free_port() -> int:

@@ -19,8 +19,7 @@ from prefect import flow, get_run_logger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone, no install needed
 
-from skytasks import GPUPool  # noqa: E402
-from skytasks import Checkpointer, distributed_task, rank_info, report, stdout  # noqa: E402
+from skytasks import Checkpointer, GPUPool, distributed_task, rank_info, report, stdout  # noqa: E402
 
 TEXT_PATH = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 

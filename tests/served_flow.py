@@ -8,8 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefect import flow  # noqa: E402
 
-from skytasks import GPUPool  # noqa: E402
-from skytasks import distributed_task  # noqa: E402
+from skytasks import GPUPool, distributed_task  # noqa: E402
 
 
 @distributed_task(pool=GPUPool(nodes=2))

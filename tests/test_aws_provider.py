@@ -23,8 +23,7 @@ import yaml
 from prefect_aws import AwsCredentials
 from prefect_aws.client_parameters import AwsClientParameters
 
-from skytasks import GPUPool
-from skytasks import distributed_task, rank_info
+from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.errors import PoolConfigError, PoolStartError
 from tests.sshd import SSHServer
 

@@ -7,8 +7,7 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, distributed_task, rank_info
+from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
 from tests.conftest import skytasks_processes
 
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from skytasks import GPUPool
-from skytasks import distributed_task, rank_info
+from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,8 +9,7 @@ import pytest
 from prefect import flow
 
 from tests.prefect_api import settled_task_runs
-from skytasks import GPUPool
-from skytasks import distributed_task, rank_info
+from skytasks import GPUPool, distributed_task, rank_info
 
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
 

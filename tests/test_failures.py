@@ -16,8 +16,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 
 from tests.prefect_api import settled_task_runs
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, RankProcessDied, RemoteRankError, distributed_task, rank_info
+from skytasks import DistributedTaskError, GPUPool, RankProcessDied, RemoteRankError, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
 
 ROOT = Path(__file__).resolve().parent.parent

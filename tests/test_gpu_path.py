@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, distributed_task, rank_info
+from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
 from skytasks.errors import PoolConfigError
 from tests.conftest import started_here
 

@@ -9,8 +9,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
 
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, HangError, distributed_task, rank_info
+from skytasks import DistributedTaskError, GPUPool, HangError, distributed_task, rank_info
 from tests.conftest import started_here
 
 HANG = 8

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, distributed_task, rank_info
+from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
 from skytasks.errors import PoolStartError
 
 

@@ -16,8 +16,7 @@ import uuid
 
 import pytest
 
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, distributed_task, rank_info
+from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
 from tests.conftest import skytasks_processes
 from tests.sshd import SSHServer
 

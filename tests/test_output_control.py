@@ -6,8 +6,7 @@ import logging
 
 import pytest
 
-from skytasks import GPUPool
-from skytasks import distributed_task, rank_info, silent, stderr, stdout
+from skytasks import GPUPool, distributed_task, rank_info, silent, stderr, stdout
 
 
 def speak() -> int:

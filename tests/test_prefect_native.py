@@ -17,8 +17,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect_aws import AwsCredentials
 
 from tests.prefect_api import settled_task_runs
-from skytasks import GPUPool
-from skytasks import distributed_task, rank_info, report, stdout
+from skytasks import GPUPool, distributed_task, rank_info, report, stdout
 
 LIVE_MARK = "line-before-the-long-sleep"
 

@@ -15,8 +15,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
 
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, distributed_task
+from skytasks import DistributedTaskError, GPUPool, distributed_task
 from skytasks.errors import PoolConfigError, ScriptFailed
 from skytasks.script import ScriptResult, run_script
 from tests.conftest import skytasks_processes, started_here

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from skytasks import GPUPool
-from skytasks import DistributedTaskError, PoolStartError, RankProcessDied, distributed_task, rank_info
+from skytasks import DistributedTaskError, GPUPool, PoolStartError, RankProcessDied, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
 from tests.sshd import SSHServer, free_port, keygen
 

@@ -7,8 +7,7 @@ import os
 import numpy as np
 
 import skytasks.controller.session as session_module
-from skytasks import GPUPool
-from skytasks import distributed_task
+from skytasks import GPUPool, distributed_task
 from skytasks.serialization import blob_size
 from tests.conftest import skytasks_processes
 
