@@ -33,7 +33,11 @@ class NodeChannel:
         self.serial = next(_serials)  # events say which channel they came from: a replaced
         # node's old channel may still have news in the queue
         self.gpus: list[str] = []  # what the agent reported in its hello
-        threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{link.node_rank}").start()
+
+    def start(self) -> NodeChannel:
+        """Start reading the agent's frames into the event queue."""
+        threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{self.link.node_rank}").start()
+        return self
 
     def sent(self, msg: dict[str, Any]) -> bool:
         """Whether an event came from this channel (not from the one it replaced)."""

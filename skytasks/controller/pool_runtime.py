@@ -59,7 +59,7 @@ class PoolRuntime:
         provider = provider_for(self.spec)
         if starting is not None:  # lets a cancelled `async with` abort a launch in progress
             starting["provider"] = provider
-        session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env))
+        session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env)).start()
         emit("skytasks.pool.up", pool_resource(self.spec.name),
              payload={"provider": self.spec.provider, "nodes": self.spec.nodes,
                       "procs_per_node": self.spec.procs_per_node, "addresses": [n.link.address for n in session.nodes]})

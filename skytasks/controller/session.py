@@ -51,15 +51,20 @@ class PoolSession:
         self.events: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.group: RankGroup | None = None
-        self.nodes = [NodeChannel(link, self.events) for link in provider.start()]
+        self.nodes: list[NodeChannel] = []
         self.bus = ChannelBus(self.nodes)
         self._closed = threading.Event()
-        keep_heartbeats(self.nodes, self._closed)
+
+    def start(self) -> PoolSession:
+        """Bring the nodes up, and wait for every agent's hello; all or nothing."""
         try:
+            self.nodes.extend(NodeChannel(link, self.events).start() for link in self.provider.start())
+            keep_heartbeats(self.nodes, self._closed)
             self._await_agents()
         except BaseException:
             self.close()
             raise
+        return self
 
     def _await_agents(self, nodes: list[NodeChannel] | None = None) -> None:
         """Every agent says hello, with the GPUs its node has, before a rank is placed."""
@@ -120,7 +125,7 @@ class PoolSession:
         for old in lost:
             started = time.monotonic()
             old.link.close()
-            new = NodeChannel(replace(old.link.node_rank), self.events)
+            new = NodeChannel(replace(old.link.node_rank), self.events).start()
             self.nodes[old.link.node_rank] = new
             keep_heartbeats([new], self._closed)
             fresh.append((old, new, started))

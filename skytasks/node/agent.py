@@ -199,8 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m skytasks.node.agent")
-    parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
-    parser.add_argument("--heartbeat-timeout", type=float, default=60.0)
+    # Required: the controller's settings (skytasks.settings) decide, never a default repeated here.
+    parser.add_argument("--heartbeat-seconds", type=float, required=True)
+    parser.add_argument("--heartbeat-timeout", type=float, required=True)
     parser.add_argument("--heartbeat-file", default=None)
     args = parser.parse_args(argv)
     # Frames own the real stdout; anything else printed here (a warning, a stray print) goes to

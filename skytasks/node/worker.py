@@ -126,7 +126,7 @@ def _init_process_group(out: FrameWriter) -> None:
     # Only the rendezvous is bounded by the init timeout (the controller's clock fires first and
     # names the missing ranks); collectives keep torch's own default timeout, since a long
     # checkpoint on the head must not break a barrier. Fail-fast never waits on either.
-    init_timeout = float(os.environ.get("SKYTASKS_INIT_TIMEOUT_SECONDS", "120")) + 10
+    init_timeout = float(os.environ["SKYTASKS_INIT_TIMEOUT_SECONDS"]) + 10  # set by the controller, always
     out.send({"op": "joining"})
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
