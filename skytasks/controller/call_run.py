@@ -144,10 +144,8 @@ class CallRun:
         op, rank = msg["op"], msg.get("rank")
         if op in SIGNS_OF_PROGRESS:
             self.last_heard = now
-        if op == Op.OUTPUT:
-            self.observer.on_output(rank, msg["stream"], msg["line"])
-        elif op == Op.LOG:
-            self.observer.on_log(rank, msg["level"], msg["line"])
+        if op in (Op.OUTPUT, Op.LOG):
+            self._relay_line(msg)
         elif op == Op.REPORT:
             self.observer.on_report(rank, msg["metrics"])
         elif op == Op.JOINING:
@@ -230,10 +228,15 @@ class CallRun:
         elif op == Op.EXITED and self.outcomes[rank].status == "stopped" and msg["returncode"] not in _OUR_STOP_CODES:
             # it ended by itself while the stop was on its way
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
-        elif op == Op.OUTPUT:
-            self.observer.on_output(rank, msg["stream"], msg["line"])
-        elif op == Op.LOG:
-            self.observer.on_log(rank, msg["level"], msg["line"])
+        elif op in (Op.OUTPUT, Op.LOG):
+            self._relay_line(msg)
+
+    def _relay_line(self, msg: dict[str, Any]) -> None:
+        """A rank's output line or logging record to the observer, in every phase."""
+        if msg["op"] == Op.OUTPUT:
+            self.observer.on_output(msg["rank"], msg["stream"], msg["line"])
+        else:
+            self.observer.on_log(msg["rank"], msg["level"], msg["line"])
 
     def _record(self, o: RankOutcome, exc: BaseException, ended: float | None) -> None:
         self.group.broken = True

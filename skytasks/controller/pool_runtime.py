@@ -90,7 +90,7 @@ class PoolRuntime:
                 self._session = self.start_session()
                 self.trap_sigterm()
             self._depth += 1
-        self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self.owner,)))
+        self._push_active()
 
     def exit(self) -> None:
         session = self._leave()
@@ -119,6 +119,9 @@ class PoolRuntime:
                     abort()
                 future.add_done_callback(self._close_late_session)
                 raise
+        self._push_active()
+
+    def _push_active(self) -> None:
         self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self.owner,)))
 
     async def aexit(self) -> None:

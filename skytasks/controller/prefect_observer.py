@@ -42,10 +42,9 @@ class PrefectObserver:
         self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
         self._echo = ECHO_RANK_LINES.get()
         self._started = time.monotonic()
-        ids = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
-        self._ids = ids
+        self._ids = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
         self._progress = ProgressBar(artifact_key(label, "progress"), f"{label}: progress of the distributed call",
-                                     **ids)
+                                     **self._ids)
         self._writes: list[Any] = []  # artifact writes of this call, waited for at its end
         self._metrics: list[dict[str, Any]] = []
         self._metrics_written_at = 0.0
