@@ -15,7 +15,7 @@ from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 
-from skytasks.pool_spec import AWSSpec, PoolSpec, SSHSpec
+from skytasks.pool_spec import AWSSpec, PoolSpec, SlurmSpec, SSHSpec
 
 if TYPE_CHECKING:
     from skytasks.controller.pool_runtime import PoolRuntime
@@ -26,7 +26,8 @@ class GPUPool(Block):
     _block_type_name = "GPU Pool"
     _block_type_slug = "gpu-pool"
     _logo_url = "https://images.ctfassets.net/gm98wzqotmnx/4HlN0GkcPMXp6TxuQtHEjt/16dd0296f4f2ccd3db3e5eb1e1b66ddc/pytorch-logo.png"  # noqa: E501
-    _description = "Nodes for multi-node PyTorch training: local processes, SSH hosts or EC2 instances."
+    _description = ("Nodes for multi-node PyTorch training: local processes, SSH hosts, EC2 instances or the nodes "
+                    "of a SLURM allocation.")
     _documentation_url = "https://github.com/skytasks/skytasks#readme"
     _code_example = """
 ```python
@@ -41,7 +42,8 @@ def train(epochs: int = 3) -> dict:
 ```
 """
 
-    provider: Literal["local", "ssh", "aws"] = Field("local", description="local: processes here; ssh: your machines; aws: EC2 it launches")
+    provider: Literal["local", "ssh", "aws", "slurm"] = Field(
+        "local", description="local: processes here; ssh: your machines; aws: EC2 it launches; slurm: a SLURM allocation")
     nodes: int = Field(2, ge=1, description="Number of nodes.")
     procs_per_node: int = Field(1, ge=1, description="Rank processes per node (one per GPU).")
     accelerator: Optional[str] = Field(None, description='GPU model, e.g. "A100", "H100", "L4". None means CPU.')
@@ -58,6 +60,15 @@ def train(epochs: int = 3) -> dict:
     known_hosts: Optional[str] = Field(None, description="known_hosts text or path; host keys are always checked.")
     remote_python: Optional[str] = Field(
         None, description='Python on the nodes: ssh default "python3"; aws default the venv its bootstrap builds.')
+    slurm_login: Optional[str] = Field(
+        None, description='slurm: "[user@]host[:port]" of a login node where SLURM commands run over SSH; None: here.')
+    slurm_partition: Optional[str] = Field(None, description="slurm: the allocation's --partition.")
+    slurm_account: Optional[str] = Field(None, description="slurm: the allocation's --account.")
+    slurm_qos: Optional[str] = Field(None, description="slurm: the allocation's --qos.")
+    slurm_constraint: Optional[str] = Field(None, description="slurm: the allocation's --constraint.")
+    slurm_gres: Optional[str] = Field(
+        None, description='slurm: GPUs per node as SLURM names them ("gpu:h100:8"); None: gpu:<accelerators_per_node>.')
+    slurm_extra_args: list[str] = Field(default_factory=list, description="slurm: further sbatch arguments, as written.")
     aws_credentials: AwsCredentials = Field(default_factory=AwsCredentials)
     instance_type: Optional[str] = None
     image_id: Optional[str] = None
@@ -74,6 +85,25 @@ def train(epochs: int = 3) -> dict:
     max_lifetime_minutes: float = Field(720, gt=0)
 
     _runtime: Any = PrivateAttr(default=None)
+
+    @field_validator("slurm_login")
+    @classmethod
+    def _login_is_well_formed(cls, login: Optional[str]) -> Optional[str]:
+        if login is not None:
+            m = HOST_PATTERN.match(login.strip())
+            if not m or (m["port"] and not 0 < int(m["port"]) < 65536):
+                raise ValueError(f"slurm_login: {login!r} is not of the form [user@]host[:port]")
+            return login.strip()
+        return login
+
+    @field_validator("slurm_extra_args")
+    @classmethod
+    def _extra_args_are_options(cls, args: list[str]) -> list[str]:
+        for a in args:
+            if not isinstance(a, str) or not a.startswith("-"):
+                raise ValueError(f"slurm_extra_args: {a!r} is not an sbatch option (each item is one argument, "
+                                 "such as '--exclusive' or '--mem=64G')")
+        return args
 
     @field_validator("hosts")
     @classmethod
@@ -95,6 +125,13 @@ def train(epochs: int = 3) -> dict:
                 raise ValueError(f"hosts: {len(self.hosts)} host(s) given for nodes={self.nodes}; give one per node")
         if self.provider != "ssh" and self.hosts:
             raise ValueError(f"hosts: only provider='ssh' takes hosts; provider={self.provider!r} brings its own nodes")
+        slurm_set = [f for f in ("slurm_login", "slurm_partition", "slurm_account", "slurm_qos", "slurm_constraint",
+                                 "slurm_gres", "slurm_extra_args") if getattr(self, f)]
+        if self.provider != "slurm" and slurm_set:
+            raise ValueError(f"{slurm_set[0]}: only provider='slurm' takes slurm_* fields (provider={self.provider!r})")
+        if self.provider == "slurm" and self.slurm_login and not self.known_hosts:
+            raise ValueError("known_hosts: slurm_login needs the login node's host key in known_hosts (text or a "
+                             "path); host keys are never trusted blindly")
         if self.provider == "aws":
             if self.key_name and self.ssh_private_key is None:
                 raise ValueError("ssh_private_key: key_name names your own key pair; give its private key too")
@@ -126,7 +163,15 @@ def train(epochs: int = 3) -> dict:
         """The validated fields as the frozen, typed spec the runtime and providers use."""
         login = dict(ssh_user=self.ssh_user, ssh_private_key=self.ssh_private_key, remote_python=self.remote_python,
                      pip_packages=tuple(self.pip_packages))
-        ssh = aws = None
+        ssh = aws = slurm = None
+        if self.provider == "slurm":
+            gres = self.slurm_gres or (f"gpu:{self.accelerators_per_node}" if self.accelerator else None)
+            slurm = SlurmSpec(
+                login=self.slurm_login, ssh_user=self.ssh_user, ssh_private_key=self.ssh_private_key,
+                known_hosts=self.known_hosts, remote_python=self.remote_python, partition=self.slurm_partition,
+                account=self.slurm_account, qos=self.slurm_qos, constraint=self.slurm_constraint, gres=gres,
+                extra_args=tuple(self.slurm_extra_args), ready_timeout_seconds=self.ready_timeout_seconds,
+                idle_minutes=self.idle_minutes, max_lifetime_minutes=self.max_lifetime_minutes)
         if self.provider == "ssh":
             ssh = SSHSpec(hosts=tuple(self.hosts), known_hosts=self.known_hosts,
                           ready_timeout_seconds=self.ready_timeout_seconds, **login)
@@ -143,7 +188,7 @@ def train(epochs: int = 3) -> dict:
                 max_lifetime_minutes=self.max_lifetime_minutes, **login)
         return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
-                        env={**aws_environment(self.aws_credentials), **self.env}, ssh=ssh, aws=aws)
+                        env={**aws_environment(self.aws_credentials), **self.env}, ssh=ssh, aws=aws, slurm=slurm)
 
     def reshaped(self, **shape: int) -> GPUPool:
         """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so

@@ -1,8 +1,8 @@
 """What a pool is, frozen: the typed configuration providers and the runtime are built from.
 
 `GPUPool` (the Prefect block) validates its fields once and gives a `PoolSpec`; nothing behind it
-reads the block. Each provider gets the common part and its own part (`ssh` or `aws`), never the
-other provider's fields.
+reads the block. Each provider gets the common part and its own part (`ssh`, `aws` or `slurm`),
+never another provider's fields.
 """
 
 from __future__ import annotations
@@ -57,19 +57,40 @@ class AWSSpec:
 
 
 @dataclass(frozen=True)
+class SlurmSpec:
+    """provider="slurm": what the allocation asks for, where SLURM's commands run, and when it ends."""
+
+    login: Optional[str]  # "[user@]host[:port]" of a login node; None: SLURM's commands run here
+    ssh_user: Optional[str]
+    ssh_private_key: Optional[SecretStr]
+    known_hosts: Optional[str]
+    remote_python: Optional[str]
+    partition: Optional[str]
+    account: Optional[str]
+    qos: Optional[str]
+    constraint: Optional[str]
+    gres: Optional[str]  # already defaulted from the accelerator
+    extra_args: tuple[str, ...]
+    ready_timeout_seconds: float
+    idle_minutes: float
+    max_lifetime_minutes: float
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     name: str  # the saved block's name, or "<provider>-pool": tags and events
-    provider: Literal["local", "ssh", "aws"]
+    provider: Literal["local", "ssh", "aws", "slurm"]
     nodes: int
     procs_per_node: int
     accelerators_per_node: Optional[int]
     env: Mapping[str, str] = field(default_factory=dict)  # every rank's environment (AWS variables included)
     ssh: Optional[SSHSpec] = None
     aws: Optional[AWSSpec] = None
+    slurm: Optional[SlurmSpec] = None
 
     def __post_init__(self) -> None:
-        wanted = {"local": None, "ssh": "ssh", "aws": "aws"}[self.provider]
-        for part in ("ssh", "aws"):
+        wanted = {"local": None, "ssh": "ssh", "aws": "aws", "slurm": "slurm"}[self.provider]
+        for part in ("ssh", "aws", "slurm"):
             if (getattr(self, part) is not None) != (part == wanted):
                 raise ValueError(f"provider={self.provider!r}: the {part} part must be "
                                  f"{'set' if part == wanted else 'absent'}")

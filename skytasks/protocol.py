@@ -18,6 +18,7 @@ Agent -> controller:
   STACK   group, rank, stack                    one rank's stack, for STACKS
   STOPPED group                                 the ranks of STOP are gone
   AGENT_ERROR error                             the agent failed a request; its ranks are stopped
+  LEAVING reason, stacks {rank: stack}, group   the node is going away (SIGTERM); its ranks are gone
 Rank -> controller (relayed by the agent, which adds `group` and `rank`):
   JOINING                                       entering init_process_group
   READY   pid                                   rendezvous done (or skipped), waiting for calls
@@ -48,6 +49,7 @@ class Op(StrEnum):
     STACK = "stack"
     STOPPED = "stopped"
     AGENT_ERROR = "agent_error"
+    LEAVING = "leaving"
     JOINING = "joining"
     READY = "ready"
     LOG = "log"
@@ -60,4 +62,4 @@ class Op(StrEnum):
 # What shows a call is not hung (with hang_timeout_seconds): a rank starting, writing or finishing.
 SIGNS_OF_PROGRESS = frozenset({Op.OUTPUT, Op.LOG, Op.REPORT, Op.RESULT, Op.READY, Op.JOINING})
 # A node itself failed: the root cause, not the ranks it took with it.
-NODE_FAILURES = frozenset({Op.LOST, Op.AGENT_ERROR})
+NODE_FAILURES = frozenset({Op.LOST, Op.AGENT_ERROR, Op.LEAVING})

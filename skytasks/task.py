@@ -16,6 +16,7 @@ from skytasks.controller.packing import pack_call
 from skytasks.controller.pool_runtime import active_pool
 from skytasks.controller.runner import CallOptions, PreparedCall, run_call
 from skytasks.errors import PoolConfigError
+from skytasks.providers import provider_class
 from skytasks.rank import in_rank
 from skytasks.workdir import check_workdir
 
@@ -78,6 +79,13 @@ class DistributedTask:
         pool = resolve_pool(self.pool)
         shape = {k: v for k, v in (("nodes", self.nodes), ("procs_per_node", self.procs_per_node)) if v is not None}
         if shape and any(getattr(pool, k) != v for k, v in shape.items()):
+            if not provider_class(pool.provider).reshape_is_cheap:
+                asked = ", ".join(f"{k}={v}" for k, v in shape.items())
+                raise PoolConfigError(
+                    f"nodes/procs_per_node: {self.name!r} asks for {asked}, but its pool {pool.display_name!r} "
+                    f"(provider={pool.provider!r}) has nodes={pool.nodes}, procs_per_node={pool.procs_per_node}; a "
+                    f"{pool.provider} pool never brings up a second set of machines for one call. Drop "
+                    f"{asked} from the task to use the pool as it is, or give the task a pool of that shape")
             pool = pool.reshaped(**shape)  # another shape cannot use the warm nodes
         options = CallOptions(
             label=self.name, backend=self.backend, init_torch=self.init_torch,

@@ -143,7 +143,7 @@ def test_teardown_finds_by_tag_what_an_interrupted_create_call_never_reported(mo
     from skytasks.providers.aws.provider import AWSProvider
     from skytasks.providers.aws.plan import plan_launch
 
-    provider = AWSProvider(aws_pool(moto).spec(), progress=lambda *a: None)
+    provider = AWSProvider(aws_pool(moto).spec())
     _, host_key = provider._make_keys()
     provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
     # As if Ctrl-C had landed while each create call was in flight: AWS made it, the ids never came back.
@@ -270,7 +270,7 @@ def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(
 
     def leak(lifetime_minutes: float, launch: bool) -> AWSProvider:
         """Resources as a controller that died (SIGKILL) would leave them: nobody tears them down."""
-        provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=lifetime_minutes).spec(), progress=lambda *a: None)
+        provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=lifetime_minutes).spec())
         from skytasks.providers.aws.plan import plan_launch
 
         plan = plan_launch(provider._spec, provider._ec2, provider._ssm)
@@ -396,7 +396,7 @@ def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
     from skytasks.providers.aws.plan import plan_launch
 
     moto["creds"].save("skytasks-test-moto", overwrite=True)
-    provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01).spec(), progress=lambda *a: None)
+    provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01).spec())
     _, host_key = provider._make_keys()
     provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
     time.sleep(1.0)

@@ -169,8 +169,12 @@ class CallRun:
             if self.outcomes[rank].status == "pending":
                 self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
         elif op in NODE_FAILURES:
-            what = f"lost the agent of node {node_rank}" if op == Op.LOST else f"the agent of node {node_rank} failed"
+            what = {Op.LOST: f"lost the agent of node {node_rank}", Op.LEAVING: f"node {node_rank} is going away",
+                    }.get(op, f"the agent of node {node_rank} failed")
             detail = msg.get("reason") or msg.get("error", "")
+            if op == Op.LEAVING:
+                stacks = {int(r): s for r, s in (msg.get("stacks") or {}).items() if s}
+                self.observer.on_stacks(stacks, f"stopped because node {node_rank} is going away")
             for o in self.outcomes.values():
                 if o.node_rank == node_rank and o.status == "pending":
                     self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None)

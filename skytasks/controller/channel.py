@@ -12,6 +12,7 @@ import queue
 import threading
 from typing import Any
 
+from skytasks.protocol import Op
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
 from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
@@ -47,9 +48,11 @@ class NodeChannel:
         try:
             while True:
                 msg = read_frame(self.inbound)
-                if msg["op"] != "heartbeat":
+                if msg["op"] != Op.HEARTBEAT:
                     msg["channel"] = self.serial
                     self._events.put((self.link.node_rank, msg))
+                if msg["op"] == Op.LEAVING:  # it is gone as soon as it says so: replaced before the retry
+                    self.mark_lost(f"the node is going away: {msg['reason']}")
         except (ChannelClosed, OSError, ValueError) as exc:
             self.mark_lost(str(exc))
 
@@ -59,6 +62,11 @@ class NodeChannel:
             if not self.alive:
                 return
             self.alive = False
+        try:  # what the provider knows of it (SLURM: the node's state and reason)
+            detail = self.link.loss_detail()
+        except Exception:  # noqa: BLE001 - the loss is reported all the same
+            detail = ""
+        reason = f"{reason}; {detail}" if detail else reason
         self._events.put((self.link.node_rank, {"op": "lost", "reason": reason, "channel": self.serial}))
 
     def send(self, msg: dict[str, Any]) -> None:

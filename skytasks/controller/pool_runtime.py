@@ -114,9 +114,8 @@ class PoolRuntime:
                     self._depth -= 1
                 # The start goes on in its thread: cut a launch short where the provider can,
                 # and take down whatever still comes up.
-                abort = getattr(starting.get("provider"), "abort", None)
-                if abort is not None:
-                    abort()
+                if starting.get("provider") is not None:
+                    starting["provider"].abort()
                 future.add_done_callback(self._close_late_session)
                 raise
         self._push_active()

@@ -17,6 +17,7 @@ from skytasks.controller.packing import PackedCall
 from skytasks.controller.rank_group import CallObserver, GroupSpec, RankOutcome
 from skytasks.devices import check_backend_before_launch
 from skytasks.errors import DistributedTaskError, PoolStartError
+from skytasks.providers import provider_class
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest, read_workdir
 
@@ -60,16 +61,20 @@ class RunObserver(CallObserver, Protocol):
 def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: RunObserver) -> list[Any]:
     """Run the call on every rank of `runtime`'s pool (a `PoolRuntime`), restarting the whole
     group on failure up to `retries` times. Starting a call-scoped pool happens inside the
-    attempt, so a pool that fails to start is retried like a failed attempt."""
+    attempt, so a pool that fails to start is retried like a failed attempt.
+
+    As for a Prefect task: `timeout_seconds` bounds each attempt, and every failure of an attempt
+    (a rank raising, a node lost, a hang, the init timeout, the attempt's deadline, a pool that
+    did not start) is retried while retries are left. Interrupts never are."""
     spec = runtime.spec
-    deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
     world = spec.nodes * spec.procs_per_node
     check_backend_before_launch(options.backend, spec.provider, spec.nodes, spec.procs_per_node,
                                 spec.accelerators_per_node)
     workdir = None
     if options.workdir is not None:
         # Read (and held to the size limit) before any node is up, when it has to travel.
-        workdir = WorkdirRequest(options.workdir, None if spec.provider == "local" else read_workdir(options.workdir))
+        here = provider_class(spec.provider).runs_on_this_machine
+        workdir = WorkdirRequest(options.workdir, None if here else read_workdir(options.workdir))
     group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
     error: BaseException | None = None
     try:
@@ -77,15 +82,14 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
             for attempt in range(1, options.retries + 2):
                 observer.on_attempt_start(attempt, world)
                 attempt_error: BaseException | None = None
+                deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
                 try:
                     session = sessions.get()
                     return session.call(payload, group_spec, attempt=attempt, deadline=deadline, observer=observer,
                                         label=options.label, hang_timeout=options.hang_timeout_seconds)
                 except (DistributedTaskError, PoolStartError) as err:
                     attempt_error = err
-                    timed_out = isinstance(err, DistributedTaskError) and any(
-                        isinstance(e, TimeoutError) for e in err.exceptions)
-                    if attempt > options.retries or (deadline is not None and timed_out):
+                    if attempt > options.retries:
                         raise
                     # A collective cannot survive a partial restart: the next attempt is a fresh group.
                     cause = err.exceptions[0] if isinstance(err, DistributedTaskError) else err

@@ -117,10 +117,7 @@ class PoolSession:
         lost = [n for n in self.nodes if not n.alive]
         if not lost:
             return
-        replace = getattr(self.provider, "replace", None)
-        if replace is None:
-            names = ", ".join(f"node {n.link.node_rank} ({n.link.address})" for n in lost)
-            raise PoolStartError(f"{names} lost, and this provider cannot replace a node")
+        replace = self.provider.replace
         fresh = []
         for old in lost:
             started = time.monotonic()

@@ -41,6 +41,7 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
         self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
+        self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
 
     def emit(self, msg: dict[str, Any]) -> None:
         try:
@@ -99,8 +100,29 @@ class NodeAgent:
                     self.stop_ranks(grace=0.0)
         except ChannelClosed:
             pass
+        except NodeLeaving as exc:
+            self.leave(str(exc))
         finally:
             self._end_ranks(grace=TERM_GRACE_SECONDS)
+
+    def leave(self, reason: str) -> None:
+        """The node is being taken away (SIGTERM from outside: a scheduler's preemption, cancel or
+        time limit, a spot reclaim). Tell the controller first, with where each rank was: the
+        ranks got the same signal and dump their stacks as they go."""
+        self.leaving_known.set()
+        with self._lock:
+            ranks = list(self._ranks.values())
+        for rp in ranks:
+            rp.stop()
+        deadline = time.monotonic() + TERM_GRACE_SECONDS
+        for rp in ranks:
+            try:
+                rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        stacks = {str(rp.rank): rp.last_stack() for rp in ranks}
+        groups = {rp.group for rp in ranks}
+        self.emit({"op": "leaving", "reason": reason, "stacks": stacks, "group": groups.pop() if len(groups) == 1 else None})
 
     def _end_ranks(self, grace: float) -> None:
         """The agent is leaving: its ranks go, and so does its scratch folder."""
@@ -190,9 +212,13 @@ class NodeAgent:
                 pass
 
 
+class NodeLeaving(Exception):
+    """SIGTERM reached the agent: the node is going away."""
+
+
 def _end_on_sigterm(signum: int, frame: object) -> None:
-    # Unwinds serve() through its finally, which stops the ranks.
-    raise ChannelClosed("SIGTERM")
+    # Unwinds serve() through leave() and its finally, which stop the ranks.
+    raise NodeLeaving("the node got SIGTERM (a scheduler's preemption, cancel or time limit, or a shutdown)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,8 @@ class RankProcess:
         os.close(ctrl_write)
         self.to_rank = FrameWriter(self.proc.stdin)  # type: ignore[arg-type]
         self._agent = agent
+        self.stack_offset = 0  # where the next dump in the stack file starts
+        self.stopped_by_agent = False
         self._relays = [
             threading.Thread(target=self._relay_frames, args=(os.fdopen(ctrl_read, "rb"),), daemon=True),
             threading.Thread(target=self._relay_lines, args=(self.proc.stdout, "stdout"), daemon=True),
@@ -71,6 +73,12 @@ class RankProcess:
     def _report_exit(self) -> None:
         code = self.proc.wait()
         exited_at = time.time()  # before the relays drain: when it really ended, for root-cause order
+        if code == -signal.SIGTERM and not self.stopped_by_agent:
+            # Someone signalled the whole node (a scheduler's preemption or cancel): the agent
+            # got the same SIGTERM, and its LEAVING, not this exit, is the news.
+            self._agent.leaving_known.wait(0.5)
+        if self._agent.leaving_known.is_set():
+            return
         # Let the relays drain first, so a result or traceback sent just before the exit is
         # reported before the exit itself. A grandchild holding a pipe open must not stall this.
         for t in self._relays:
@@ -78,11 +86,20 @@ class RankProcess:
         self._agent.emit({"op": "exited", "group": self.group, "rank": self.rank, "returncode": code,
                           "at": exited_at})
 
+    def last_stack(self) -> str:
+        """What the rank dumped since the last read (its SIGTERM dump, when it was signalled)."""
+        try:
+            with open(self.stack_file, "rb") as f:
+                f.seek(self.stack_offset)
+                return f.read().decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+
     def stack(self, wait: float = 0.5) -> str:
         """Every thread's Python stack, innermost frame first, even while the rank is blocked
         in a C++ collective: faulthandler dumps from its C signal handler, no GIL needed."""
         try:
-            before = os.path.getsize(self.stack_file)
+            before = self.stack_offset = os.path.getsize(self.stack_file)
         except OSError:
             before = 0
         try:
@@ -102,9 +119,11 @@ class RankProcess:
             if now and now == text:
                 break  # written and no longer growing: the dump is whole
             text = now
+        self.stack_offset = before + len(text.encode())
         return text.strip()
 
     def stop(self) -> None:
+        self.stopped_by_agent = True
         if self.proc.poll() is not None:
             return
         try:
@@ -113,6 +132,7 @@ class RankProcess:
             return
 
     def kill(self) -> None:
+        self.stopped_by_agent = True
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -224,7 +224,9 @@ def _enter_workdir() -> None:
 
 
 def _dump_stacks_on_request() -> None:
-    """SIGUSR1 makes faulthandler write every thread's stack to the agent's file for this rank."""
+    """SIGUSR1 makes faulthandler write every thread's stack to the agent's file for this rank.
+    So does SIGTERM, before the default action ends the rank: when a scheduler (SLURM's
+    preemption, a time limit) signals the whole node at once, where each rank was survives it."""
     import faulthandler
 
     path = os.environ.get("SKYTASKS_STACK_FILE")
@@ -232,6 +234,7 @@ def _dump_stacks_on_request() -> None:
         global _STACK_FILE
         _STACK_FILE = open(path, "a")  # kept open: faulthandler writes to its descriptor
         faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True, chain=False)
+        faulthandler.register(signal.SIGTERM, file=_STACK_FILE, all_threads=True, chain=True)
 
 
 _STACK_FILE: Any = None

@@ -1,7 +1,9 @@
 """Providers bring nodes up and start a node agent on each; that is all that differs between them.
 
 Everything after the agent's stream exists (spawning ranks, calls, failures, teardown of rank
-processes) is the shared rank lifecycle in `skytasks.controller.rank_group`.
+processes) is the shared rank lifecycle in `skytasks.controller`. A provider is the
+`NodeProvider` protocol below, and reports what happens to its nodes through the `PoolReporter`
+it is given (`skytasks.providers.reporting`); the controller asks it, never its name, what it can do.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
 from skytasks.settings import settings
 
 from skytasks.errors import PoolConfigError
+from skytasks.providers.reporting import PoolReporter
 
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
@@ -31,6 +34,9 @@ class NodeLink:
     # nodes all share this one; a remote node is a machine of its own).
     machine: str = ""
     close: Callable[[], None] = lambda: None  # release the transport (process, SSH channel)
+    # Why the stream ended, in the provider's words (SLURM: the node's state and reason), asked
+    # when the node is found lost; "" when the provider knows no more than the closed stream.
+    loss_detail: Callable[[], str] = lambda: ""
 
 
 def agent_args(heartbeat_file: str | None = None) -> list[str]:
@@ -41,8 +47,21 @@ def agent_args(heartbeat_file: str | None = None) -> list[str]:
 
 
 class NodeProvider(Protocol):
+    # Whether a call may bring up its own pool of another shape (nodes, procs_per_node) beside
+    # this one: cheap for local processes, never for machines someone pays for.
+    reshape_is_cheap: bool
+    # Whether the nodes are this machine (a workdir is used in place, not sent).
+    runs_on_this_machine: bool
+
     def start(self) -> list[NodeLink]:
         """Bring every node up and start its agent; all or nothing."""
+
+    def replace(self, node_rank: int) -> NodeLink:
+        """A working node in place of a lost one, with its agent started; raises PoolStartError
+        naming the node when none can be had."""
+
+    def abort(self) -> None:
+        """From another thread: cut a `start` in progress short (it tears down and raises)."""
 
     def free_port(self) -> int:
         """A port on the head node that the peers can rendezvous on."""
@@ -51,20 +70,29 @@ class NodeProvider(Protocol):
         """Make the workdir present on every node: (its path there, a line saying what was sent)."""
 
     def stop(self) -> None:
-        """Tear down everything `start` made. Idempotent, safe after a partial start."""
+        """Tear down everything `start` made. Idempotent, safe after a partial start. Raises
+        PoolTeardownError (after trying every step) when something may be left behind."""
 
 
-def provider_for(spec: PoolSpec) -> NodeProvider:
-    if spec.provider == "local":
+def provider_class(name: str) -> type:
+    if name == "local":
         from skytasks.providers.local import LocalProvider
 
-        return LocalProvider(spec)
-    if spec.provider == "ssh":
+        return LocalProvider
+    if name == "ssh":
         from skytasks.providers.ssh import SSHProvider
 
-        return SSHProvider(spec)
-    if spec.provider == "aws":
+        return SSHProvider
+    if name == "aws":
         from skytasks.providers.aws.provider import AWSProvider
 
-        return AWSProvider(spec)
-    raise PoolConfigError(f"provider: unknown provider {spec.provider!r}")
+        return AWSProvider
+    if name == "slurm":
+        from skytasks.providers.slurm.provider import SlurmProvider
+
+        return SlurmProvider
+    raise PoolConfigError(f"provider: unknown provider {name!r}")
+
+
+def provider_for(spec: PoolSpec, reporter: PoolReporter | None = None) -> NodeProvider:
+    return provider_class(spec.provider)(spec, reporter=reporter or PoolReporter(spec.name, spec.provider))

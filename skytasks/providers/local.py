@@ -10,12 +10,16 @@ import sys
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
+from skytasks.providers.reporting import PoolReporter
 
 LOOPBACK = "127.0.0.1"
 
 
 class LocalProvider:
-    def __init__(self, spec: PoolSpec):
+    reshape_is_cheap = True  # processes on this machine: a call of another shape starts its own
+    runs_on_this_machine = True  # a workdir is used in place
+
+    def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
         self._procs: dict[int, subprocess.Popen] = {}  # node rank -> its agent
 
@@ -62,6 +66,9 @@ class LocalProvider:
             machine="this machine",
             close=lambda p=proc: _end(p),
         )
+
+    def abort(self) -> None:
+        """Nothing to cut short: local agents start in milliseconds."""
 
     def free_port(self) -> int:
         # Chosen per rank group on loopback, never a fixed 29500: two pools (or a torchrun next

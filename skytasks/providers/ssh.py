@@ -18,11 +18,12 @@ import tarfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
+from skytasks.providers.reporting import PoolReporter
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
@@ -71,8 +72,12 @@ class SSHLogin:
 class SSHNodes:
     """Connect to every target in parallel and start a node agent on each over SSH."""
 
-    def __init__(self, login: SSHLogin):
+    reshape_is_cheap = False  # the hosts are the pool's: another shape cannot have them too
+    runs_on_this_machine = False  # a workdir travels to the nodes
+
+    def __init__(self, login: SSHLogin, reporter: PoolReporter | None = None):
         self._login = login
+        self._reporter = reporter or PoolReporter("ssh-pool", "ssh")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-ssh")
         self._conns: list[Any] = []
@@ -105,14 +110,7 @@ class SSHNodes:
         )))
 
     def _known_hosts(self) -> Any:
-        import asyncssh
-
-        text = self._login.known_hosts
-        if not text:
-            raise PoolConfigError("known_hosts: provider='ssh' needs known_hosts (text or a path); host keys are never trusted blindly")
-        if "\n" not in text.strip() and os.path.exists(os.path.expanduser(text)):
-            text = Path(os.path.expanduser(text)).read_text()
-        return asyncssh.import_known_hosts(text)
+        return load_known_hosts(self._login.known_hosts, "ssh")
 
     async def _connect(self, node_rank: int, user: str | None, host: str, port: int) -> Any:
         import asyncssh
@@ -149,47 +147,10 @@ class SSHNodes:
         proc = await conn.create_process(
             f"cd && {env} PYTHONPATH={':'.join(paths)} exec {login.python} {agent}", encoding=None
         )
-        from_agent_r, from_agent_w = os.pipe()
-        to_agent_r, to_agent_w = os.pipe()
-        loop = asyncio.get_running_loop()
-
-        # A dropped connection ends both readers; that is how a node is lost, not an error of
-        # theirs: the closed pipe tells the controller (and nothing is left for asyncio to log).
-        async def agent_to_controller() -> None:
-            try:
-                while data := await proc.stdout.read(CHUNK):
-                    await loop.run_in_executor(None, _write_all, from_agent_w, data)
-            except (OSError, asyncssh.Error):
-                pass
-            finally:
-                os.close(from_agent_w)  # the controller sees the node as lost
-
-        async def agent_stderr() -> None:
-            try:
-                while line := await proc.stderr.readline():
-                    print(f"[node {node_rank} {host}] {line.decode(errors='replace').rstrip()}", flush=True)
-            except (OSError, asyncssh.Error):
-                pass
-
-        def controller_to_agent() -> None:
-            try:
-                while data := os.read(to_agent_r, CHUNK):
-                    asyncio.run_coroutine_threadsafe(_write_drain(proc.stdin, data), loop).result()
-            except Exception:  # noqa: BLE001 - the channel is gone; the reader reports it
-                pass
-            finally:
-                os.close(to_agent_r)
-                try:  # after stop() there is no loop, and no channel left to end
-                    loop.call_soon_threadsafe(_eof, proc.stdin)
-                except RuntimeError:
-                    pass
-
-        tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr())]
-        threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-ssh-out{node_rank}").start()
-        outbound = os.fdopen(to_agent_w, "wb")
+        inbound, outbound, tasks = bridge_process(proc, f"node {node_rank} {host}", self._reporter)
         self._closers.append((proc, tasks))
         address = login.peer_addresses[node_rank] if login.peer_addresses else host
-        return NodeLink(node_rank=node_rank, address=address, inbound=os.fdopen(from_agent_r, "rb"), outbound=outbound,
+        return NodeLink(node_rank=node_rank, address=address, inbound=inbound, outbound=outbound,
                         machine=host, close=lambda: _close_quietly(outbound))
 
     async def _install_packages(self, conn: Any, env: str) -> str:
@@ -258,6 +219,9 @@ class SSHNodes:
 
         return self._run(again(), timeout=self._login.timeout)
 
+    def abort(self) -> None:
+        """Connecting is bounded by ready_timeout_seconds; nothing to cut short."""
+
     def free_port(self) -> int:
         python = self._login.python
         code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
@@ -290,7 +254,7 @@ class SSHNodes:
 class SSHProvider(SSHNodes):
     """provider="ssh": the pool's own hosts, login and known_hosts."""
 
-    def __init__(self, spec: PoolSpec):
+    def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         ssh = spec.ssh
         assert ssh is not None
         super().__init__(SSHLogin(
@@ -299,7 +263,65 @@ class SSHProvider(SSHNodes):
             private_key=ssh.ssh_private_key.get_secret_value() if ssh.ssh_private_key else None,
             python=ssh.remote_python or "python3", pip_packages=list(ssh.pip_packages), env=dict(spec.env),
             timeout=ssh.ready_timeout_seconds,
-        ))
+        ), reporter)
+
+
+def load_known_hosts(text: str | None, provider: str) -> Any:
+    """known_hosts as asyncssh takes it, from its text or a path to it; never empty."""
+    import asyncssh
+
+    if not text:
+        raise PoolConfigError(f"known_hosts: provider={provider!r} needs known_hosts (text or a path); host keys are "
+                              "never trusted blindly")
+    if "\n" not in text.strip() and os.path.exists(os.path.expanduser(text)):
+        text = Path(os.path.expanduser(text)).read_text()
+    return asyncssh.import_known_hosts(text)
+
+
+def bridge_process(proc: Any, label: str, reporter: PoolReporter) -> tuple[BinaryIO, BinaryIO, list]:
+    """A remote process's stdin and stdout (an asyncssh channel) as a pair of local pipes, so the
+    controller reads and writes it exactly like a local node's pipes; its stderr lines go to the
+    reporter. Call on the connection's event loop."""
+    import asyncssh
+
+    from_agent_r, from_agent_w = os.pipe()
+    to_agent_r, to_agent_w = os.pipe()
+    loop = asyncio.get_running_loop()
+
+    # A dropped connection ends both readers; that is how a node is lost, not an error of
+    # theirs: the closed pipe tells the controller (and nothing is left for asyncio to log).
+    async def agent_to_controller() -> None:
+        try:
+            while data := await proc.stdout.read(CHUNK):
+                await loop.run_in_executor(None, _write_all, from_agent_w, data)
+        except (OSError, asyncssh.Error):
+            pass
+        finally:
+            os.close(from_agent_w)  # the controller sees the node as lost
+
+    async def agent_stderr() -> None:
+        try:
+            while line := await proc.stderr.readline():
+                reporter.notice(f"[{label}] {line.decode(errors='replace').rstrip()}")
+        except (OSError, asyncssh.Error):
+            pass
+
+    def controller_to_agent() -> None:
+        try:
+            while data := os.read(to_agent_r, CHUNK):
+                asyncio.run_coroutine_threadsafe(_write_drain(proc.stdin, data), loop).result()
+        except Exception:  # noqa: BLE001 - the channel is gone; the reader reports it
+            pass
+        finally:
+            os.close(to_agent_r)
+            try:  # after stop() there is no loop, and no channel left to end
+                loop.call_soon_threadsafe(_eof, proc.stdin)
+            except RuntimeError:
+                pass
+
+    tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr())]
+    threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-out-{label}").start()
+    return os.fdopen(from_agent_r, "rb"), os.fdopen(to_agent_w, "wb"), tasks
 
 
 def _write_all(fd: int, data: bytes) -> None:

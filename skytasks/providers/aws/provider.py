@@ -19,13 +19,13 @@ import asyncio
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink
+from skytasks.providers.reporting import PoolReporter, flow_run_id
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
-from skytasks.providers.aws.progress import LaunchProgress, flow_run_id
 from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON, render_user_data
 from skytasks.providers.ssh import SSHLogin, SSHNodes
 
@@ -34,12 +34,17 @@ if TYPE_CHECKING:
 
 
 class AWSProvider:
-    def __init__(self, spec: PoolSpec, *, progress: Callable[[int, int, str], None] | None = None):
+    reshape_is_cheap = False  # instances cost money: a call of another shape must not launch its own
+    runs_on_this_machine = False  # a workdir travels to the nodes
+
+    def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
         self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
         self._ec2 = spec.aws.credentials.get_client("ec2")
         self._ssm = spec.aws.credentials.get_client("ssm")
-        self._progress = progress or LaunchProgress(self.pool_id)
+        self.reporter = reporter or PoolReporter(spec.name, "aws")
+        self.reporter.key = self.pool_id
+        self._progress = self.reporter.progress
         self.owned = PoolResources(self._ec2, self.pool_id)
         self._nodes: SSHNodes | None = None
         self._teardown_lock = threading.Lock()
@@ -66,7 +71,7 @@ class AWSProvider:
                 peer_addresses=private,
                 private_key=login_key.export_private_key().decode(), python=self._python(),
                 env=dict(spec.env), heartbeat_file=HEARTBEAT_FILE, timeout=spec.aws.ready_timeout_seconds,
-            ))
+            ), self.reporter)
             return self._nodes.start()
         except BaseException:
             self.stop()
@@ -223,6 +228,7 @@ class AWSProvider:
         """Tear everything down. Runs in a thread of its own and is waited for through Ctrl-C
         and SIGTERM: an interrupt must not abandon running instances half way; it is raised
         once the teardown is done."""
+        self._teardown_error: BaseException | None = None
         worker = threading.Thread(target=self._teardown, name="skytasks-aws-teardown")
         worker.start()
         interrupted: BaseException | None = None
@@ -231,9 +237,11 @@ class AWSProvider:
                 worker.join()
             except (KeyboardInterrupt, SystemExit) as exc:  # SystemExit: SIGTERM, see GPUPool
                 interrupted = interrupted or exc
-                print("skytasks: still terminating the pool's instances; please wait", flush=True)
+                self.reporter.notice("still terminating the pool's instances; please wait")
         if interrupted is not None:
             raise interrupted
+        if self._teardown_error is not None:
+            raise self._teardown_error
 
     def _teardown(self) -> None:
         with self._teardown_lock:
@@ -241,9 +249,10 @@ class AWSProvider:
                 self._nodes.stop()
                 self._nodes = None
             errors = self.owned.teardown()
+            left = self.owned.leftovers()  # each step clears what it confirmed gone
             if errors:
-                print(f"skytasks: teardown of {self.pool_id} left something behind ({'; '.join(errors)}); "
-                      f"`skytasks gc` will find it by its tags", flush=True)
+                # Raised from stop(), after every step was tried: the pool's exit raises it.
+                self._teardown_error = self.reporter.teardown_failed(left, "; ".join(errors))
 
 
 async def _probe_all(addresses: list[str], login: str, login_key: Any, host_key: Any) -> list[str]:

@@ -63,6 +63,13 @@ class PoolResources:
         keys = self.ec2.describe_key_pairs(Filters=mine)["KeyPairs"]
         self.key_name = self.key_name or next((k["KeyName"] for k in keys), None)
 
+    def leftovers(self) -> list[str]:
+        """Every id this pool owns now: what a failed teardown names."""
+        ids = list(self.instance_ids)
+        ids += [x for x in (self.security_group_id, self.key_name and f"key-pair {self.key_name}",
+                            self.placement_group and f"placement-group {self.placement_group}") if x]
+        return ids
+
     def teardown(self) -> list[str]:
         """Delete everything, in dependency order; every step is attempted. Returns what failed."""
         errors = []

@@ -1,0 +1,149 @@
+"""One pool's SLURM job, as text: the sbatch arguments, the batch script that holds the allocation,
+and SLURM's answers read back (queue state, node addresses, which field an error is about).
+
+Pure functions: nothing here runs a command, so every rule is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from skytasks.pool_spec import PoolSpec
+
+JOB_PREFIX = "skytasks-"
+EXPIRES_KEY = "skytasks:expires-at="
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def heartbeat_file(job_id: str) -> str:
+    """Where the node agents of a job touch their heartbeat, on each node's own /tmp; the batch
+    script on the job's first node reads it."""
+    return f"/tmp/skytasks-slurm-{job_id}.beat"
+
+
+# The batch job's own process: it holds the allocation, and ends it when the controller has been
+# silent for the idle limit (the agents touch the heartbeat whenever they hear the controller).
+# `--time` bounds it in any case. `sleep & wait` lets SLURM's SIGTERM end it at once.
+BATCH_SCRIPT = """#!/bin/bash
+beat=/tmp/skytasks-slurm-${SLURM_JOB_ID}.beat
+idle=%(idle)d
+start=$(date +%%s)
+trap 'rm -f "$beat"' EXIT
+while :; do
+  now=$(date +%%s); last=$start
+  if [ -f "$beat" ]; then m=$(stat -c %%Y "$beat" 2>/dev/null || echo 0); [ "$m" -gt "$last" ] && last=$m; fi
+  if [ $((now - last)) -ge "$idle" ]; then
+    echo "skytasks: the controller was silent for $((now - last))s (idle limit ${idle}s); ending the allocation" >&2
+    exit 0
+  fi
+  sleep %(every)g & wait $!
+done
+"""
+
+
+def batch_script(idle_minutes: float) -> str:
+    idle = max(2, round(idle_minutes * 60))
+    return BATCH_SCRIPT % {"idle": idle, "every": min(30.0, max(1.0, idle / 4))}
+
+
+def expiry_comment(max_lifetime_minutes: float, now: datetime | None = None) -> str:
+    now = now or datetime.now(timezone.utc)
+    return EXPIRES_KEY + (now + timedelta(minutes=max_lifetime_minutes)).strftime(TIME_FORMAT)
+
+
+def parse_expiry(comment: str) -> datetime | None:
+    m = re.search(re.escape(EXPIRES_KEY) + r"(\S+)", comment or "")
+    try:
+        return datetime.strptime(m.group(1), TIME_FORMAT).replace(tzinfo=timezone.utc) if m else None
+    except ValueError:
+        return None
+
+
+def sbatch_args(spec: PoolSpec, pool_id: str, nodes: int, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The allocation for `nodes` nodes of this pool: one batch job for its whole life."""
+    s = spec.slurm
+    assert s is not None
+    args = ["sbatch", "--parsable", f"--job-name={pool_id}", f"--comment={expiry_comment(s.max_lifetime_minutes)}",
+            f"--nodes={nodes}", f"--ntasks-per-node={spec.procs_per_node}",
+            f"--time={max(1, math.ceil(s.max_lifetime_minutes))}", "--output=/dev/null",
+            # A failed node does not end the others' allocation: it is replaced on its own.
+            "--no-kill", "--no-requeue"]
+    for flag, value in (("--partition", s.partition), ("--account", s.account), ("--qos", s.qos),
+                        ("--constraint", s.constraint), ("--gres", s.gres)):
+        if value:
+            args.append(f"{flag}={value}")
+    if exclude:
+        args.append(f"--exclude={','.join(sorted(exclude))}")
+    return args + list(s.extra_args)
+
+
+@dataclass(frozen=True)
+class QueueState:
+    state: str  # PENDING, RUNNING, ... or "" when the job is no longer in the queue
+    reason: str
+    nodelist: str
+
+
+def parse_queue_line(text: str) -> QueueState:
+    line = next((ln for ln in text.splitlines() if ln.strip()), "")
+    if not line:
+        return QueueState("", "", "")
+    state, _, rest = line.partition("|")
+    reason, _, nodelist = rest.rpartition("|")
+    return QueueState(state.strip(), reason.strip(), nodelist.strip())
+
+
+def parse_nodes(scontrol_oneliners: str) -> dict[str, dict[str, str]]:
+    """`scontrol -o show node ...` as {name: {key: value}}."""
+    nodes = {}
+    for line in scontrol_oneliners.splitlines():
+        fields = dict(m.groups() for m in re.finditer(r"(\w+)=(\S*(?: (?!\w+=)\S+)*)", line))
+        if "NodeName" in fields:
+            nodes[fields["NodeName"]] = fields
+    return nodes
+
+
+# Pending reasons with which the job can never start: the field that asks for the impossible.
+_NEVER_STARTS = (
+    (re.compile(r"account", re.I), "slurm_account"),
+    (re.compile(r"qos", re.I), "slurm_qos"),
+    (re.compile(r"PartitionConfig|PartitionNodeLimit|node count", re.I), "nodes"),
+    (re.compile(r"BadConstraints|constraint|feature", re.I), "slurm_constraint"),
+)
+_NEVER_STARTS_CODES = {"InvalidAccount", "AccountNotAllowed", "InvalidQOS", "QOSNotAllowed", "PartitionConfig",
+                       "PartitionNodeLimit", "BadConstraints"}
+
+
+def never_starts(reason: str) -> str | None:
+    """The field to blame when a pending reason means the job can never start, else None."""
+    if reason not in _NEVER_STARTS_CODES and "can't use this partition" not in reason:
+        return None
+    return next((f for pattern, f in _NEVER_STARTS if pattern.search(reason)), "slurm_partition")
+
+
+# sbatch's own refusals, and the field that caused each.
+_REFUSALS = (
+    (re.compile(r"invalid partition", re.I), "slurm_partition"),
+    (re.compile(r"invalid account|account/partition", re.I), "slurm_account"),
+    (re.compile(r"invalid qos|qos", re.I), "slurm_qos"),
+    (re.compile(r"invalid generic resource|gres", re.I), "slurm_gres"),
+    (re.compile(r"invalid feature|constraint", re.I), "slurm_constraint"),
+    (re.compile(r"node count|Node count specification", re.I), "nodes"),
+    (re.compile(r"time limit", re.I), "max_lifetime_minutes"),
+)
+
+
+def refused_field(message: str) -> str | None:
+    """Which field an sbatch refusal is about, when its message says; None when it does not
+    (then the caller narrows it down by asking again without each optional request)."""
+    return next((f for pattern, f in _REFUSALS if pattern.search(message)), None)
+
+
+def slurm_message(stderr: str) -> str:
+    """SLURM's own words, one line: "sbatch: error: X" and "allocation failure: X" as X."""
+    lines = [re.sub(r"^(sbatch|srun|salloc): (error: )?|^allocation failure: ", "", ln.strip())
+             for ln in stderr.splitlines() if ln.strip()]
+    return "; ".join(dict.fromkeys(lines)) or "no message"

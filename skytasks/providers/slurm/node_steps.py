@@ -1,0 +1,145 @@
+"""The job steps of a SLURM pool: one `srun --overlap` step per node running its agent, and short
+steps for what a call needs on a node (a free port on the head, the workdir).
+
+An agent's step starts with a few lines of Python that first make sure the controller's skytasks
+is on the node: it answers "have" or "need" on the stream, the controller then sends the package
+(a tar.gz) only when needed, and the bootstrap unpacks it under ~/.cache/skytasks/<hash> and execs
+the agent. One step per node, no second round trip, and nothing to copy on a shared home.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+from skytasks.errors import PoolStartError
+from skytasks.pool_spec import PoolSpec
+from skytasks.providers import NodeLink
+from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.slurm.shell import SlurmShell, Step
+from skytasks.providers.ssh import package_bundle
+
+# argv: digest, bundle size, then the agent's own arguments. Stdlib only.
+BOOTSTRAP = r"""
+import io, os, shutil, sys, tarfile
+os.chdir(os.path.expanduser("~"))
+home = os.path.join(".cache", "skytasks", sys.argv[1])
+have = os.path.isdir(os.path.join(home, "skytasks"))
+os.write(1, b"have\n" if have else b"need\n")
+if not have:
+    size, data = int(sys.argv[2]), bytearray()
+    while len(data) < size:
+        chunk = os.read(0, size - len(data))
+        if not chunk:
+            sys.exit("skytasks: the stream closed before the package arrived")
+        data += chunk
+    tmp = home + ".%d" % os.getpid()
+    tarfile.open(fileobj=io.BytesIO(bytes(data))).extractall(tmp)
+    try:
+        os.rename(tmp, home)
+    except OSError:  # another node on the same home was first
+        shutil.rmtree(tmp, ignore_errors=True)
+path = os.path.abspath(home)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
+os.execv(sys.executable, [sys.executable] + sys.argv[3:])
+"""
+
+
+def srun(job_id: str, node: str) -> list[str]:
+    """A step of one task on one node of the job, beside the steps already running there. It gets
+    the GPUs SLURM gave the job on that node (CUDA_VISIBLE_DEVICES as SLURM sets it). Unbuffered:
+    the stream carries binary frames, not lines."""
+    return ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+            "--unbuffered", "--quiet"]
+
+
+class NodeSteps:
+    def __init__(self, shell: SlurmShell, spec: PoolSpec, reporter: PoolReporter):
+        self._shell, self._spec, self._reporter = shell, spec, reporter
+        self._python = spec.slurm.remote_python or "python3"
+        self._steps: dict[str, Step] = {}
+        self._workdirs: dict[str, str] = {}
+
+    def start_agent(self, node_rank: int, name: str, address: str, job_id: str, args: list[str]) -> NodeLink:
+        bundle, digest = package_bundle()
+        env = [f"{k}={v}" for k, v in self._spec.env.items()]
+        argv = [*srun(job_id, name), "env", *env, self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *args]
+        step = self._steps[name] = self._shell.open(argv, f"node {node_rank} {name}")
+        answer = _read_line(step, timeout=self._spec.slurm.ready_timeout_seconds)
+        if answer == b"need\n":
+            step.outbound.write(bundle)
+            step.outbound.flush()
+        elif answer != b"have\n":
+            step.close()
+            raise PoolStartError(f"node {node_rank} ({name}, job {job_id}): the node agent did not start "
+                                 f"({self._python} on the node); srun said: {self.last_words(name) or answer!r}")
+        return NodeLink(node_rank=node_rank, address=address, inbound=step.inbound, outbound=step.outbound,
+                        machine=name, close=step.close)
+
+    def last_words(self, name: str) -> str:
+        step = self._steps.get(name)
+        return " / ".join(step.stderr_tail)[-500:] if step else ""
+
+    def free_port(self, name: str, job_id: str) -> int:
+        code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+        done = self._shell.run([*srun(job_id, name), self._python, "-c", code])
+        if done.returncode != 0:
+            raise PoolStartError(f"node {name} (job {job_id}): cannot find a free port: {done.stderr.strip()[-500:]}")
+        return int(done.stdout.strip())
+
+    def prepare_workdir(self, request, nodes: list[tuple[str, str]]) -> tuple[str, str | None]:
+        """The workdir onto every node in parallel, content-addressed as for ssh nodes."""
+        from skytasks.providers.ssh_workdir import sync_workdir
+        from skytasks.workdir import describe_sync, read_workdir
+
+        tree = request.tree or read_workdir(request.root)
+        if tree.digest in self._workdirs:
+            return self._workdirs[tree.digest], None
+
+        async def every_node() -> list:
+            return list(await asyncio.gather(*(sync_workdir(_StepShell(self._shell, job, name), self._python, tree)
+                                               for name, job in nodes)))
+
+        results = asyncio.run(every_node())
+        self._workdirs[tree.digest] = results[0].path
+        sent = [(f"node {i} ({name})", r.files_sent, r.bytes_sent) for i, ((name, _), r) in enumerate(zip(nodes, results))]
+        return results[0].path, describe_sync(request.root, sent)
+
+    def end(self, name: str) -> None:
+        step = self._steps.pop(name, None)
+        if step is not None:
+            step.close()
+
+    def end_all(self) -> None:
+        for name in list(self._steps):
+            self.end(name)
+
+
+class _StepShell:
+    """One node as `sync_workdir` talks to an SSH connection: `run(command, input=...)`."""
+
+    def __init__(self, shell: SlurmShell, job_id: str, name: str):
+        self._shell, self._job_id, self._name = shell, job_id, name
+
+    async def run(self, command: str, input: Any = None, encoding: str | None = "utf-8", check: bool = False) -> Any:
+        data = input.encode() if isinstance(input, str) else input
+        done = await asyncio.to_thread(self._shell.run, [*srun(self._job_id, self._name), "bash", "-c", command], data)
+        if check and done.returncode != 0:
+            raise PoolStartError(f"node {self._name} (job {self._job_id}): {shlex.split(command)[:3]} failed: "
+                                 f"{done.stderr.strip()[-500:]}")
+        return SimpleNamespace(stdout=done.stdout, stderr=done.stderr, exit_status=done.returncode)
+
+
+def _read_line(step: Step, timeout: float) -> bytes:
+    """The bootstrap's first line, or b"" when the step ended (or said nothing in time)."""
+    box: dict[str, bytes] = {}
+    reader = threading.Thread(target=lambda: box.setdefault("line", step.inbound.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        step.close()
+        reader.join(10)
+    return box.get("line", b"")

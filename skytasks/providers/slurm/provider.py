@@ -1,0 +1,248 @@
+"""provider="slurm": the nodes of one SLURM allocation, held by a batch job for the pool's life.
+
+Start: check the request with `sbatch --test-only` (SLURM's own refusal, naming the field, before
+anything is queued), submit the batch job, wait while it is pending (SLURM's reason and the
+queue position said as progress; past `ready_timeout_seconds` it is cancelled), then start one
+node agent per allocated node as a job step (`srun --jobid J --overlap -w NODE`), whose stdin and
+stdout are the node's stream. The controller's skytasks reaches each node through that same
+stream on first use (content-addressed under ~/.cache/skytasks, so a shared home gets it once).
+
+A lost node is replaced by a one-node allocation of its own that excludes every node lost so far.
+Stop, on every path: end the steps, `scancel` every job, and wait until none is left in the
+queue. Without the controller, the batch job ends itself after `idle_minutes` of silence, and
+`--time` (from `max_lifetime_minutes`) bounds it in any case; `skytasks gc --slurm` cancels
+skytasks jobs past their expiry.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from skytasks.errors import PoolConfigError, PoolStartError
+from skytasks.pool_spec import PoolSpec
+from skytasks.providers import NodeLink, agent_args
+from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.slurm import job as slurm_job
+from skytasks.providers.slurm.node_steps import NodeSteps
+from skytasks.providers.slurm.shell import SlurmShell
+
+POLL_SECONDS = 1.0
+CANCEL_WAIT_SECONDS = 60.0
+
+
+@dataclass
+class AllocatedNode:
+    name: str  # SLURM's node name (srun -w)
+    address: str  # NodeAddr: where its peers reach it
+    job_id: str
+
+
+class SlurmProvider:
+    reshape_is_cheap = False  # an allocation waits in a queue and is billed: never a second one per call
+    runs_on_this_machine = False
+
+    def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
+        assert spec.slurm is not None
+        self._spec = spec
+        self.pool_id = f"{slurm_job.JOB_PREFIX}{uuid.uuid4().hex[:10]}"
+        self.reporter = reporter or PoolReporter(spec.name, "slurm")
+        self.reporter.key = self.pool_id
+        self.shell = SlurmShell(spec.slurm, self.reporter)
+        self.jobs: list[str] = []  # every job this pool submitted, cancelled at stop
+        self.nodes: list[AllocatedNode] = []  # node rank -> where it runs
+        self.lost: set[str] = set()  # node names lost so far: never allocated again by this pool
+        self._steps = NodeSteps(self.shell, spec, self.reporter)
+        self._aborted = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> list[NodeLink]:
+        spec = self._spec
+        self._check_request()  # SLURM's refusal, before anything is queued
+        try:
+            job_id = self._submit(spec.nodes)
+            names = self._wait_running(job_id, spec.nodes)
+            self.nodes = [AllocatedNode(n, a, job_id) for n, a in self._addresses(names).items()]
+            self.reporter.progress(0, spec.nodes, f"job {job_id} running on {', '.join(names)}; starting node agents")
+            with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
+                links = list(pool.map(self._start_node, range(len(self.nodes))))
+            self.reporter.progress(len(links), spec.nodes, f"job {job_id}: every node agent is up")
+            return links
+        except BaseException:
+            self.stop()
+            raise
+
+    def _check_request(self) -> None:
+        args = slurm_job.sbatch_args(self._spec, self.pool_id, self._spec.nodes)
+        done = self.shell.run([*args, "--test-only"], input=b"#!/bin/bash\ntrue\n")
+        if done.returncode == 0:
+            return
+        said = slurm_job.slurm_message(done.stderr)
+        field = slurm_job.refused_field(said) or self._narrow_down(args)
+        raise PoolConfigError(f"{field}: SLURM refused the allocation: {said} (sbatch {' '.join(args[1:])}); "
+                              f"nothing was queued")
+
+    def _narrow_down(self, args: list[str]) -> str:
+        """SLURM said only "Requested node configuration is not available": ask again without each
+        optional request to see which one it cannot meet."""
+        for flag, field in (("--gres=", "slurm_gres"), ("--constraint=", "slurm_constraint"),
+                            ("--ntasks-per-node=", "procs_per_node")):
+            trial = [a for a in args if not a.startswith(flag)]
+            if trial != args and self.shell.run([*trial, "--test-only"], input=b"#!/bin/bash\ntrue\n").returncode == 0:
+                return field
+        return "nodes"
+
+    def _submit(self, nodes: int) -> str:
+        args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=tuple(self.lost))
+        done = self.shell.run(args, input=slurm_job.batch_script(self._spec.slurm.idle_minutes).encode())
+        if done.returncode != 0:
+            said = slurm_job.slurm_message(done.stderr)
+            field = slurm_job.refused_field(said) or "slurm_extra_args"
+            raise PoolConfigError(f"{field}: sbatch refused the allocation: {said}; nothing was queued")
+        job_id = done.stdout.strip().split(";")[0]
+        self.jobs.append(job_id)
+        return job_id
+
+    def _wait_running(self, job_id: str, nodes: int) -> list[str]:
+        """Until the job runs: its node names. Pending is said with SLURM's reason and position."""
+        timeout = self._spec.slurm.ready_timeout_seconds
+        deadline = time.monotonic() + timeout
+        reason = "submitted"
+        while True:
+            q = self._queue(job_id)
+            if q.state == "RUNNING" and q.nodelist:
+                return self._hostnames(q.nodelist)
+            if q.state in ("", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                           "DEADLINE", "OUT_OF_MEMORY"):
+                raise PoolStartError(f"slurm job {job_id} ended before its nodes were up "
+                                     f"({q.state or 'left the queue'}: {q.reason or reason})")
+            reason = q.reason or q.state
+            field = slurm_job.never_starts(reason)
+            if field is not None:
+                raise PoolConfigError(f"{field}: SLURM will never start job {job_id}: {reason}; it was cancelled")
+            self.reporter.progress(0, nodes, f"job {job_id} {q.state.lower()}: {reason}{self._position(job_id)}")
+            if time.monotonic() >= deadline:
+                raise PoolStartError(f"ready_timeout_seconds: slurm job {job_id} still {q.state.lower()} after "
+                                     f"{timeout:g}s (SLURM's reason: {reason}); it was cancelled")
+            if self._aborted.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
+                raise InterruptedError(f"the allocation of {self.pool_id} was cancelled (job {job_id})")
+
+    def _queue(self, job_id: str) -> slurm_job.QueueState:
+        done = self.shell.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%N"])
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
+            raise PoolStartError(f"squeue failed on {self.shell.where}: {slurm_job.slurm_message(done.stderr)}")
+        return slurm_job.parse_queue_line(done.stdout)
+
+    def _position(self, job_id: str) -> str:
+        part = self._spec.slurm.partition
+        done = self.shell.run(["squeue", "-h", "-t", "PD", "-o", "%i", "--sort=-p,i",
+                               *([f"--partition={part}"] if part else [])])
+        ids = done.stdout.split()
+        return f"; position {ids.index(job_id) + 1} of {len(ids)} pending" if job_id in ids else ""
+
+    def _hostnames(self, nodelist: str) -> list[str]:
+        return self.shell.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
+
+    def _addresses(self, names: list[str]) -> dict[str, str]:
+        found = slurm_job.parse_nodes(self.shell.run(["scontrol", "-o", "show", "node", ",".join(names)]).stdout)
+        return {n: found.get(n, {}).get("NodeAddr") or n for n in names}
+
+    def _start_node(self, node_rank: int) -> NodeLink:
+        node = self.nodes[node_rank]
+        link = self._steps.start_agent(node_rank, node.name, node.address, node.job_id,
+                                       agent_args(slurm_job.heartbeat_file(node.job_id)))
+        link.loss_detail = lambda: self.node_condition(node.name, node.job_id)
+        return link
+
+    def node_condition(self, name: str, job_id: str) -> str:
+        """SLURM's view of a node, for the error that says it was lost."""
+        info = slurm_job.parse_nodes(self.shell.run(["scontrol", "-o", "show", "node", name]).stdout).get(name, {})
+        said = self._steps.last_words(name)
+        text = f"SLURM: node {name} (job {job_id}) is {info.get('State', 'unknown')}"
+        if info.get("Reason"):
+            text += f", reason: {info['Reason']}"
+        return text + (f"; srun said: {said}" if said else "")
+
+    # -- the calls' needs -------------------------------------------------------------------
+
+    def free_port(self) -> int:
+        head = self.nodes[0]
+        return self._steps.free_port(head.name, head.job_id)
+
+    def prepare_workdir(self, request) -> tuple[str, str | None]:
+        return self._steps.prepare_workdir(request, [(n.name, n.job_id) for n in self.nodes])
+
+    def replace(self, node_rank: int) -> NodeLink:
+        """A lost node: a one-node allocation of its own, never on a node lost before."""
+        old = self.nodes[node_rank]
+        self.lost.add(old.name)
+        self._steps.end(old.name)
+        try:
+            job_id = self._submit(1)
+            [name] = self._wait_running(job_id, 1)
+        except (PoolStartError, PoolConfigError) as exc:
+            raise PoolStartError(f"node {node_rank} ({old.name}) was lost and no replacement could be had: {exc}") \
+                from exc
+        self.nodes[node_rank] = AllocatedNode(name, self._addresses([name])[name], job_id)
+        self.reporter.notice(f"{self.pool_id}: node {node_rank} ({old.name}) replaced by {name} (job {job_id})")
+        return self._start_node(node_rank)
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End the steps and cancel every job, waiting until none is left in the queue. Runs in a
+        thread of its own and is waited for through Ctrl-C and SIGTERM."""
+        box: dict = {}
+        worker = threading.Thread(target=self._teardown, args=(box,), name="skytasks-slurm-teardown")
+        worker.start()
+        interrupted: BaseException | None = None
+        while worker.is_alive():
+            try:
+                worker.join()
+            except (KeyboardInterrupt, SystemExit) as exc:
+                interrupted = interrupted or exc
+                self.reporter.notice("still cancelling the pool's SLURM jobs; please wait")
+        if interrupted is not None:
+            raise interrupted
+        if box.get("error") is not None:
+            raise box["error"]
+
+    def _teardown(self, box: dict) -> None:
+        with self._stop_lock:
+            self._steps.end_all()
+            jobs = list(self.jobs)
+            left: list[str] = []
+            detail = ""
+            try:
+                if jobs:
+                    done = self.shell.run(["scancel", "--quiet", *jobs])
+                    if done.returncode != 0:
+                        detail = f"scancel: {slurm_job.slurm_message(done.stderr)}"
+                    left = self._wait_gone(jobs)
+            except Exception as exc:  # noqa: BLE001 - reported below, with every job it concerns
+                left, detail = jobs, f"{type(exc).__name__}: {exc}"
+            finally:
+                self.shell.close()
+            self.jobs = [j for j in self.jobs if j in left]
+            if left:
+                box["error"] = self.reporter.teardown_failed(
+                    [f"slurm job {j}" for j in left], detail or f"still in the queue after {CANCEL_WAIT_SECONDS:g}s")
+
+    def _wait_gone(self, jobs: list[str]) -> list[str]:
+        deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+        while True:
+            done = self.shell.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)])
+            left = [j for j in done.stdout.split() if j in jobs] if done.returncode == 0 else []
+            if done.returncode != 0 and "Invalid job id" not in done.stderr:
+                left = jobs
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.5)

@@ -1,0 +1,178 @@
+"""Where SLURM's commands run: on this machine (a login node, where a Prefect worker usually
+runs), or on `slurm_login` over SSH, with the pool's key and its host key checked against
+`known_hosts` as for ssh pools. Either way: `run` a command to its end, or `open` a long-lived
+one (an `srun` step running a node agent) whose stdin and stdout are the node's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import shlex
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable
+
+from skytasks.errors import PoolStartError
+from skytasks.pool_spec import SlurmSpec
+from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.ssh import bridge_process, load_known_hosts, parse_host
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class Step:
+    """A running command's streams, and how to end it."""
+
+    inbound: BinaryIO
+    outbound: BinaryIO
+    close: Callable[[], None]
+    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+
+
+class SlurmShell:
+    def __init__(self, spec: SlurmSpec, reporter: PoolReporter):
+        self._spec, self._reporter = spec, reporter
+        self._conn: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._procs: list[subprocess.Popen] = []
+        self.where = "this machine" if spec.login is None else f"the login node {spec.login}"
+
+    # -- connection (slurm_login only) ------------------------------------------------------
+
+    def _connected(self) -> Any:
+        if self._conn is not None:
+            return self._conn
+        import asyncssh
+
+        user, host, port = parse_host(self._spec.login or "", self._spec.ssh_user)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-slurm-login").start()
+        key = self._spec.ssh_private_key
+        keys = [asyncssh.import_private_key(key.get_secret_value())] if key is not None else None
+
+        async def connect() -> Any:
+            try:
+                return await asyncssh.connect(host, port=port, username=user, client_keys=keys, agent_path=None,
+                                              known_hosts=load_known_hosts(self._spec.known_hosts, "slurm"),
+                                              keepalive_interval=10, keepalive_count_max=3)
+            except asyncssh.HostKeyNotVerifiable as exc:
+                raise PoolStartError(f"slurm_login ({host}:{port}): host key does not match known_hosts (or the "
+                                     f"host is not in it): refused ({exc})") from None
+            except (OSError, asyncssh.Error) as exc:
+                raise PoolStartError(f"slurm_login ({host}:{port}): cannot connect over SSH: {exc}") from exc
+
+        self._conn = self._call(connect(), timeout=60)
+        return self._conn
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def run(self, argv: list[str], input: bytes | None = None, timeout: float = 120.0) -> Done:
+        if self._spec.login is None:
+            try:
+                p = subprocess.run(argv, input=input, capture_output=True, timeout=timeout, start_new_session=True)
+            except FileNotFoundError:
+                raise PoolStartError(f"{argv[0]}: not found on {self.where}; provider='slurm' runs SLURM's commands "
+                                     f"here unless slurm_login names a login node") from None
+            return Done(p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace"))
+        conn = self._connected()
+        result = self._call(conn.run(shlex.join(argv), input=input, encoding=None), timeout=timeout)
+        out, err = result.stdout or b"", result.stderr or b""
+        return Done(result.exit_status if result.exit_status is not None else -1,
+                    out.decode(errors="replace"), err.decode(errors="replace"))
+
+    def open(self, argv: list[str], label: str) -> Step:
+        """A long-lived command (an srun step): its stdin and stdout as a stream, its stderr lines
+        to the reporter (and the last few kept, for when it ends)."""
+        if self._spec.login is None:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    # its own session: Ctrl-C reaches the controller only, which
+                                    # stops the ranks in order
+                                    start_new_session=True)
+            self._procs.append(proc)
+            step = Step(proc.stdout, proc.stdin, lambda: _end(proc))  # type: ignore[arg-type]
+            threading.Thread(target=self._relay_stderr, args=(proc.stderr, label, step), daemon=True).start()
+            return step
+        conn = self._connected()
+
+        async def start() -> tuple:
+            proc = await conn.create_process(shlex.join(argv), encoding=None)
+            return proc, bridge_process(proc, label, _TailReporter(self._reporter, tail))
+
+        tail: collections.deque = collections.deque(maxlen=8)
+        proc, (inbound, outbound, _tasks) = self._call(start(), timeout=60)
+        step = Step(inbound, outbound, lambda: self._close_remote(proc, outbound), tail)
+        return step
+
+    def _relay_stderr(self, stream: BinaryIO, label: str, step: Step) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            step.stderr_tail.append(line)
+            self._reporter.notice(f"[{label}] {line}")
+
+    def _close_remote(self, proc: Any, outbound: BinaryIO) -> None:
+        try:
+            outbound.close()  # EOF to srun's stdin: the agent ends
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for p in self._procs:
+            _end(p)
+        self._procs = []
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            try:
+                conn.close()
+                self._call(asyncio.wait_for(conn.wait_closed(), 5), timeout=10)
+            except Exception:  # noqa: BLE001 - teardown goes on
+                pass
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+
+
+class _TailReporter:
+    """Passes stderr lines on, keeping the last few (why an srun step ended)."""
+
+    def __init__(self, reporter: PoolReporter, tail: collections.deque):
+        self._reporter, self._tail = reporter, tail
+
+    def notice(self, line: str) -> None:
+        self._tail.append(line.split("] ", 1)[-1])
+        self._reporter.notice(line)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """EOF to the step (its agent ends and srun with it); signal srun if it lingers."""
+    if proc.poll() is None:
+        try:
+            proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # srun passes it on to the step's tasks
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        try:
+            stream.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
