@@ -160,12 +160,15 @@ def summarize(results: list[dict]) -> str:
 
 
 @flow(name="ddp-train", log_prints=True)
-def ddp_train(epochs: int = 10, nodes: int = 2, samples: int = 1536, fail_once_at_epoch: int | None = None) -> list[dict]:
+def ddp_train(epochs: int = 10, nodes: int = 2, samples: int = 1536, fail_once_at_epoch: int | None = None,
+              pool: str | None = None, checkpoint_dir: str = "checkpoints") -> list[dict]:
+    """`pool`: a saved GPUPool block to train on (its own nodes); None: the local pool of `nodes`."""
     from prefect.runtime import flow_run
 
     text = TEXT_PATH.read_text()
-    results = train.with_options(nodes=nodes)(text, epochs=epochs, samples=samples, run_id=flow_run.get_id(),
-                                              fail_once_at_epoch=fail_once_at_epoch)
+    task = train.with_options(pool=pool) if pool else train.with_options(nodes=nodes)
+    results = task(text, epochs=epochs, samples=samples, run_id=flow_run.get_id(), checkpoint_dir=checkpoint_dir,
+                   fail_once_at_epoch=fail_once_at_epoch)
     losses = results[0]["epoch_losses"]
     get_run_logger().info("per-rank summary:\n%s", summarize(results))
     if not losses[-1] < losses[0]:

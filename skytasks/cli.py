@@ -33,7 +33,9 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _gc_parser(commands: argparse._SubParsersAction) -> None:
-    gc = commands.add_parser("gc", help="delete EC2 resources of aws pools that are expired or orphaned")
+    gc = commands.add_parser("gc", help="delete what pools left behind: EC2 resources of aws pools that are expired "
+                                        "or orphaned; with --slurm, skytasks SLURM jobs past their expiry")
+    gc.add_argument("--slurm", action="store_true", help="sweep SLURM jobs (run where SLURM's commands work) instead")
     gc.add_argument("--aws-credentials", help="name of a saved AwsCredentials block (default: the environment's)")
     gc.add_argument("--region", default=None)
     gc.add_argument("--endpoint-url", default=None, help="an EC2-compatible endpoint (tests use moto's)")
@@ -104,6 +106,21 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slurm_gc(args: argparse.Namespace) -> int:
+    from skytasks.blocks.gpu_pool import GPUPool
+    from skytasks.providers.reporting import PoolReporter
+    from skytasks.providers.slurm.gc import sweep_jobs
+    from skytasks.providers.slurm.shell import SlurmShell
+
+    shell = SlurmShell(GPUPool(provider="slurm").spec().slurm, PoolReporter("gc", "slurm"))
+    try:
+        swept = sweep_jobs(shell, dry_run=args.dry_run, log=lambda line: print(line, file=sys.stderr))
+    finally:
+        shell.close()
+    print(f"skytasks gc: {len(swept)} slurm job(s) {'to cancel' if args.dry_run else 'cancelled'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="skytasks")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_command(args)
+    if args.slurm:
+        return _slurm_gc(args)
     from skytasks.providers.aws.gc import run_gc
 
     return run_gc(args)

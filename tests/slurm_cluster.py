@@ -58,6 +58,7 @@ class SlurmCluster:
         self.daemons: dict[str, subprocess.Popen] = {}
         self.conf = folder / "slurm.conf"
         self.env = {"SLURM_CONF": str(self.conf)}
+        self.extra_partitions: list[str] = []
 
     # -- start -----------------------------------------------------------------------------
 
@@ -142,7 +143,7 @@ MpiDefault=none
 {nodes}
 PartitionName=debug Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP
 PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
-""")
+""" + "".join(p + "\n" for p in self.extra_partitions))
         if self.gpus_per_node:
             last = self.gpus_per_node - 1
             (f / "gres.conf").write_text(f"Name=gpu File={f / 'dev'}/gpu[0-{last}]\n" if last else

@@ -20,7 +20,8 @@ def keygen(path: Path) -> str:
 
 class SSHServer:
     def __init__(self, folder: Path, addresses: list[str], port: int, netns: str | None = None,
-                 host_key: str | None = None, authorized_key: str | None = None):
+                 host_key: str | None = None, authorized_key: str | None = None,
+                 set_env: dict[str, str] | None = None):
         if not os.path.exists(SSHD):
             raise RuntimeError("openssh-server is not installed (make system-deps installs it)")
         self.folder, self.addresses, self.port, self.netns = folder, addresses, port, netns
@@ -45,6 +46,7 @@ class SSHServer:
             # A client behind a pulled link never closes its connection: the session gives it up
             # within seconds instead of waiting for TCP to time out (about 16 minutes).
             "ClientAliveInterval 2", "ClientAliveCountMax 3",
+            *(f"SetEnv {k}={v}" for k, v in (set_env or {}).items()),
         ]) + "\n")
         os.makedirs("/run/sshd", exist_ok=True)
         prefix = ["ip", "netns", "exec", netns] if netns else []

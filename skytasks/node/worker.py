@@ -271,6 +271,9 @@ def main() -> None:
     root.setLevel(logging.INFO)
 
     _enter_workdir()
+    # Also for ranks that do not initialise torch here (run_script): a script's own
+    # init_process_group inherits the choice.
+    _pick_socket_interface(os.environ["MASTER_ADDR"])
     init_torch = os.environ.get("SKYTASKS_INIT_TORCH", "1") == "1"
     if init_torch:
         try:

@@ -100,8 +100,8 @@ class SlurmProvider:
                 return field
         return "nodes"
 
-    def _submit(self, nodes: int) -> str:
-        args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=tuple(self.lost))
+    def _submit(self, nodes: int, exclude: tuple[str, ...] = ()) -> str:
+        args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=exclude)
         done = self.shell.run(args, input=slurm_job.batch_script(self._spec.slurm.idle_minutes).encode())
         if done.returncode != 0:
             said = slurm_job.slurm_message(done.stderr)
@@ -181,12 +181,13 @@ class SlurmProvider:
         return self._steps.prepare_workdir(request, [(n.name, n.job_id) for n in self.nodes])
 
     def replace(self, node_rank: int) -> NodeLink:
-        """A lost node: a one-node allocation of its own, never on a node lost before."""
+        """A lost node: a one-node allocation of its own, on a machine that is neither one of the
+        pool's other nodes nor one it lost before."""
         old = self.nodes[node_rank]
         self.lost.add(old.name)
         self._steps.end(old.name)
         try:
-            job_id = self._submit(1)
+            job_id = self._submit(1, exclude=tuple(self.lost | {n.name for n in self.nodes}))
             [name] = self._wait_running(job_id, 1)
         except (PoolStartError, PoolConfigError) as exc:
             raise PoolStartError(f"node {node_rank} ({old.name}) was lost and no replacement could be had: {exc}") \

@@ -1,0 +1,34 @@
+"""`skytasks gc --slurm`: cancel skytasks jobs past their expiry.
+
+Every allocation a pool submits is named `skytasks-<id>` and carries `skytasks:expires-at=<time>`
+in its comment. A pool cancels its jobs on every path its controller lives through, and an
+orphaned job ends itself after `idle_minutes` of silence and at `--time` anyway; this sweep is the
+third line, for clusters where the batch job could not run its own watch.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Callable
+
+from skytasks.providers.slurm import job as slurm_job
+from skytasks.providers.slurm.shell import SlurmShell
+
+
+def sweep_jobs(shell: SlurmShell, dry_run: bool = False, now: datetime | None = None,
+               log: Callable[[str], None] = lambda line: None) -> list[str]:
+    """Cancel (or with `dry_run`, only name) this user's skytasks jobs past their expiry."""
+    now = now or datetime.now(timezone.utc)
+    done = shell.run(["squeue", "-h", "--me", "-o", "%i|%j|%k"])
+    expired = []
+    for line in done.stdout.splitlines():
+        job_id, _, rest = line.partition("|")
+        name, _, comment = rest.partition("|")
+        when = slurm_job.parse_expiry(comment)
+        if name.startswith(slurm_job.JOB_PREFIX) and when is not None and when <= now:
+            expired.append(job_id.strip())
+            log(f"skytasks gc: {'would cancel' if dry_run else 'cancelling'} slurm job {job_id.strip()} ({name}, "
+                f"expired {when:%Y-%m-%d %H:%M}Z)")
+    if expired and not dry_run:
+        shell.run(["scancel", *expired])
+    return expired

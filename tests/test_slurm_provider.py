@@ -1,0 +1,324 @@
+"""provider="slurm" against a real SLURM: slurmctld and three slurmd "nodes", each in a network
+namespace of its own (ranks on different nodes talk over a bridge), with fake GPUs from gres.conf.
+
+After every test the queue is empty: no allocation outlives its pool, on any path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from skytasks import DistributedTaskError, GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
+from skytasks.providers.slurm import job as slurm_job
+from tests.slurm_cluster import SlurmCluster, available
+from tests.sshd import SSHServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = available()
+    if why:
+        pytest.skip(why)
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, gpus_per_node=2)
+    # A partition that admits one account: an allocation for any other can never start.
+    c.extra_partitions = ["PartitionName=proj Nodes=n0,n1 AllowAccounts=proj42 State=UP"]
+    old = os.environ.get("SLURM_CONF")
+    c.start()
+    os.environ["SLURM_CONF"] = str(c.conf)
+    try:
+        yield c
+    finally:
+        c.stop()
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture(autouse=True)
+def queue_empty_after(request):
+    yield
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        left = c.wait_queue_empty(timeout=30)
+        if left:
+            c.run("scancel", "-u", "root", check=False)
+        assert not left, f"jobs left in the queue: {left}"
+
+
+def slurm_pool(**overrides) -> GPUPool:
+    fields = dict(provider="slurm", nodes=2, procs_per_node=2, remote_python=sys.executable,
+                  ready_timeout_seconds=60)
+    return GPUPool(**{**fields, **overrides})
+
+
+def test_two_nodes_by_two_procs_over_the_bridge_with_slurms_gpus(cluster):
+    pool = slurm_pool(accelerator="H100", accelerators_per_node=2)  # gres gpu:2 on fake devices
+
+    @distributed_task(pool=pool, backend="gloo")  # the GPUs are device files only: no NCCL here
+    def where():
+        import socket
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        info = rank_info()
+        return dict(rank=info.rank, host=socket.gethostname(), cvd=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    local_rank=info.local_rank, device=info.device, sum=t.item(), head=info.head_addr,
+                    job=os.environ.get("SLURM_JOB_ID"))
+
+    out = where()
+    assert [r["rank"] for r in out] == [0, 1, 2, 3]
+    assert {r["sum"] for r in out} == {4.0}
+    hosts = [r["host"] for r in out]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3] and set(hosts) <= {"n0", "n1", "n2"}
+    assert out[0]["head"] == cluster.addresses[hosts[0]]  # rendezvous on the head's bridge address
+    assert {r["cvd"] for r in out} == {"0,1"}  # as SLURM set it for the step
+    assert [r["local_rank"] for r in out] == [0, 1, 0, 1]
+    assert [r["device"] for r in out] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert len({r["job"] for r in out}) == 1 and out[0]["job"]
+
+
+def test_the_example_flow_and_an_unchanged_torchrun_script_on_one_allocation(cluster, tmp_path, monkeypatch):
+    from flows.ddp_train import ddp_train
+    from skytasks import run_script
+    from tests.test_run_script import TRAIN
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(TRAIN)
+    (project / "helpers.py").write_text("def double(x):\n    return 2 * x\n")
+    name = f"slurm-example-{os.getpid()}"
+    slurm_pool().save(name, overwrite=True)
+    pool = GPUPool.load(name)
+    with pool:
+        results = ddp_train(epochs=2, samples=256, pool=name, checkpoint_dir=str(tmp_path / "ckpt"))
+        scripted = run_script("train.py", ["--lr", "0.1", "--out", str(tmp_path / "out")], workdir=project)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    losses = results[0]["epoch_losses"]
+    assert len(losses) == 2 and losses[-1] < losses[0]
+    assert all(r["epoch_losses"] == losses for r in results)
+    assert [(r.rank, r.exit_code) for r in scripted] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    import json
+
+    seen = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")}
+    assert sorted(seen) == [0, 1, 2, 3] and {s["sum"] for s in seen.values()} == {6.0}
+    assert {s["env"]["WORLD_SIZE"] for s in seen.values()} == {"4"}
+    assert seen[0]["env"]["LOCAL_WORLD_SIZE"] == "2" and seen[3]["env"]["GROUP_RANK"] == "1"
+
+
+def test_a_pending_allocation_is_reported_then_cancelled_at_the_ready_timeout(cluster):
+    blocker = cluster.run("sbatch", "--parsable", "--exclusive", "-N3", "--wrap", "sleep 300").stdout.strip()
+    try:
+        deadline = time.monotonic() + 20
+        while "RUNNING" not in cluster.run("squeue", "-h", "-j", blocker, "-o", "%T").stdout:
+            assert time.monotonic() < deadline, cluster.queue()
+            time.sleep(0.3)
+        pool = slurm_pool(ready_timeout_seconds=4)
+
+        @distributed_task(pool=pool)
+        def never():
+            return 1
+
+        started = time.monotonic()
+        with pytest.raises(PoolStartError) as caught:
+            never()
+        text = str(caught.value)
+        assert "ready_timeout_seconds" in text and "slurm job" in text and "cancelled" in text
+        assert "Resources" in text or "Priority" in text, text  # SLURM's own reason
+        assert time.monotonic() - started < 30
+        assert [line.split()[0] for line in cluster.queue()] == [blocker]  # ours is gone, the other stays
+    finally:
+        cluster.run("scancel", blocker, check=False)
+
+
+@pytest.mark.parametrize("fields, field, said", [
+    (dict(slurm_partition="nope"), "slurm_partition", "invalid partition"),
+    (dict(slurm_gres="tpu:1"), "slurm_gres", "generic resource"),
+    (dict(slurm_gres="gpu:9"), "slurm_gres", "node configuration is not available"),
+    (dict(nodes=5), "nodes", "node configuration is not available"),
+    (dict(slurm_constraint="a100"), "slurm_constraint", "feature"),
+    (dict(slurm_partition="proj", slurm_account="nope", nodes=1), "slurm_account", "account"),
+])
+def test_bad_input_gets_slurms_own_message_naming_the_field_and_leaves_no_job(cluster, fields, field, said):
+    @distributed_task(pool=slurm_pool(**fields))
+    def never():
+        return 1
+
+    with pytest.raises(PoolConfigError) as caught:
+        never()
+    text = str(caught.value)
+    assert text.startswith(f"{field}: ") and said.lower() in text.lower(), text
+
+
+def test_sbatch_refusals_with_accounting_name_their_field():
+    # With AccountingStorageEnforce (a slurmdbd, which this test cluster has not), sbatch itself
+    # refuses an unknown account or qos with these words.
+    assert slurm_job.refused_field("Invalid account or account/partition combination specified") == "slurm_account"
+    assert slurm_job.refused_field("Invalid qos specification") == "slurm_qos"
+    assert slurm_job.never_starts("InvalidQOS") == "slurm_qos"
+    assert slurm_job.never_starts("Resources") is None and slurm_job.never_starts("Priority") is None
+
+
+def test_a_node_that_dies_mid_call_fails_the_attempt_naming_it_and_the_retry_runs_on_a_new_node(
+        cluster, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_SECONDS", "0.5")
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS", "3")
+    marker = tmp_path / "started"
+    pool = slurm_pool(procs_per_node=1)
+
+    @distributed_task(pool=pool, retries=1)
+    def work(marker: str):
+        import socket
+
+        info = rank_info()
+        if info.attempt == 1:
+            Path(f"{marker}{info.rank}").write_text(socket.gethostname())
+            time.sleep(60)
+        return socket.gethostname()
+
+    victim: dict[str, str] = {}
+
+    def kill_when_running() -> None:
+        deadline = time.monotonic() + 60
+        while not Path(f"{marker}1").exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        victim["name"] = Path(f"{marker}1").read_text()
+        cluster.kill_node(victim["name"])
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    try:
+        hosts = work(str(marker))
+        killer.join()
+        assert victim["name"] not in hosts and len(set(hosts)) == 2, hosts
+        notices = capsys.readouterr().err.splitlines()
+        failed = [n for n in notices if "attempt 1 failed" in n]
+        # the error names the node as SLURM knows it, with what SLURM says of it
+        assert failed and f"SLURM: node {victim['name']}" in failed[0], notices
+        assert any("replaced" in n for n in notices), notices
+    finally:
+        killer.join()
+        if victim:
+            cluster.revive_node(victim["name"])
+
+
+CONTROLLER = """
+import os, sys, time
+from skytasks import GPUPool, distributed_task, rank_info
+pool = GPUPool(provider="slurm", nodes=2, remote_python=sys.executable, idle_minutes=0.1)
+
+@distributed_task(pool=pool)
+def long():
+    print("RANK STARTED", flush=True)
+    time.sleep(300)
+
+with pool:
+    print("JOB", os.popen("squeue -h -o %i").read().split(), flush=True)
+    long()
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_ctrl_c_sigterm_and_sigkill_all_end_the_allocation(cluster, tmp_path, how):
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "RANK STARTED" in line:
+                break
+            assert time.monotonic() < deadline, lines
+        assert cluster.queue(), "the allocation should be up while the call runs"
+        started = time.monotonic()
+        proc.send_signal(how)
+        proc.wait(timeout=60)
+        # Ctrl-C and SIGTERM: the controller cancels the job itself. SIGKILL: the batch job ends
+        # the allocation once the controller has been silent for idle_minutes (6 s here).
+        left = cluster.wait_queue_empty(timeout=40)
+        assert not left, (left, "".join(lines))
+        if how == signal.SIGKILL:
+            print(f"allocation gone {time.monotonic() - started:.1f}s after the controller was SIGKILLed")
+        else:
+            assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def login_node(cluster, tmp_path):
+    """A real sshd on loopback playing the login node: SLURM's commands run in its sessions."""
+    server = SSHServer(tmp_path / "login", ["127.0.0.1"], free_port(), set_env={"SLURM_CONF": str(cluster.conf)})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_slurm_login_runs_every_command_on_the_login_node_over_ssh(cluster, login_node):
+    pool = slurm_pool(slurm_login=f"root@127.0.0.1:{login_node.port}", ssh_private_key=login_node.client_key,
+                      known_hosts=login_node.known_hosts(), procs_per_node=1)
+
+    @distributed_task(pool=pool)
+    def hostname():
+        import socket
+
+        return socket.gethostname()
+
+    hosts = hostname()
+    assert len(set(hosts)) == 2 and set(hosts) <= {"n0", "n1", "n2"}
+
+    wrong = slurm_pool(slurm_login=f"root@127.0.0.1:{login_node.port}", ssh_private_key=login_node.client_key,
+                       known_hosts=f"[127.0.0.1]:{login_node.port} " + textwrap.dedent(
+                           "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n"))
+
+    @distributed_task(pool=wrong)
+    def refused():
+        return 1
+
+    with pytest.raises(PoolStartError, match="host key"):
+        refused()
+
+
+def test_gc_cancels_skytasks_jobs_past_their_expiry_and_nothing_else(cluster):
+    from skytasks.providers.slurm.gc import sweep_jobs
+    from skytasks.providers.slurm.shell import SlurmShell
+    from skytasks.providers.reporting import PoolReporter
+
+    expired = cluster.run("sbatch", "--parsable", "--job-name=skytasks-old", "--comment=skytasks:expires-at=2000-01-01T00:00:00Z",
+                          "--wrap", "sleep 300").stdout.strip()
+    fresh = cluster.run("sbatch", "--parsable", "--job-name=skytasks-new", "--comment=skytasks:expires-at=2999-01-01T00:00:00Z",
+                        "--wrap", "sleep 300").stdout.strip()
+    theirs = cluster.run("sbatch", "--parsable", "--job-name=someone-else", "--comment=skytasks:expires-at=2000-01-01T00:00:00Z",
+                         "--wrap", "sleep 300").stdout.strip()
+    try:
+        shell = SlurmShell(slurm_pool().spec().slurm, PoolReporter("gc", "slurm"))
+        assert sweep_jobs(shell, dry_run=True) == [expired]
+        assert sweep_jobs(shell) == [expired]
+        time.sleep(1)
+        ids = [line.split()[0] for line in cluster.queue()]
+        assert expired not in ids and fresh in ids and theirs in ids
+    finally:
+        cluster.run("scancel", expired, fresh, theirs, check=False)
