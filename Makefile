@@ -9,10 +9,13 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 setup: $(VENV)/.installed
 
 # The ssh tests start a real OpenSSH server on loopback, and the multi-host tests put one in
-# each of two network namespaces (iproute2); root, as on the dev and CI machines.
+# each of two network namespaces (iproute2); the slurm tests start munged, slurmctld and a slurmd
+# per namespace (Debian's SLURM 22.05). Root, as on the dev and CI machines.
 system-deps:
-	@(test -x /usr/sbin/sshd && command -v ip >/dev/null) || (apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server iproute2 >/dev/null)
+	@(test -x /usr/sbin/sshd && command -v ip && test -x /usr/sbin/slurmctld && test -x /usr/sbin/slurmd && \
+		command -v sbatch && test -x /usr/sbin/munged) >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server iproute2 \
+		slurmctld slurmd slurm-client munge >/dev/null)
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)

@@ -197,7 +197,7 @@ def ssh_dispatch(repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
-    parser.add_argument("--only", choices=["ssh", "recovery", "flow"],
+    parser.add_argument("--only", choices=["ssh", "slurm", "recovery", "flow"],
                         help="run one figure (flow: warm calls and fan-out inside a flow) and update results.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
@@ -212,6 +212,19 @@ def main() -> None:
         if args.only:
             merged = json.loads(out.read_text()) if out.exists() else {}
             out.write_text(json.dumps({**merged, "ssh_dispatch": d}, indent=2))
+            print(f"\nupdated {out}")
+            return
+
+    if args.only == "slurm" or (args.only is None and os.geteuid() == 0):
+        from slurm_dispatch import slurm_dispatch
+
+        results["slurm_dispatch"] = d = slurm_dispatch(repeats)
+        print("\n5b. trivial all_reduce on 2 SLURM nodes, 1 rank each (median seconds)")
+        print(f"   torchrun (srun in a running allocation) {d['torchrun_s']:.2f}   skytasks slurm cold, own "
+              f"allocation {d['cold_s']:.2f} ({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
+        if args.only:
+            merged = json.loads(out.read_text()) if out.exists() else {}
+            out.write_text(json.dumps({**merged, "slurm_dispatch": d}, indent=2))
             print(f"\nupdated {out}")
             return
 

@@ -20,6 +20,8 @@ _EXPORTS = {
     "HangError": "skytasks.errors",
     "PoolConfigError": "skytasks.errors",
     "PoolStartError": "skytasks.errors",
+    "PoolTeardownError": "skytasks.errors",
+    "RankFailure": "skytasks.errors",
     "ScriptFailed": "skytasks.errors",
     "ScriptResult": "skytasks.script",
     "run_script": "skytasks.script",
@@ -36,7 +38,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from skytasks.blocks import GPUPool
-    from skytasks.errors import (DistributedTaskError, HangError, PoolConfigError, PoolStartError, RankProcessDied,
+    from skytasks.errors import (DistributedTaskError, HangError, PoolConfigError, PoolStartError, PoolTeardownError,
+                                 RankFailure, RankProcessDied,
                                  RemoteRankError, ScriptFailed)
     from skytasks.checkpoint import Checkpointer
     from skytasks.script import ScriptResult, run_script

@@ -149,7 +149,7 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
 
     root = check_workdir(workdir) or Path.cwd().resolve()
     command = script_command(script, args, module, root)
-    pool = resolve_pool(pool)
+    pool = resolve_pool(pool, nodes=nodes, procs_per_node=procs_per_node)
     if not module and os.path.isabs(command[0]) and pool.provider != "local":
         raise PoolConfigError(f"script: {str(script)!r} is outside the workdir {root}; "
                               f"{pool.provider} nodes only get the workdir")

@@ -76,7 +76,7 @@ class DistributedTask:
                 f"distributed task {self.name!r} was called inside a rank: nested fan-out is not "
                 "supported; call the plain function with .fn instead"
             )
-        pool = resolve_pool(self.pool)
+        pool = resolve_pool(self.pool, nodes=self.nodes, procs_per_node=self.procs_per_node)
         shape = {k: v for k, v in (("nodes", self.nodes), ("procs_per_node", self.procs_per_node)) if v is not None}
         if shape and any(getattr(pool, k) != v for k, v in shape.items()):
             if not provider_class(pool.provider).reshape_is_cheap:
@@ -138,17 +138,17 @@ def _loop_running_here() -> bool:
         return False
 
 
-def resolve_pool(pool: Any) -> Any:
-    """The pool object for a call: a block, a saved block's name, or the active `with pool:`."""
+def resolve_pool(pool: Any, nodes: int | None = None, procs_per_node: int | None = None) -> Any:
+    """The pool object for a call: a block, a saved block's name, the active `with pool:`, or
+    with none of them a local pool of the call's shape (2 x 1 by default), as torchrun would run
+    on this machine."""
     from skytasks.blocks.gpu_pool import GPUPool
 
     if pool is None:
         found = active_pool()
         if found is None:
-            raise PoolConfigError(
-                "no pool for this distributed task: pass pool= to @distributed_task (a GPUPool or "
-                "the name of a saved GPUPool block), or call it inside `with pool:`"
-            )
+            found = GPUPool(provider="local", nodes=nodes or 2, procs_per_node=procs_per_node or 1)
+            say_default_pool(found)
         return found
     if isinstance(pool, GPUPool):
         return pool
@@ -158,6 +158,15 @@ def resolve_pool(pool: Any) -> Any:
             return active
         return GPUPool.load(pool)
     raise PoolConfigError(f"pool: expected a GPUPool, a saved block name or None, got {type(pool).__qualname__}")
+
+
+def say_default_pool(pool: Any) -> None:
+    """One line, on the console and in the run's log: the call runs here because nothing said where."""
+    per = f" x {pool.procs_per_node} processes" if pool.procs_per_node > 1 else ""
+    line = f"no pool given: a local pool of {pool.nodes} nodes{per} on this machine"
+    from skytasks.providers.reporting import PoolReporter
+
+    PoolReporter(pool.display_name, "local").notice(line)
 
 
 def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs_per_node=None, backend=None,

@@ -8,6 +8,7 @@ After every test, moto must hold no live instance, security group or key pair of
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import shutil
@@ -474,3 +475,64 @@ def test_a_terminated_instance_is_replaced_on_retry_and_everything_ends_terminat
     booting = stand_in.booted_at[replacement["InstanceId"]] - terminated["at"]
     print(f"aws (moto): lost node to retry running {back - terminated['at']:.2f}s, of which waiting for the "
           f"new instance to boot {booting:.2f}s: {back - terminated['at'] - booting:.2f}s without the launch")
+
+
+def test_a_termination_that_fails_reaches_the_flow_runs_log_an_event_and_the_caller(moto, monkeypatch):
+    """An H100 node left running costs about $100 an hour: a teardown that cannot confirm it gone
+    is an ERROR in the flow run naming every id, an event to page on, and an error to the caller."""
+    from datetime import datetime, timedelta, timezone
+
+    from prefect import flow
+
+    from skytasks import PoolTeardownError
+    from skytasks.providers.aws import resources
+    from skytasks.providers.aws.plan import plan_launch
+    from skytasks.providers.aws.provider import AWSProvider
+    from tests.test_prefect_native import _wait_for_events
+
+    monkeypatch.setattr(resources, "POLL_SECONDS", 0.01)  # the group's DependencyViolation retries
+    ec2 = moto["ec2"]
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
+    seen: dict = {}
+
+    @flow
+    def launch_then_fail_to_terminate():
+        from prefect.runtime import flow_run
+
+        seen["flow_run"] = flow_run.get_id()
+        provider = seen["provider"] = AWSProvider(aws_pool(moto).spec())
+        _, host_key = provider._make_keys()
+        provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
+        seen["stuck"] = provider.owned.instance_ids[0]
+        ec2.modify_instance_attribute(InstanceId=seen["stuck"], DisableApiTermination={"Value": True})
+        provider.stop()
+
+    try:
+        with pytest.raises(PoolTeardownError) as caught:
+            launch_then_fail_to_terminate()
+        assert seen["stuck"] in str(caught.value) and "OperationNotPermitted" in str(caught.value)
+        events = _wait_for_events("skytasks.pool.teardown-failed", since, {"skytasks.pool.teardown-failed"},
+                                  seen["flow_run"])
+        [event] = [e for e in events if e["event"] == "skytasks.pool.teardown-failed"]
+        assert seen["stuck"] in event["payload"]["resources"] and event["payload"]["provider"] == "aws"
+        errors = asyncio.run(_flow_run_errors(seen["flow_run"]))
+        assert any(seen["stuck"] in line and "teardown could not confirm" in line for line in errors), errors
+    finally:  # what a person does after the page: allow termination, and clean up
+        for iid in [i["InstanceId"] for i in instances_of_latest_pool(ec2)]:
+            ec2.modify_instance_attribute(InstanceId=iid, DisableApiTermination={"Value": False})
+        if "provider" in seen:
+            seen["provider"].stop()
+
+
+async def _flow_run_errors(flow_run_id: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+
+    deadline = time.monotonic() + 20
+    async with get_client() as client:
+        while True:
+            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]),
+                                                    level=LogFilterLevel(ge_=40)))
+            if logs or time.monotonic() > deadline:
+                return [log.message for log in logs]
+            await asyncio.sleep(0.3)

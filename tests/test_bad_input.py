@@ -114,6 +114,28 @@ def test_a_distributed_task_inside_a_rank_is_refused():
     assert isinstance(exc, RuntimeError) and "nested fan-out" in str(exc)
 
 
-def test_no_pool_and_no_active_pool_names_both_ways_to_give_one():
-    with pytest.raises(ValueError, match=r"pass pool= .*or call it inside `with pool:`"):
-        distributed_task(lambda: None)()
+def test_no_pool_anywhere_runs_on_a_local_pool_of_the_calls_shape_and_says_so(caplog):
+    import logging
+
+    from skytasks import rank_info
+
+    @distributed_task(init_torch=False, nodes=1, procs_per_node=2)
+    def where():
+        return (rank_info().world_size, rank_info().num_nodes)
+
+    with caplog.at_level(logging.INFO, logger="skytasks"):
+        assert where() == [(2, 1), (2, 1)]
+    assert "no pool given: a local pool of 1 nodes x 2 processes on this machine" in caplog.text
+
+
+def test_a_paid_pool_is_never_reshaped_for_one_call():
+    from skytasks import GPUPool
+
+    pool = GPUPool(provider="slurm", nodes=2)
+
+    @distributed_task(pool=pool, nodes=4)
+    def wider():
+        return 1
+
+    with pytest.raises(ValueError, match=r"^nodes/procs_per_node: 'wider' asks for nodes=4, but its pool"):
+        wider()
