@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import asyncio
+import contextvars
 import threading
 import time
 import uuid
@@ -229,7 +230,9 @@ class AWSProvider:
         and SIGTERM: an interrupt must not abandon running instances half way; it is raised
         once the teardown is done."""
         self._teardown_error: BaseException | None = None
-        worker = threading.Thread(target=self._teardown, name="skytasks-aws-teardown")
+        # The caller's context goes along: inside a flow, what the teardown reports reaches the run.
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(self._teardown,),
+                                  name="skytasks-aws-teardown")
         worker.start()
         interrupted: BaseException | None = None
         while worker.is_alive():

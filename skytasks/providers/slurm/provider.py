@@ -17,6 +17,7 @@ skytasks jobs past their expiry.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import threading
 import time
 import uuid
@@ -202,7 +203,9 @@ class SlurmProvider:
         """End the steps and cancel every job, waiting until none is left in the queue. Runs in a
         thread of its own and is waited for through Ctrl-C and SIGTERM."""
         box: dict = {}
-        worker = threading.Thread(target=self._teardown, args=(box,), name="skytasks-slurm-teardown")
+        # The caller's context goes along: inside a flow, what the teardown reports reaches the run.
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(self._teardown, box),
+                                  name="skytasks-slurm-teardown")
         worker.start()
         interrupted: BaseException | None = None
         while worker.is_alive():
