@@ -37,7 +37,8 @@ def slurm_dispatch(repeats: int) -> dict:
         def torchrun_once() -> float:
             started = time.perf_counter()
             cluster.run("srun", f"--jobid={job}", "--overlap", "-N2", "--ntasks-per-node=1", "bash", "-c",
-                        f"exec {sys.executable} -m torch.distributed.run --nnodes=2 --nproc_per_node=1 "
+                        # as a cluster's users set it: gloo on the interface the nodes share
+                        f"GLOO_SOCKET_IFNAME=eth0 exec {sys.executable} -m torch.distributed.run --nnodes=2 --nproc_per_node=1 "
                         f"--node_rank=$SLURM_NODEID --master_addr={head} --master_port=29577 "
                         f"{HERE / 'torchrun_job.py'} all_reduce")
             return time.perf_counter() - started
