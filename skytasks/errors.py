@@ -9,7 +9,7 @@ stopped because of them are not members: they are the consequence, not the cause
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class RemoteTraceback(Exception):
@@ -71,7 +71,7 @@ class RankFailure:
     exception: BaseException
     at: float  # controller clock when it was observed
     collateral: bool = False  # stopped or broken because another rank failed first
-    notes: list[str] = field(default_factory=list)
+    kind: str = "rank failed"  # an EndReason (skytasks.controller.outcome): what kind of failure
 
 
 class DistributedTaskError(ExceptionGroup):
@@ -88,10 +88,6 @@ class DistributedTaskError(ExceptionGroup):
 
     def derive(self, excs):
         return DistributedTaskError(self.message, excs, failures=self.failures)
-
-    @property
-    def root_cause(self) -> BaseException:
-        return self.exceptions[0]
 
 
 class ScriptFailed(ChildProcessError):

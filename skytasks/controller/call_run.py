@@ -5,11 +5,15 @@
     RUNNING --every rank returned------------------------------------------------------------> DONE
 
 `handle(node_rank, msg, now)` takes one message from the nodes, `tick(now)` lets the clocks act,
-and `wake_at()` says when the next clock runs out. Nothing here reads a queue or a clock of its
-own: `drive` does that for real calls, and the unit tests drive it by hand with a fake bus.
+and `wake_at()` says when the next clock runs out. The machine's own clocks are the `now` it is
+given; the wall clock (`time.time()`) only stamps when a rank started, ended or failed, for the
+records and the root-cause order. `drive` reads the queue and the monotonic clock for real calls;
+the unit tests drive it by hand with a fake bus.
 
-A call can stop early only through `_record` (a failure with its cause) or an interrupt, which
-raises: so "ended with no result and no recorded cause" cannot happen. `result()` checks it anyway.
+An attempt ends with a `CallOutcome` (`outcome()`): completed with every rank's value, or why it
+failed (the root cause's `EndReason`) and the caller's error. A call can stop early only through
+`_record` (a failure with its cause and kind) or an interrupt, which raises: so "ended with no
+result and no recorded cause" cannot happen. `outcome()` checks it anyway.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from enum import Enum
 from typing import Any
 
 from skytasks.controller.failures import failure_error, rebuild_exception
+from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.errors import HangError, RankFailure, RankProcessDied
 from skytasks.protocol import NODE_FAILURES, SIGNS_OF_PROGRESS, Op
@@ -96,13 +101,13 @@ class CallRun:
             self.phase = Phase.DONE  # the agents did not confirm in time: return anyway
         elif self.phase is Phase.RUNNING:
             if self.deadline is not None and now >= self.deadline:
-                running = sorted(r for r, o in self.outcomes.items() if o.status == "pending")
+                running = sorted(r for r, o in self.outcomes.items() if o.status is RankState.PENDING)
                 self._record_call_error(TimeoutError(
-                    f"{self.label}: the call timed out (timeout_seconds); ranks {running} were still running "
-                    f"and were stopped"))
+                    f"the call timed out (timeout_seconds); ranks {running} were still running and were stopped"),
+                    EndReason.DEADLINE)
                 self._stop("the call timed out", now)
             elif self.init_deadline is not None and now >= self.init_deadline:
-                self._record_call_error(self._init_timeout_error())
+                self._record_call_error(self._init_timeout_error(), EndReason.INIT_TIMEOUT)
                 self._stop("the call timed out", now)
             elif self.hang_timeout is not None and now >= self.last_heard + self.hang_timeout:
                 self._hung = True
@@ -129,14 +134,19 @@ class CallRun:
             self._stop("the caller was interrupted", now)
         self.phase = Phase.DONE
 
-    def result(self) -> list[Any]:
+    def outcome(self) -> CallOutcome:
         if self.failures:
-            raise failure_error(self.label, self.failures, self.aborted_at)
-        unfinished = sorted(r for r, o in self.outcomes.items() if o.status != "completed")
+            error = failure_error(self.label, self.failures, self.aborted_at)
+            return CallOutcome(EndReason(error.failures[0].kind), error=error, failures=tuple(error.failures))
+        unfinished = sorted(r for r, o in self.outcomes.items() if o.status is not RankState.COMPLETED)
         if unfinished:  # never a silent None: a call succeeds only when every rank returned
             raise RuntimeError(f"{self.label}: ranks {unfinished} ended without a result or a recorded cause "
                                f"(a skytasks bug; please report it)")
-        return [self.outcomes[r].value for r in sorted(self.outcomes)]
+        return CallOutcome(EndReason.COMPLETED, values=[self.outcomes[r].value for r in sorted(self.outcomes)])
+
+    def result(self) -> list[Any]:
+        """The ranks' values, or the caller's error raised."""
+        return self.outcome().unwrap()
 
     # -- transitions -----------------------------------------------------------------------
 
@@ -157,16 +167,16 @@ class CallRun:
             self.outcomes[rank].started = self.outcomes[rank].started or time.time()
             if len(self.group.ready) == self.group.world_size:
                 self.init_deadline = None
-        elif op == Op.RESULT and msg["call"] == self.id and self.outcomes[rank].status == "pending":
+        elif op == Op.RESULT and msg["call"] == self.id and self.outcomes[rank].status is RankState.PENDING:
             o = self.outcomes[rank]
-            o.status, o.started, o.ended = "completed", msg["started"], msg["ended"]
+            o.status, o.started, o.ended = RankState.COMPLETED, msg["started"], msg["ended"]
             o.value = loads_out_of_band(msg["value"], copy=False)
             self.observer.on_rank_done(rank, o)
         elif op == Op.FAILED and msg["call"] in (self.id, None):
             self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"))
         elif op == Op.EXITED:
             self.group.broken = True  # whatever the reason, a group missing a rank can serve no more
-            if self.outcomes[rank].status == "pending":
+            if self.outcomes[rank].status is RankState.PENDING:
                 self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
         elif op in NODE_FAILURES:
             what = {Op.LOST: f"lost the agent of node {node_rank}", Op.LEAVING: f"node {node_rank} is going away",
@@ -176,18 +186,18 @@ class CallRun:
                 stacks = {int(r): s for r, s in (msg.get("stacks") or {}).items() if s}
                 self.observer.on_stacks(stacks, f"stopped because node {node_rank} is going away")
             for o in self.outcomes.values():
-                if o.node_rank == node_rank and o.status == "pending":
-                    self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None)
+                if o.node_rank == node_rank and o.status is RankState.PENDING:
+                    self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None, EndReason.NODE_LOST)
         if self.phase is Phase.RUNNING:
             if self.failures:
                 first = self.failures[0]
                 self._ask_stacks(f"stopped because rank {first.rank} failed", STACKS_WAIT_SECONDS, now)
-            elif all(o.status == "completed" for o in self.outcomes.values()):
+            elif all(o.status is RankState.COMPLETED for o in self.outcomes.values()):
                 self.phase = Phase.DONE
 
     def _ask_stacks(self, why: str, wait: float, now: float) -> None:
         """Where every still-running rank is, into its log, before it is stopped."""
-        self._stacks_wanted = {r for r, o in self.outcomes.items() if o.status == "pending"}
+        self._stacks_wanted = {r for r, o in self.outcomes.items() if o.status is RankState.PENDING}
         self._stacks_why, self._stacks = why, {}
         if not self._stacks_wanted:
             self._stacks_collected(now)
@@ -200,9 +210,10 @@ class CallRun:
         self.observer.on_stacks(self._stacks, self._stacks_why)
         if self._hung:
             for o in self.outcomes.values():
-                if o.status == "pending":
+                if o.status is RankState.PENDING:
                     stack = self._stacks.get(o.rank, "")
-                    self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack), None)
+                    self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack), None,
+                                 EndReason.HANG)
             self._stop("the call hung", now)
         else:
             self._stop(f"rank {self.failures[0].rank} failed", now)
@@ -213,8 +224,8 @@ class CallRun:
         self.aborted_at = time.time()
         self.bus.broadcast({"op": Op.STOP, "group": self.group.id, "grace": 1.0})
         for o in self.outcomes.values():
-            if o.status == "pending":
-                o.status, o.stop_reason, o.ended = "stopped", f"stopped because {reason}", time.time()
+            if o.status is RankState.PENDING:
+                o.status, o.stop_reason, o.ended = RankState.STOPPED, f"stopped because {reason}", time.time()
                 self.observer.on_rank_done(o.rank, o)
         self._stop_waiting = set(self.bus.alive())
         self._stop_until = now + self.stop_confirm_seconds
@@ -227,9 +238,9 @@ class CallRun:
             self._stop_waiting.discard(node_rank)
             if not self._stop_waiting:
                 self.phase = Phase.DONE
-        elif op == Op.FAILED and msg["call"] in (self.id, None) and self.outcomes[rank].status == "stopped":
+        elif op == Op.FAILED and msg["call"] in (self.id, None) and self.outcomes[rank].status is RankState.STOPPED:
             self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"))
-        elif op == Op.EXITED and self.outcomes[rank].status == "stopped" and msg["returncode"] not in _OUR_STOP_CODES:
+        elif op == Op.EXITED and self.outcomes[rank].status is RankState.STOPPED and msg["returncode"] not in _OUR_STOP_CODES:
             # it ended by itself while the stop was on its way
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
         elif op in (Op.OUTPUT, Op.LOG):
@@ -242,19 +253,20 @@ class CallRun:
         else:
             self.observer.on_log(msg["rank"], msg["level"], msg["line"])
 
-    def _record(self, o: RankOutcome, exc: BaseException, ended: float | None) -> None:
+    def _record(self, o: RankOutcome, exc: BaseException, ended: float | None,
+                kind: EndReason = EndReason.RANK_FAILED) -> None:
         self.group.broken = True
         now = time.time()
-        o.status, o.ended = "failed", ended or now
+        o.status, o.ended = RankState.FAILED, ended or now
         exc.add_note(f"[skytasks] rank {o.rank} failed (node {o.node_rank}, {o.node_addr}, device {o.device})")
         exc.skytasks_rank = o.rank  # type: ignore[attr-defined]
         exc.skytasks_node = o.node_rank  # type: ignore[attr-defined]
-        o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now)
+        o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now, kind=kind)
         self.failures.append(o.failure)
         self.observer.on_rank_done(o.rank, o)
 
-    def _record_call_error(self, exc: BaseException) -> None:
-        self.failures.append(RankFailure(-1, -1, "", exc, time.time()))  # the call's own clock, not a rank
+    def _record_call_error(self, exc: BaseException, kind: EndReason) -> None:
+        self.failures.append(RankFailure(-1, -1, "", exc, time.time(), kind=kind))  # the call's own clock, not a rank
 
     def _init_timeout_error(self) -> TimeoutError:
         g = self.group
@@ -264,8 +276,8 @@ class CallRun:
                             f"ranks {missing} never joined; ranks {waiting} were waiting for them")
 
 
-def drive(call: CallRun, events: queue.Queue, payload: Any) -> list[Any]:
-    """Run a call to its end on the session's event queue; returns the ranks' values or raises."""
+def drive(call: CallRun, events: queue.Queue, payload: Any) -> CallOutcome:
+    """Run a call to its end on the session's event queue; how it ended (interrupts raise)."""
     try:
         call.start(payload)
         while not call.done:
@@ -282,4 +294,4 @@ def drive(call: CallRun, events: queue.Queue, payload: Any) -> list[Any]:
     except BaseException:
         call.interrupt(time.monotonic())
         raise
-    return call.result()
+    return call.outcome()

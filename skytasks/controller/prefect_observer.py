@@ -20,6 +20,7 @@ from prefect.logging.loggers import task_run_logger
 
 from skytasks.controller.artifacts import ProgressBar, wait_for, write_table
 from skytasks.controller.events import emit, pool_resource, rank_resource
+from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 from skytasks.controller.rank_runs import RankRuns
 from skytasks.controller.runner import ECHO_RANK_LINES, outcome_summary
@@ -90,7 +91,7 @@ class PrefectObserver:
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         self.runs.on_rank_done(rank, outcome)  # type: ignore[union-attr]
-        if outcome.status == "failed":
+        if outcome.status is RankState.FAILED:
             exc = outcome.failure.exception if outcome.failure else None
             emit("skytasks.rank.failed", rank_resource(self.label, outcome.rank),
                  related=[pool_resource(self.pool_name)],

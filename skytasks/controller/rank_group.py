@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from skytasks.devices import choose_backend, device_environment, place_ranks
+from skytasks.controller.outcome import RankState
 from skytasks.errors import RankFailure
 from skytasks.protocol import Op
 from skytasks.rank import rank_environment
@@ -72,7 +73,7 @@ class RankOutcome:
     node_rank: int
     node_addr: str
     device: str = "cpu"
-    status: str = "pending"  # pending | completed | failed | stopped
+    status: RankState = RankState.PENDING
     value: Any = None
     failure: RankFailure | None = None
     started: float | None = None

@@ -27,6 +27,7 @@ from prefect.logging.loggers import task_run_logger
 from prefect.states import Cancelled, Completed, Failed, Running, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
+from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 
 try:  # Prefect's run ids are time-ordered; fall back to random ones on older releases
@@ -43,9 +44,9 @@ RANK_TASK = Task(_rank_run, name="skytasks-rank", cache_policy=NO_CACHE, persist
 
 
 def final_state(rank: int, outcome: RankOutcome) -> State:
-    if outcome.status == "completed":
+    if outcome.status is RankState.COMPLETED:
         return Completed()
-    if outcome.status == "failed" and outcome.failure is not None:
+    if outcome.status is RankState.FAILED and outcome.failure is not None:
         exc = outcome.failure.exception
         return Failed(message=f"rank {rank} failed: {type(exc).__name__}: {exc}")
     return Cancelled(message=f"rank {rank}: {outcome.stop_reason or 'stopped'}")
@@ -77,10 +78,10 @@ class RankRun:
 
     def finish(self, outcome: RankOutcome) -> None:
         """Into the rank's final state; a failure that raced our stop replaces the Cancelled."""
-        if self.outcome is not None and not (outcome.status == "failed" and self.outcome.status != "failed"):
+        if self.outcome is not None and not (outcome.status is RankState.FAILED and self.outcome.status is not RankState.FAILED):
             return
         self.outcome = outcome
-        if outcome.status == "failed" and outcome.failure is not None:
+        if outcome.status is RankState.FAILED and outcome.failure is not None:
             exc = outcome.failure.exception
             self.logger.error("[rank %d] failed", self.rank, exc_info=(type(exc), exc, exc.__traceback__))
         before, after = self.task_run.state, final_state(self.rank, outcome)
@@ -128,5 +129,5 @@ class RankRuns:
         with self._lock:
             for r, run in self.runs.items():
                 if run.outcome is None:
-                    run.finish(RankOutcome(rank=r, node_rank=-1, node_addr="", status="stopped", stop_reason=reason))
+                    run.finish(RankOutcome(rank=r, node_rank=-1, node_addr="", status=RankState.STOPPED, stop_reason=reason))
             return [self.runs[r].outcome for r in sorted(self.runs)]  # type: ignore[misc]

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from skytasks.controller.packing import PackedCall
+from skytasks.controller.outcome import CallOutcome, EndReason, FailurePolicy, RankState
 from skytasks.controller.rank_group import CallObserver, GroupSpec, RankOutcome
 from skytasks.devices import check_backend_before_launch
-from skytasks.errors import DistributedTaskError, PoolStartError
+from skytasks.errors import PoolStartError
 from skytasks.providers import provider_class
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest, read_workdir
@@ -76,32 +77,27 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
         here = provider_class(spec.provider).runs_on_this_machine
         workdir = WorkdirRequest(options.workdir, None if here else read_workdir(options.workdir))
     group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
+    policy = FailurePolicy(options.retries)
     error: BaseException | None = None
     try:
         with runtime.calls() as sessions:
-            for attempt in range(1, options.retries + 2):
+            attempt = 0
+            while True:
+                attempt += 1
                 observer.on_attempt_start(attempt, world)
-                attempt_error: BaseException | None = None
-                deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
                 try:
-                    session = sessions.get()
-                    return session.call(payload, group_spec, attempt=attempt, deadline=deadline, observer=observer,
-                                        label=options.label, hang_timeout=options.hang_timeout_seconds)
-                except (DistributedTaskError, PoolStartError) as err:
-                    attempt_error = err
-                    if attempt > options.retries:
-                        raise
-                    # A collective cannot survive a partial restart: the next attempt is a fresh group.
-                    cause = err.exceptions[0] if isinstance(err, DistributedTaskError) else err
-                    observer.on_notice(f"{options.label}: attempt {attempt} failed ({cause!r}); restarting all "
-                                       f"{world} ranks in {options.retry_delay_seconds:g}s")
-                except BaseException as err:
-                    attempt_error = err
+                    outcome = _attempt(sessions, payload, group_spec, options, observer, attempt)
+                except BaseException as interrupted:  # Ctrl-C, SIGTERM, cancellation: never retried
+                    observer.on_attempt_end(attempt, interrupted)
                     raise
-                finally:
-                    observer.on_attempt_end(attempt, attempt_error)
+                observer.on_attempt_end(attempt, outcome.error)
+                decision = policy.decide(outcome, attempt)
+                if not decision.retry:
+                    return outcome.unwrap()
+                # A collective cannot survive a partial restart: the next attempt is a fresh group.
+                observer.on_notice(f"{options.label}: attempt {attempt} failed ({outcome.cause!r}); {decision.why}; "
+                                   f"restarting all {world} ranks in {options.retry_delay_seconds:g}s")
                 time.sleep(options.retry_delay_seconds)
-        raise AssertionError("unreachable")
     except BaseException as err:
         error = err
         raise
@@ -109,10 +105,22 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
         observer.on_call_end(error)
 
 
+def _attempt(sessions: Any, payload: PackedCall, group_spec: GroupSpec, options: CallOptions,
+             observer: RunObserver, attempt: int) -> CallOutcome:
+    """One attempt, from starting the pool (when it is call-scoped) to the ranks' end."""
+    deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
+    try:
+        session = sessions.get()
+        return session.call(payload, group_spec, attempt=attempt, deadline=deadline, observer=observer,
+                            label=options.label, hang_timeout=options.hang_timeout_seconds)
+    except PoolStartError as exc:  # the pool, or a lost node's replacement, did not come up
+        return CallOutcome(EndReason.POOL_START, error=exc)
+
+
 def outcome_summary(outcome: RankOutcome) -> str:
-    if outcome.status == "failed" and outcome.failure is not None:
+    if outcome.status is RankState.FAILED and outcome.failure is not None:
         text = f"{type(outcome.failure.exception).__name__}: {outcome.failure.exception}"
-    elif outcome.status == "completed":
+    elif outcome.status is RankState.COMPLETED:
         text = repr(outcome.value)
     else:
         text = outcome.stop_reason

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from skytasks.controller.call_run import CallRun, drive
+from skytasks.controller.outcome import CallOutcome
 from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
@@ -88,7 +89,7 @@ class PoolSession:
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
 
     def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
-             observer: CallObserver, label: str, hang_timeout: float | None = None) -> list[Any]:
+             observer: CallObserver, label: str, hang_timeout: float | None = None) -> CallOutcome:
         # One call at a time on a pool's ranks: two calls cannot share one process group.
         with self._lock:
             g = self.group
