@@ -143,24 +143,23 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
     non-zero fails the call like a raising rank (`DistributedTaskError` of `ScriptFailed`)."""
     import uuid
 
-    from skytasks.task import resolve_pool
-    from skytasks.task import DistributedTask
+    from skytasks.call_options import CallOptions
+    from skytasks.providers import provider_class
+    from skytasks.task import DistributedTask, resolve_pool
     from skytasks.workdir import check_workdir
 
     root = check_workdir(workdir) or Path.cwd().resolve()
     command = script_command(script, args, module, root)
+    label = name or (str(script).rsplit(".", 1)[-1] if module else Path(script).stem)
+    options = CallOptions(name=label, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
+                          timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
+                          retries=retries, retry_delay_seconds=retry_delay_seconds, workdir=root, tags=tuple(tags))
     pool = resolve_pool(pool, nodes=nodes, procs_per_node=procs_per_node)
-    if not module and os.path.isabs(command[0]) and pool.provider != "local":
+    if not module and os.path.isabs(command[0]) and not provider_class(pool.provider).runs_on_this_machine:
         raise PoolConfigError(f"script: {str(script)!r} is outside the workdir {root}; "
                               f"{pool.provider} nodes only get the workdir")
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
         raise PoolConfigError("env: expected a mapping of strings to strings")
-    if not isinstance(retries, int) or retries < 0:
-        raise PoolConfigError(f"retries: must be an integer ≥ 0, got {retries!r}")
-    label = name or (str(script).rsplit(".", 1)[-1] if module else Path(script).stem)
-    task = DistributedTask(run_on_rank, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
-                           timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
-                           retries=retries, retry_delay_seconds=retry_delay_seconds,
-                           workdir=root, name=label, tags=tags)
+    task = DistributedTask(run_on_rank, options.replace(pool=pool))
     return task(command, dict(env or {}), retries, f"skytasks-{uuid.uuid4().hex[:12]}")
 

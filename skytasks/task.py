@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from typing import Any, Callable, Iterable
 
 from prefect.context import FlowRunContext
@@ -14,47 +13,20 @@ from prefect.context import FlowRunContext
 from skytasks.controller.console import ConsoleObserver
 from skytasks.controller.packing import pack_call
 from skytasks.controller.pool_runtime import active_pool
-from skytasks.controller.runner import CallOptions, PreparedCall, run_call
+from skytasks.call_options import CallOptions
+from skytasks.controller.runner import PreparedCall, run_call
 from skytasks.errors import PoolConfigError
 from skytasks.providers import provider_class
 from skytasks.rank import in_rank
 from skytasks.workdir import check_workdir
 
-_OPTION_NAMES = (
-    "pool", "nodes", "procs_per_node", "backend", "init_torch", "timeout_seconds", "hang_timeout_seconds",
-    "retries", "retry_delay_seconds", "workdir", "name", "tags",
-)
-
-
 class DistributedTask:
-    def __init__(self, fn: Callable, *, pool=None, nodes=None, procs_per_node=None, backend=None,
-                 init_torch=True, timeout_seconds=None, hang_timeout_seconds=None, retries=0, retry_delay_seconds=0,
-                 workdir=None, name=None, tags=()):
+    def __init__(self, fn: Callable, options: CallOptions):
         if not callable(fn):
             raise TypeError(f"distributed_task: expected a function, got {type(fn).__qualname__}")
-        for field, value in (("nodes", nodes), ("procs_per_node", procs_per_node)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise PoolConfigError(f"{field}: must be an integer ≥ 1, got {value!r}")
-        if timeout_seconds is not None and not timeout_seconds > 0:
-            raise PoolConfigError(f"timeout_seconds: must be > 0 or None, got {timeout_seconds!r}")
-        if hang_timeout_seconds is not None and not hang_timeout_seconds > 0:
-            raise PoolConfigError(f"hang_timeout_seconds: must be > 0 or None, got {hang_timeout_seconds!r}")
-        if not isinstance(retries, int) or retries < 0:
-            raise PoolConfigError(f"retries: must be an integer ≥ 0, got {retries!r}")
-        if retry_delay_seconds < 0:
-            raise PoolConfigError(f"retry_delay_seconds: must be ≥ 0, got {retry_delay_seconds!r}")
-        if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
-            raise PoolConfigError(f"backend: unknown torch.distributed backend {backend!r}")
-        if workdir is not None and not isinstance(workdir, (str, os.PathLike)):
-            raise PoolConfigError(f"workdir: expected a directory path, got {type(workdir).__qualname__}")
         self._fn = fn
-        self.workdir = workdir
-        self.pool, self.nodes, self.procs_per_node = pool, nodes, procs_per_node
-        self.backend, self.init_torch, self.timeout_seconds = backend, bool(init_torch), timeout_seconds
-        self.hang_timeout_seconds = hang_timeout_seconds
-        self.retries, self.retry_delay_seconds = retries, retry_delay_seconds
-        self.name = name or getattr(fn, "__name__", "distributed_task")
-        self.tags = tuple(tags)
+        self.options = options
+        self.name = options.name
         self._prefect_task = None  # the Prefect Task this is in flows, made on first use
         functools.update_wrapper(self, fn)
 
@@ -64,11 +36,7 @@ class DistributedTask:
         return self._fn
 
     def with_options(self, **changes: Any) -> DistributedTask:
-        unknown = set(changes) - set(_OPTION_NAMES)
-        if unknown:
-            raise TypeError(f"with_options: unknown option(s) {sorted(unknown)}; known: {list(_OPTION_NAMES)}")
-        current = {k: getattr(self, k) for k in _OPTION_NAMES}
-        return DistributedTask(self._fn, **{**current, **changes})
+        return DistributedTask(self._fn, self.options.replace(**changes))
 
     def _prepare(self) -> PreparedCall:
         if in_rank():
@@ -76,8 +44,9 @@ class DistributedTask:
                 f"distributed task {self.name!r} was called inside a rank: nested fan-out is not "
                 "supported; call the plain function with .fn instead"
             )
-        pool = resolve_pool(self.pool, nodes=self.nodes, procs_per_node=self.procs_per_node)
-        shape = {k: v for k, v in (("nodes", self.nodes), ("procs_per_node", self.procs_per_node)) if v is not None}
+        o = self.options
+        pool = resolve_pool(o.pool, nodes=o.nodes, procs_per_node=o.procs_per_node)
+        shape = {k: v for k, v in (("nodes", o.nodes), ("procs_per_node", o.procs_per_node)) if v is not None}
         if shape and any(getattr(pool, k) != v for k, v in shape.items()):
             if not provider_class(pool.provider).reshape_is_cheap:
                 asked = ", ".join(f"{k}={v}" for k, v in shape.items())
@@ -87,13 +56,8 @@ class DistributedTask:
                     f"{pool.provider} pool never brings up a second set of machines for one call. Drop "
                     f"{asked} from the task to use the pool as it is, or give the task a pool of that shape")
             pool = pool.reshaped(**shape)  # another shape cannot use the warm nodes
-        options = CallOptions(
-            label=self.name, backend=self.backend, init_torch=self.init_torch,
-            timeout_seconds=self.timeout_seconds, retries=self.retries,
-            retry_delay_seconds=self.retry_delay_seconds, workdir=check_workdir(self.workdir),
-            hang_timeout_seconds=self.hang_timeout_seconds,
-        )
-        return PreparedCall(self._fn, pool.runtime(), options, self.tags)
+        options = o.replace(workdir=check_workdir(o.workdir))  # exists now, resolved
+        return PreparedCall(self._fn, pool.runtime(), options)
 
     def _parent_task(self):
         from skytasks.controller.prefect_task import parent_task
@@ -173,9 +137,13 @@ def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs
                      init_torch=True, timeout_seconds=None, hang_timeout_seconds=None, retries=0,
                      retry_delay_seconds=0, workdir=None, name=None, tags: Iterable[str] = ()) -> Any:
     """Fan a function out to every rank of a pool; returns every rank's result in rank order."""
-    options = dict(pool=pool, nodes=nodes, procs_per_node=procs_per_node, backend=backend, init_torch=init_torch,
-                   timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds, retries=retries,
-                   retry_delay_seconds=retry_delay_seconds, workdir=workdir, name=name, tags=tuple(tags))
-    if fn is None:
-        return lambda f: DistributedTask(f, **options)
-    return DistributedTask(fn, **options)
+    def make(f: Callable) -> DistributedTask:
+        if not callable(f):
+            raise TypeError(f"distributed_task: expected a function, got {type(f).__qualname__}")
+        return DistributedTask(f, CallOptions(
+            name=name or getattr(f, "__name__", "distributed_task"), pool=pool, nodes=nodes,
+            procs_per_node=procs_per_node, backend=backend, init_torch=init_torch, timeout_seconds=timeout_seconds,
+            hang_timeout_seconds=hang_timeout_seconds, retries=retries, retry_delay_seconds=retry_delay_seconds,
+            workdir=workdir, tags=tuple(tags)))
+
+    return make if fn is None else make(fn)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import contextvars
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from skytasks.call_options import CallOptions
 from skytasks.controller.packing import PackedCall
 from skytasks.controller.outcome import CallOutcome, EndReason, FailurePolicy, RankState
 from skytasks.controller.rank_group import CallObserver, GroupSpec, RankOutcome
@@ -26,29 +25,22 @@ from skytasks.workdir import WorkdirRequest, read_workdir
 ECHO_RANK_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_echo_rank_lines", default=False)
 
 
-@dataclass(frozen=True)
-class CallOptions:
-    label: str
-    backend: str | None
-    init_torch: bool
-    timeout_seconds: float | None
-    retries: int
-    retry_delay_seconds: float
-    workdir: Path | None = None
-    hang_timeout_seconds: float | None = None
-
-
 class PreparedCall:
     """What a call needs besides its arguments. A plain object: Prefect's input resolution
     treats it as one opaque value, and never walks into it."""
 
-    def __init__(self, fn: Callable, runtime: Any, options: CallOptions, tags: tuple[str, ...] = ()):
-        self.fn, self.runtime, self.options, self.tags = fn, runtime, options, tuple(tags)
+    def __init__(self, fn: Callable, runtime: Any, options: CallOptions):
+        self.fn, self.runtime, self.options = fn, runtime, options
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The user's tags: on the parent task run (as any tagged Prefect task) and every rank run."""
+        return self.options.tags
 
     @property
     def rank_tags(self) -> tuple[str, ...]:
         """Every rank run's tags: `skytasks`, `rank:R` (added per rank), the pool's, the user's."""
-        return ("skytasks", f"pool:{self.runtime.spec.name}", *self.tags)
+        return ("skytasks", f"pool:{self.runtime.spec.name}", *self.options.tags)
 
 
 class RunObserver(CallObserver, Protocol):
