@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         return _slurm_gc(args)
     from skytasks.providers.aws.gc import run_gc
 
-    return run_gc(args)
+    swept = run_gc(args, log=print)
+    print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
+    return 0
 
 
 if __name__ == "__main__":

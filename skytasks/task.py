@@ -1,6 +1,6 @@
 """@distributed_task: a thin decorator. It checks its options, finds the pool, and hands the call
 to the runner (`skytasks.controller.runner`): directly outside a flow, as a Prefect task run
-inside one (`skytasks.controller.prefect_task`)."""
+inside one (`skytasks.prefect_records.parent_task`)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class DistributedTask:
         return PreparedCall(self._fn, pool.runtime(), options)
 
     def _parent_task(self):
-        from skytasks.controller.prefect_task import parent_task
+        from skytasks.prefect_records.parent_task import parent_task
 
         if self._prefect_task is None:
             self._prefect_task = parent_task(self.name)
@@ -74,7 +74,7 @@ class DistributedTask:
         if flow_run is None:
             payload = pack_call(self._fn, args, kwargs)
             return run_call(call.runtime, payload, call.options, ConsoleObserver())
-        from skytasks.controller import prefect_task
+        from skytasks.prefect_records import parent_task as prefect_task
 
         if flow_run.flow is not None and flow_run.flow.isasync and _loop_running_here():
             return prefect_task.call_in_async_flow(self._parent_task(), call, args, kwargs)
@@ -86,7 +86,7 @@ class DistributedTask:
         if FlowRunContext.get() is None:
             raise RuntimeError(f"{self.name}.submit(): submit needs a flow run (as Prefect's Task.submit does); "
                                "outside a flow, call the distributed task directly")
-        from skytasks.controller import prefect_task
+        from skytasks.prefect_records import parent_task as prefect_task
 
         return prefect_task.submit_in_flow(self._parent_task(), self._prepare(), args, kwargs, wait_for=wait_for)
 

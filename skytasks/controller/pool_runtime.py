@@ -12,7 +12,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from skytasks.controller.events import emit, pool_resource
+from skytasks.prefect_records.events import emit, pool_resource
 from skytasks.controller.session import PoolSession
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import provider_for

@@ -9,12 +9,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from skytasks.wire import ChannelClosed, FrameWriter, read_frame
 
-if TYPE_CHECKING:
-    from skytasks.node.agent import NodeAgent
+
+class RankHost(Protocol):
+    """What a rank process needs of its node agent (the agent is one; nothing here imports it)."""
+
+    scratch: str  # where the ranks' stack files live
+    leaving_known: threading.Event  # set once the node is going away
+
+    def emit(self, msg: dict[str, Any]) -> None: ...
 
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
@@ -23,7 +29,7 @@ TERM_GRACE_SECONDS = 1.0
 class RankProcess:
     """One rank's process and the threads that relay its output and messages."""
 
-    def __init__(self, agent: NodeAgent, group: int, rank: int, env: dict[str, str]):
+    def __init__(self, agent: RankHost, group: int, rank: int, env: dict[str, str]):
         self.group, self.rank = group, rank
         ctrl_read, ctrl_write = os.pipe()
         # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).

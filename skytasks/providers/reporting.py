@@ -87,7 +87,7 @@ class PoolReporter:
         text = (f"{self.key}: teardown could not confirm these gone: {', '.join(ids) or '(unknown)'} ({detail}); "
                 f"`skytasks gc` finds them by their tags or job name")
         self._say(logging.ERROR, text)
-        from skytasks.controller.events import emit, pool_resource
+        from skytasks.prefect_records.events import emit, pool_resource
 
         try:
             emit("skytasks.pool.teardown-failed", pool_resource(self.pool_name),

@@ -11,7 +11,6 @@ schedule.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
@@ -35,7 +34,7 @@ class FoundPool:
                 setattr(self, attr, when)
 
 
-def find_pools(ec2: Any, log: Callable[[str], None] = print) -> dict[str, FoundPool]:
+def find_pools(ec2: Any, log: Callable[[str], None] = lambda line: None) -> dict[str, FoundPool]:
     pools: dict[str, FoundPool] = {}
 
     def pool_of(tags: list[dict] | None) -> FoundPool | None:
@@ -69,7 +68,7 @@ def find_pools(ec2: Any, log: Callable[[str], None] = print) -> dict[str, FoundP
 
 
 def sweep(ec2: Any, *, now: datetime | None = None, grace_minutes: float = 15, dry_run: bool = False,
-          log: Callable[[str], None] = print) -> list[str]:
+          log: Callable[[str], None] = lambda line: None) -> list[str]:
     """Delete expired and orphaned pools; returns the ids of the pools swept.
 
     `grace_minutes` spares a pool being launched right now: its security group and key pair
@@ -103,19 +102,7 @@ def credentials_from(args: argparse.Namespace) -> Any:
     return AwsCredentials(region_name=args.region, aws_client_parameters=params)
 
 
-def run_gc(args: argparse.Namespace) -> int:
-    """`skytasks gc` (its arguments are parsed by `skytasks.cli`)."""
+def run_gc(args: argparse.Namespace, log: Callable[[str], None]) -> list[str]:
+    """`skytasks gc` (its arguments are parsed, and its lines printed, by `skytasks.cli`)."""
     ec2 = credentials_from(args).get_client("ec2")
-    swept = sweep(ec2, grace_minutes=args.grace_minutes, dry_run=args.dry_run)
-    print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from skytasks.cli import main as cli_main
-
-    return cli_main(["gc", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return sweep(ec2, grace_minutes=args.grace_minutes, dry_run=args.dry_run, log=log)

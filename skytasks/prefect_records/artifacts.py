@@ -11,10 +11,11 @@ and flow run by id, with a client of the writer's own.
 
 from __future__ import annotations
 
+from skytasks.providers.reporting import console_logger
+
 import json
 import math
 import queue
-import sys
 import threading
 from concurrent.futures import Future
 from contextvars import copy_context
@@ -47,7 +48,7 @@ class ArtifactWriter:
                 fut.set_result(ctx.run(_with_own_client, job))
             except Exception as exc:  # noqa: BLE001 - bookkeeping never fails a call
                 fut.set_exception(exc)
-                print(f"[skytasks] could not write an artifact: {exc!r}", file=sys.stderr, flush=True)
+                console_logger().warning(f"could not write an artifact: {exc!r}")
 
 
 _CLIENTS: dict[str, Any] = {}  # API URL -> the writer thread's client for it (only it uses them)

@@ -3,7 +3,7 @@
 Per attempt, a task run per rank (`rank_runs`); per call, a live progress bar, a live metrics
 table from `skytasks.report`, a final table with one row per rank, a stacks table when ranks
 were stopped, and `skytasks.*` events. The call itself is the parent task run
-(`prefect_task`), which this observer only reads from the context. Nothing here waits on the
+(`parent_task`), which this observer only reads from the context. Nothing here waits on the
 API during the call: task runs are events, logs are batched by Prefect, artifacts are written
 beside it; at its end the call waits only for artifact writes still under way.
 """
@@ -18,11 +18,11 @@ from typing import Any
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
-from skytasks.controller.artifacts import ProgressBar, wait_for, write_table
-from skytasks.controller.events import emit, pool_resource, rank_resource
+from skytasks.prefect_records.artifacts import ProgressBar, wait_for, write_table
+from skytasks.prefect_records.events import emit, pool_resource, rank_resource
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
-from skytasks.controller.rank_runs import RankRuns
+from skytasks.prefect_records.rank_runs import RankRuns
 from skytasks.controller.runner import ECHO_RANK_LINES, outcome_summary
 from skytasks.stacks import user_frame, where
 

@@ -17,7 +17,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.futures import PrefectFuture
 
 from skytasks.controller.packing import pack_call
-from skytasks.controller.prefect_observer import PrefectObserver
+from skytasks.prefect_records.observer import PrefectObserver
 from skytasks.controller.runner import PreparedCall, run_call
 from skytasks.errors import DistributedTaskError
 
