@@ -11,6 +11,7 @@ import math
 import numbers
 from typing import Any
 
+from skytasks.protocol import Op, message
 from skytasks.rank import rank_info
 
 _channel: Any = None  # the rank's FrameWriter, set by skytasks.node.worker
@@ -39,4 +40,4 @@ def report(*, all_ranks: bool = False, **metrics: Any) -> None:
         raise TypeError("report: give at least one metric, e.g. report(epoch=1, loss=0.5)")
     if _channel is None:
         raise RuntimeError("report: this rank has no channel to the controller")
-    _channel.send({"op": "report", "metrics": {k: _plain(v) for k, v in metrics.items()}})
+    _channel.send(message(Op.REPORT, metrics={k: _plain(v) for k, v in metrics.items()}))

@@ -1,15 +1,20 @@
 """Every message that crosses a stream, by op: who sends it, who reads it, what it carries.
 
-Messages are dicts with an `op` key, framed by `skytasks.wire`. `Op` is a `StrEnum`, so a member
-equals its wire string: the node side (kept free of the controller's imports) may compare plain
-strings, and `wire.encode` writes plain strings.
+Messages are dicts with an `op` key, framed by `skytasks.wire`. Each op has one message type below
+(a TypedDict: what it carries, required or not), and both sides build messages with `message(op,
+**fields)`, which refuses a missing or unknown field; no op is spelled as a string anywhere else.
+`Op` is a `StrEnum`, so a member equals its wire string. Standard library only: the node side
+imports this and nothing of the controller.
+
+Timeouts and grace periods travel in the messages (STOP, CLOSE), from the controller's settings:
+the node side has no defaults of its own.
 
 Controller -> agent:
   SPAWN   group, ranks [{rank, env}], env      start a rank group's processes
   CALL    call, head, refs, blobs, attempt     relayed to every rank of the node as it arrives
   STACKS  group                                 answer with one STACK per rank (faulthandler)
   STOP    group, grace                          SIGTERM, then SIGKILL after grace; answer STOPPED
-  CLOSE   group                                 ranks leave cleanly (destroy the process group)
+  CLOSE   group, grace                          ranks leave cleanly (destroy the process group)
   HEARTBEAT                                     both ways; never reaches the event queue
 Agent -> controller:
   HELLO   pid, python, gpus                     once, first: the node is ready, with its GPUs
@@ -31,9 +36,10 @@ Made on the controller, never sent:
   LOST    reason                                a stream closed or fell silent
 """
 
-from __future__ import annotations
+
 
 from enum import StrEnum
+from typing import Any, NotRequired, TypedDict, get_type_hints
 
 
 class Op(StrEnum):
@@ -63,3 +69,155 @@ class Op(StrEnum):
 SIGNS_OF_PROGRESS = frozenset({Op.OUTPUT, Op.LOG, Op.REPORT, Op.RESULT, Op.READY, Op.JOINING})
 # A node itself failed: the root cause, not the ranks it took with it.
 NODE_FAILURES = frozenset({Op.LOST, Op.AGENT_ERROR, Op.LEAVING})
+
+
+# -- one message type per op -------------------------------------------------------------------
+# `group` and `rank` on a rank's messages are added by its agent as it relays them; `channel` is
+# added on the controller to everything a node sends (see controller/channel.py).
+
+class Spawn(TypedDict):
+    group: int
+    ranks: list[dict[str, Any]]  # [{rank, env}]
+    env: dict[str, str]
+
+
+class Call(TypedDict):
+    call: int
+    head: Any
+    refs: list[Any]
+    blobs: dict[str, Any]
+    attempt: int
+
+
+class Stacks(TypedDict):
+    group: int
+
+
+class Stop(TypedDict):
+    group: int | None
+    grace: float
+
+
+class Close(TypedDict):
+    group: NotRequired[int]  # the rank's copy carries none: it has one group
+    grace: NotRequired[float]  # the agent's: how long ranks get to leave before they are killed
+
+
+class Heartbeat(TypedDict):
+    pass
+
+
+class Hello(TypedDict):
+    pid: int
+    python: str
+    gpus: list[str]
+
+
+class _Relayed(TypedDict):
+    group: NotRequired[int | None]
+    rank: NotRequired[int]
+
+
+class Output(_Relayed):
+    stream: str
+    line: str
+
+
+class Exited(_Relayed):
+    returncode: int
+    at: float
+
+
+class Stack(_Relayed):
+    stack: str
+
+
+class Stopped(TypedDict):
+    group: int | None
+
+
+class AgentError(TypedDict):
+    error: str
+
+
+class Leaving(TypedDict):
+    reason: str
+    stacks: dict[str, str]  # rank (as text) -> its last stack
+    group: int | None
+
+
+class Joining(_Relayed):
+    pass
+
+
+class Ready(_Relayed):
+    pid: int
+
+
+class Log(_Relayed):
+    level: int
+    logger: str
+    line: str
+
+
+class Report(_Relayed):
+    metrics: dict[str, Any]
+
+
+class Result(_Relayed):
+    call: int
+    value: Any
+    started: float
+    ended: float
+
+
+class Failed(_Relayed):
+    call: int | None  # None: before any call (the process group did not form)
+    type: str
+    message: str
+    traceback: str
+    exception: bytes | None
+    started: float
+    ended: float
+
+
+class Lost(TypedDict):
+    reason: str
+
+
+MESSAGES: dict[Op, type] = {
+    Op.SPAWN: Spawn, Op.CALL: Call, Op.STACKS: Stacks, Op.STOP: Stop, Op.CLOSE: Close, Op.HEARTBEAT: Heartbeat,
+    Op.HELLO: Hello, Op.OUTPUT: Output, Op.EXITED: Exited, Op.STACK: Stack, Op.STOPPED: Stopped,
+    Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
+    Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
+}
+_ADDED_ON_THE_WAY = frozenset({"channel"})
+_FIELDS: dict[Op, tuple[frozenset[str], frozenset[str]]] = {}  # op -> (required, allowed), made on first use
+
+
+def _fields(op: Op) -> tuple[frozenset[str], frozenset[str]]:
+    if op not in _FIELDS:
+        kind = MESSAGES[op]
+        hints = get_type_hints(kind)
+        _FIELDS[op] = (frozenset(kind.__required_keys__), frozenset(hints))
+    return _FIELDS[op]
+
+
+def message(op: Op, **fields: Any) -> dict[str, Any]:
+    """The message for `op`, with exactly its fields (a missing or unknown one is a bug: raised)."""
+    check({"op": op, **fields})
+    return {"op": op, **fields}
+
+
+def check(msg: dict[str, Any]) -> None:
+    """Raise ValueError unless `msg` is a well-formed message of its op."""
+    try:
+        op = Op(msg["op"])
+    except (KeyError, ValueError):
+        raise ValueError(f"not a skytasks message: op {msg.get('op')!r}") from None
+    required, allowed = _fields(op)
+    keys = set(msg) - {"op"} - _ADDED_ON_THE_WAY
+    if missing := required - keys:
+        raise ValueError(f"{op}: missing {sorted(missing)}")
+    if unknown := keys - allowed:
+        raise ValueError(f"{op}: unknown {sorted(unknown)}")

@@ -20,6 +20,10 @@ class SkytasksSettings(BaseSettings):
         60.0, gt=0, description="Either end gives the other up after this much silence (at least 2 heartbeats).")
     init_timeout_seconds: float = Field(
         120.0, gt=0, description="How long ranks may wait for their peers in init_process_group.")
+    stop_grace_seconds: float = Field(
+        1.0, gt=0, description="How long a stopped rank gets between SIGTERM and SIGKILL (it dumps its stack first).")
+    close_grace_seconds: float = Field(
+        5.0, gt=0, description="How long ranks get to leave a closed group cleanly before they are killed.")
     stop_confirm_seconds: float = Field(
         10.0, gt=0, description="How long stopped ranks may take to be confirmed gone before a call returns anyway.")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")

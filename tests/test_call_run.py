@@ -72,7 +72,7 @@ def make_call(nodes=2, ppn=1, *, init_torch=False, deadline=None, hang=None, ini
     bus, heard = FakeBus(nodes), Heard()
     group.start(bus)
     call = CallRun(group, bus, heard, label="t", attempt=1, deadline=deadline, hang_timeout=hang,
-                   stop_confirm_seconds=10.0, now=now)
+                   stop_confirm_seconds=10.0, stop_grace_seconds=1.0, now=now)
     call.start(PackedCall(cloudpickle.dumps((len, (), {})), []))
     return call, group, bus, heard
 

@@ -29,7 +29,7 @@ from skytasks.controller.failures import failure_error, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.protocol import NODE_FAILURES, SIGNS_OF_PROGRESS, Op
+from skytasks.protocol import NODE_FAILURES, SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
 from skytasks.stacks import where
 
@@ -48,10 +48,11 @@ class Phase(Enum):
 
 class CallRun:
     def __init__(self, group: RankGroup, bus: NodeBus, observer: CallObserver, *, label: str, attempt: int,
-                 deadline: float | None, hang_timeout: float | None, stop_confirm_seconds: float, now: float):
+                 deadline: float | None, hang_timeout: float | None, stop_confirm_seconds: float,
+                 stop_grace_seconds: float, now: float):
         self.group, self.bus, self.observer, self.label = group, bus, observer, label
         self.attempt, self.deadline, self.hang_timeout = attempt, deadline, hang_timeout
-        self.stop_confirm_seconds = stop_confirm_seconds
+        self.stop_confirm_seconds, self.stop_grace_seconds = stop_confirm_seconds, stop_grace_seconds
         self.id = next(_call_ids)
         self.outcomes = group.outcomes()
         self.failures: list[RankFailure] = []
@@ -151,49 +152,72 @@ class CallRun:
     # -- transitions -----------------------------------------------------------------------
 
     def _running(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
-        op, rank = msg["op"], msg.get("rank")
+        op = Op(msg["op"])
         if op in SIGNS_OF_PROGRESS:
             self.last_heard = now
-        if op in (Op.OUTPUT, Op.LOG):
-            self._relay_line(msg)
-        elif op == Op.REPORT:
-            self.observer.on_report(rank, msg["metrics"])
-        elif op == Op.JOINING:
-            self.group.joining.add(rank)
-            if self.init_deadline is not None and len(self.group.joining) == 1:
-                self.init_deadline = min(self.init_deadline, now + self.group.spec.init_timeout_seconds)
-        elif op == Op.READY:
-            self.group.ready.add(rank)
-            self.outcomes[rank].started = self.outcomes[rank].started or time.time()
-            if len(self.group.ready) == self.group.world_size:
-                self.init_deadline = None
-        elif op == Op.RESULT and msg["call"] == self.id and self.outcomes[rank].status is RankState.PENDING:
-            o = self.outcomes[rank]
-            o.status, o.started, o.ended = RankState.COMPLETED, msg["started"], msg["ended"]
-            o.value = loads_out_of_band(msg["value"], copy=False)
-            self.observer.on_rank_done(rank, o)
-        elif op == Op.FAILED and msg["call"] in (self.id, None):
-            self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"))
-        elif op == Op.EXITED:
-            self.group.broken = True  # whatever the reason, a group missing a rank can serve no more
-            if self.outcomes[rank].status is RankState.PENDING:
-                self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
-        elif op in NODE_FAILURES:
-            what = {Op.LOST: f"lost the agent of node {node_rank}", Op.LEAVING: f"node {node_rank} is going away",
-                    }.get(op, f"the agent of node {node_rank} failed")
-            detail = msg.get("reason") or msg.get("error", "")
-            if op == Op.LEAVING:
-                stacks = {int(r): s for r, s in (msg.get("stacks") or {}).items() if s}
-                self.observer.on_stacks(stacks, f"stopped because node {node_rank} is going away")
-            for o in self.outcomes.values():
-                if o.node_rank == node_rank and o.status is RankState.PENDING:
-                    self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None, EndReason.NODE_LOST)
+        handler = self._WHILE_RUNNING.get(op)
+        if handler is not None:
+            handler(self, node_rank, msg, now)
         if self.phase is Phase.RUNNING:
             if self.failures:
                 first = self.failures[0]
                 self._ask_stacks(f"stopped because rank {first.rank} failed", STACKS_WAIT_SECONDS, now)
             elif all(o.status is RankState.COMPLETED for o in self.outcomes.values()):
                 self.phase = Phase.DONE
+
+    def _on_line(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        self._relay_line(msg)
+
+    def _on_report(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        self.observer.on_report(msg["rank"], msg["metrics"])
+
+    def _on_joining(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        self.group.joining.add(msg["rank"])
+        if self.init_deadline is not None and len(self.group.joining) == 1:
+            self.init_deadline = min(self.init_deadline, now + self.group.spec.init_timeout_seconds)
+
+    def _on_ready(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        rank = msg["rank"]
+        self.group.ready.add(rank)
+        self.outcomes[rank].started = self.outcomes[rank].started or time.time()
+        if len(self.group.ready) == self.group.world_size:
+            self.init_deadline = None
+
+    def _on_result(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        o = self.outcomes[msg["rank"]]
+        if msg["call"] == self.id and o.status is RankState.PENDING:
+            o.status, o.started, o.ended = RankState.COMPLETED, msg["started"], msg["ended"]
+            o.value = loads_out_of_band(msg["value"], copy=False)
+            self.observer.on_rank_done(o.rank, o)
+
+    def _on_failed(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        if msg["call"] in (self.id, None):
+            self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"))
+
+    def _on_exited(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        rank = msg["rank"]
+        self.group.broken = True  # whatever the reason, a group missing a rank can serve no more
+        if self.outcomes[rank].status is RankState.PENDING:
+            self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
+
+    def _on_node_failure(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        op = Op(msg["op"])
+        what = {Op.LOST: f"lost the agent of node {node_rank}", Op.LEAVING: f"node {node_rank} is going away",
+                }.get(op, f"the agent of node {node_rank} failed")
+        detail = msg.get("reason") or msg.get("error", "")
+        if op == Op.LEAVING:
+            stacks = {int(r): s for r, s in (msg.get("stacks") or {}).items() if s}
+            self.observer.on_stacks(stacks, f"stopped because node {node_rank} is going away")
+        for o in self.outcomes.values():
+            if o.node_rank == node_rank and o.status is RankState.PENDING:
+                self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None, EndReason.NODE_LOST)
+
+    # What each message does while the ranks run (dispatch by op; the rest change nothing).
+    _WHILE_RUNNING = {
+        Op.OUTPUT: _on_line, Op.LOG: _on_line, Op.REPORT: _on_report, Op.JOINING: _on_joining,
+        Op.READY: _on_ready, Op.RESULT: _on_result, Op.FAILED: _on_failed, Op.EXITED: _on_exited,
+        Op.LOST: _on_node_failure, Op.AGENT_ERROR: _on_node_failure, Op.LEAVING: _on_node_failure,
+    }
 
     def _ask_stacks(self, why: str, wait: float, now: float) -> None:
         """Where every still-running rank is, into its log, before it is stopped."""
@@ -204,7 +228,7 @@ class CallRun:
             return
         self.phase = Phase.STACKS
         self._stacks_until = now + wait
-        self.bus.broadcast({"op": Op.STACKS, "group": self.group.id})
+        self.bus.broadcast(message(Op.STACKS, group=self.group.id))
 
     def _stacks_collected(self, now: float) -> None:
         self.observer.on_stacks(self._stacks, self._stacks_why)
@@ -222,7 +246,7 @@ class CallRun:
         """Stop every rank of the group now; they never wait for a collective to time out."""
         self.group.broken = True
         self.aborted_at = time.time()
-        self.bus.broadcast({"op": Op.STOP, "group": self.group.id, "grace": 1.0})
+        self.bus.broadcast(message(Op.STOP, group=self.group.id, grace=self.stop_grace_seconds))
         for o in self.outcomes.values():
             if o.status is RankState.PENDING:
                 o.status, o.stop_reason, o.ended = RankState.STOPPED, f"stopped because {reason}", time.time()

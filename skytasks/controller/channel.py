@@ -12,7 +12,7 @@ import queue
 import threading
 from typing import Any
 
-from skytasks.protocol import Op
+from skytasks.protocol import Op, message
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
 from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
@@ -67,7 +67,7 @@ class NodeChannel:
         except Exception:  # noqa: BLE001 - the loss is reported all the same
             detail = ""
         reason = f"{reason}; {detail}" if detail else reason
-        self._events.put((self.link.node_rank, {"op": "lost", "reason": reason, "channel": self.serial}))
+        self._events.put((self.link.node_rank, {**message(Op.LOST, reason=reason), "channel": self.serial}))
 
     def send(self, msg: dict[str, Any]) -> None:
         self.send_encoded(encode(msg))
@@ -83,7 +83,7 @@ class NodeChannel:
     def send_heartbeat(self) -> None:
         if self.alive:
             try:
-                self._writer.send_if_idle({"op": "heartbeat"})
+                self._writer.send_if_idle(message(Op.HEARTBEAT))
             except ChannelClosed as exc:
                 self.mark_lost(str(exc))
 

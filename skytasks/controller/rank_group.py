@@ -19,7 +19,8 @@ from typing import Any, Protocol, Sequence
 from skytasks.devices import choose_backend, device_environment, place_ranks
 from skytasks.controller.outcome import RankState
 from skytasks.errors import RankFailure
-from skytasks.protocol import Op
+from skytasks.protocol import Op, message
+from skytasks.settings import settings
 from skytasks.rank import rank_environment
 from skytasks.serialization import Blob, same_blob, snapshot
 from skytasks.workdir import WorkdirRequest
@@ -118,7 +119,7 @@ class RankGroup:
                       "SKYTASKS_INIT_TIMEOUT_SECONDS": str(spec.init_timeout_seconds)}
             if workdir_on_nodes is not None:
                 common["SKYTASKS_WORKDIR"] = workdir_on_nodes
-            self.spawns[node.node_rank] = {"op": Op.SPAWN, "group": self.id, "ranks": ranks, "env": common}
+            self.spawns[node.node_rank] = message(Op.SPAWN, group=self.id, ranks=ranks, env=common)
 
     def start(self, bus: NodeBus) -> None:
         """Start every rank process (the agents spawn them in parallel)."""
@@ -140,11 +141,11 @@ class RankGroup:
             # change before the next call; compare against what the ranks really hold.
             kept[key] = snapshot(data) if key in fresh else self.blobs_held[key]
         self.blobs_held = kept
-        return {"op": Op.CALL, "call": call_id, "head": payload.head, "refs": refs, "blobs": fresh, "attempt": attempt}
+        return message(Op.CALL, call=call_id, head=payload.head, refs=refs, blobs=fresh, attempt=attempt)
 
     def outcomes(self) -> dict[int, RankOutcome]:
         return {r: RankOutcome(rank=r, node_rank=n, node_addr=a, device=self.devices[r])
                 for r, (n, a) in self.placement.items()}
 
     def close(self, bus: NodeBus) -> None:
-        bus.broadcast({"op": Op.CLOSE, "group": self.id})
+        bus.broadcast(message(Op.CLOSE, group=self.id, grace=settings().close_grace_seconds))

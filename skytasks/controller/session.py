@@ -103,9 +103,10 @@ class PoolSession:
                 self.group = g = RankGroup(shapes, self.procs_per_node, spec, self.provider.free_port(), self.env,
                                            node_dir)
                 g.start(self.bus)
+            knobs = settings()
             run = CallRun(g, self.bus, observer, label=label, attempt=attempt, deadline=deadline,
-                          hang_timeout=hang_timeout, stop_confirm_seconds=settings().stop_confirm_seconds,
-                          now=time.monotonic())
+                          hang_timeout=hang_timeout, stop_confirm_seconds=knobs.stop_confirm_seconds,
+                          stop_grace_seconds=knobs.stop_grace_seconds, now=time.monotonic())
             try:
                 return drive(run, self.events, payload)
             finally:

@@ -3,7 +3,7 @@
 It plays the part of torchrun's elastic agent, with the controller in place of the rendezvous
 backend. It speaks `wire` frames on its stdin/stdout, which are pipes from the controller for a
 local node and an SSH channel for a remote one. It imports only the standard library,
-`skytasks.wire` and `skytasks.devices`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
+`skytasks.wire`, `skytasks.protocol` and `skytasks.devices`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
 payload passes through it untouched.
 
 Why it kills everything when its stream closes, or when the controller falls silent past the
@@ -26,6 +26,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from skytasks.devices import visible_gpus
+from skytasks.protocol import Op, message
 from skytasks.wire import (RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header,
                            relay_frame)
 
@@ -59,7 +60,7 @@ class NodeAgent:
         while True:
             time.sleep(self._interval)
             try:
-                self._out.send_if_idle({"op": "heartbeat"})
+                self._out.send_if_idle(message(Op.HEARTBEAT))
             except ChannelClosed:
                 self._controller_gone("the stream to the controller closed")
 
@@ -82,7 +83,7 @@ class NodeAgent:
 
     def serve(self) -> None:
         # What this node has, for the controller's device placement and backend choice.
-        self.emit({"op": "hello", "pid": os.getpid(), "python": sys.executable, "gpus": visible_gpus()})
+        self.emit(message(Op.HELLO, pid=os.getpid(), python=sys.executable, gpus=visible_gpus()))
         for target in (self._send_heartbeats, self._watch_controller):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         try:
@@ -96,7 +97,7 @@ class NodeAgent:
                 try:
                     self._dispatch(op, msg)
                 except Exception:  # noqa: BLE001 - reported, then this node's ranks are stopped
-                    self.emit({"op": "agent_error", "error": traceback.format_exc()})
+                    self.emit(message(Op.AGENT_ERROR, error=traceback.format_exc()))
                     self.stop_ranks(grace=0.0)
         except ChannelClosed:
             pass
@@ -122,7 +123,7 @@ class NodeAgent:
                 pass
         stacks = {str(rp.rank): rp.last_stack() for rp in ranks}
         groups = {rp.group for rp in ranks}
-        self.emit({"op": "leaving", "reason": reason, "stacks": stacks, "group": groups.pop() if len(groups) == 1 else None})
+        self.emit(message(Op.LEAVING, reason=reason, stacks=stacks, group=groups.pop() if len(groups) == 1 else None))
 
     def _end_ranks(self, grace: float) -> None:
         """The agent is leaving: its ranks go, and so does its scratch folder."""
@@ -130,17 +131,16 @@ class NodeAgent:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _dispatch(self, op: str, msg: dict[str, Any]) -> None:
-        if op == "spawn":
-            self._spawn(msg)
-        elif op == "call":
-            self._forward(msg)
-        elif op == "stacks":
-            threading.Thread(target=self._send_stacks, args=(msg,), daemon=True).start()
-        elif op == "stop":
-            self.stop_ranks(grace=msg.get("grace", TERM_GRACE_SECONDS))
-            self.emit({"op": "stopped", "group": msg.get("group")})
-        elif op == "close":
-            self._close_group(msg)
+        handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
+                    Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.HEARTBEAT: _heard}
+        handlers[Op(op)](msg)
+
+    def _stacks_in_background(self, msg: dict[str, Any]) -> None:
+        threading.Thread(target=self._send_stacks, args=(msg,), daemon=True).start()
+
+    def _stop(self, msg: dict[str, Any]) -> None:
+        self.stop_ranks(grace=msg["grace"])
+        self.emit(message(Op.STOPPED, group=msg["group"]))
 
     def _spawn(self, msg: dict[str, Any]) -> None:
         # Start every rank before waiting on any: torch import dominates and runs in parallel.
@@ -163,7 +163,7 @@ class NodeAgent:
         for t in threads:
             t.join(timeout=2.0)
         for rank, text in sorted(results.items()):
-            self.emit({"op": "stack", "group": msg.get("group"), "rank": rank, "stack": text})
+            self.emit(message(Op.STACK, group=msg["group"], rank=rank, stack=text))
 
     def _forward(self, msg: dict[str, Any]) -> None:
         # Encode once, write the same bytes to every local rank: the payload crosses the
@@ -178,13 +178,13 @@ class NodeAgent:
     def _close_group(self, msg: dict[str, Any]) -> None:
         """Ask ranks to leave cleanly (destroy the process group), then make sure they did."""
         ranks = list(self._ranks.values())
-        frame = encode({"op": "close"})
+        frame = encode(message(Op.CLOSE))
         for rp in ranks:
             try:
                 rp.to_rank.send_encoded(frame)
             except ChannelClosed:
                 pass
-        deadline = time.monotonic() + msg.get("grace", 5.0)
+        deadline = time.monotonic() + msg["grace"]
         for rp in ranks:
             try:
                 rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -210,6 +210,10 @@ class NodeAgent:
                 rp.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _heard(msg: dict[str, Any]) -> None:
+    """A heartbeat: hearing it was the point (the stream's clock is reset by any byte)."""
 
 
 class NodeLeaving(Exception):

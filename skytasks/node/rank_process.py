@@ -12,6 +12,7 @@ import time
 from typing import Any, BinaryIO, Protocol
 
 from skytasks.wire import ChannelClosed, FrameWriter, read_frame
+from skytasks.protocol import Op, message
 
 
 class RankHost(Protocol):
@@ -74,7 +75,7 @@ class RankProcess:
     def _relay_lines(self, stream: BinaryIO, name: str) -> None:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            self._agent.emit({"op": "output", "group": self.group, "rank": self.rank, "stream": name, "line": line})
+            self._agent.emit(message(Op.OUTPUT, group=self.group, rank=self.rank, stream=name, line=line))
 
     def _report_exit(self) -> None:
         code = self.proc.wait()
@@ -89,8 +90,7 @@ class RankProcess:
         # reported before the exit itself. A grandchild holding a pipe open must not stall this.
         for t in self._relays:
             t.join(timeout=2.0)
-        self._agent.emit({"op": "exited", "group": self.group, "rank": self.rank, "returncode": code,
-                          "at": exited_at})
+        self._agent.emit(message(Op.EXITED, group=self.group, rank=self.rank, returncode=code, at=exited_at))
 
     def last_stack(self) -> str:
         """What the rank dumped since the last read (its SIGTERM dump, when it was signalled)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from skytasks.rank import ENV_ATTEMPT
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band
+from skytasks.protocol import Op, message
 from skytasks.wire import BlobRef, ChannelClosed, FrameWriter, read_frame
 
 _PR_SET_PDEATHSIG = 1
@@ -49,7 +50,7 @@ class _ShipLogRecords(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._out.send({"op": "log", "level": record.levelno, "logger": record.name, "line": self.format(record)})
+            self._out.send(message(Op.LOG, level=record.levelno, logger=record.name, line=self.format(record)))
         except Exception:  # noqa: BLE001 - a logging handler must never raise into user code
             pass
 
@@ -80,7 +81,7 @@ class _RankStream(io.TextIOBase):
 
     def _send(self, line: str) -> None:
         try:
-            self._out.send({"op": "output", "stream": self._name, "line": line})
+            self._out.send(message(Op.OUTPUT, stream=self._name, line=line))
         except ChannelClosed:
             os._exit(1)
 
@@ -127,7 +128,7 @@ def _init_process_group(out: FrameWriter) -> None:
     # names the missing ranks); collectives keep torch's own default timeout, since a long
     # checkpoint on the head must not break a barrier. Fail-fast never waits on either.
     init_timeout = float(os.environ["SKYTASKS_INIT_TIMEOUT_SECONDS"]) + 10  # set by the controller, always
-    out.send({"op": "joining"})
+    out.send(message(Op.JOINING))
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
         timeout=timedelta(seconds=init_timeout), wait_for_workers=True,
@@ -196,7 +197,7 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
         fn, args, kwargs = _unpack(msg)
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything, KeyboardInterrupt included, goes back
-        out.send({"op": "failed", "call": msg["call"], "started": started, "ended": time.time(), **_describe_exception(exc)})
+        out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), **_describe_exception(exc)))
         return False
     try:
         blob = dumps_out_of_band(value)
@@ -205,9 +206,9 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
             f"rank {rank} returned a value of type {type(value).__module__}.{type(value).__qualname__} "
             f"that cannot be pickled: {exc}"
         )
-        out.send({"op": "failed", "call": msg["call"], "started": started, "ended": time.time(), **_describe_exception(err)})
+        out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), **_describe_exception(err)))
         return False
-    out.send({"op": "result", "call": msg["call"], "value": blob, "started": started, "ended": time.time()})
+    out.send(message(Op.RESULT, call=msg["call"], value=blob, started=started, ended=time.time()))
     return True
 
 
@@ -279,20 +280,20 @@ def main() -> None:
         try:
             _init_process_group(out)
         except BaseException as exc:  # noqa: BLE001
-            out.send({"op": "failed", "call": None, "started": time.time(), "ended": time.time(), **_describe_exception(exc)})
+            out.send(message(Op.FAILED, call=None, started=time.time(), ended=time.time(), **_describe_exception(exc)))
             sys.exit(1)
-    out.send({"op": "ready", "pid": os.getpid()})
+    out.send(message(Op.READY, pid=os.getpid()))
 
     while True:
         msg = inbox.get()
-        if msg["op"] == "call":
+        if msg["op"] == Op.CALL:
             if not _run_call(msg, out):
                 # A rank that failed leaves at once: its peers then fail fast in their
                 # collectives too, and the group is never reused.
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
-        elif msg["op"] == "close":
+        elif msg["op"] == Op.CLOSE:
             break
 
     if init_torch:
