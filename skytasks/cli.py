@@ -41,6 +41,17 @@ def _gc_parser(commands: argparse._SubParsersAction) -> None:
     gc.add_argument("--endpoint-url", default=None, help="an EC2-compatible endpoint (tests use moto's)")
     gc.add_argument("--grace-minutes", type=float, default=15)
     gc.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    gc.add_argument("--now", type=_utc_time, default=None, metavar="YYYY-MM-DDTHH:MM:SSZ",
+                    help="sweep as of this time (with --dry-run: what a later sweep would delete)")
+
+
+def _utc_time(text: str):
+    from datetime import datetime, timezone
+
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--now: {text!r} is not a UTC time such as 2026-01-31T12:00:00Z") from None
 
 
 class _NoRankLinesOnConsole(logging.Filter):
@@ -114,7 +125,7 @@ def _slurm_gc(args: argparse.Namespace) -> int:
 
     shell = SlurmShell(GPUPool(provider="slurm").spec().slurm, PoolReporter("gc", "slurm"))
     try:
-        swept = sweep_jobs(shell, dry_run=args.dry_run, log=lambda line: print(line, file=sys.stderr))
+        swept = sweep_jobs(shell, dry_run=args.dry_run, now=args.now, log=lambda line: print(line, file=sys.stderr))
     finally:
         shell.close()
     print(f"skytasks gc: {len(swept)} slurm job(s) {'to cancel' if args.dry_run else 'cancelled'}")

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -142,11 +143,8 @@ def test_a_launch_refused_by_ec2_after_the_group_and_key_exist_leaves_nothing(mo
 
 def test_teardown_finds_by_tag_what_an_interrupted_create_call_never_reported(moto):
     from skytasks.providers.aws.provider import AWSProvider
-    from skytasks.providers.aws.plan import plan_launch
-
     provider = AWSProvider(aws_pool(moto).spec())
-    _, host_key = provider._make_keys()
-    provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
+    provider.launch()
     # As if Ctrl-C had landed while each create call was in flight: AWS made it, the ids never came back.
     provider.owned.instance_ids, provider.owned.security_group_id, provider.owned.key_name = [], None, None
     assert len(leftovers(moto["ec2"])["instances"]) == 2
@@ -272,22 +270,18 @@ def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(
     def leak(lifetime_minutes: float, launch: bool) -> AWSProvider:
         """Resources as a controller that died (SIGKILL) would leave them: nobody tears them down."""
         provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=lifetime_minutes).spec())
-        from skytasks.providers.aws.plan import plan_launch
-
-        plan = plan_launch(provider._spec, provider._ec2, provider._ssm)
-        _, host_key = provider._make_keys()
         if launch:
-            provider._launch(plan, host_key)
+            provider.launch()
         else:  # a pool killed between its security group and its instances
-            provider._ec2.create_security_group(GroupName=provider.pool_id, VpcId=moto["vpc"], Description="x",
-                                                TagSpecifications=provider._tags("security-group"))
+            moto["ec2"].create_security_group(GroupName=provider.pool_id, VpcId=moto["vpc"], Description="x",
+                                              TagSpecifications=provider.tags("security-group"))
         return provider
 
     expired, live, orphan = leak(0.01, True), leak(600, True), leak(600, False)
-    time.sleep(1.0)  # the expired pool's lifetime (0.6 s) has passed
+    a_minute_on = (datetime.now(timezone.utc) + timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
     cli = Path(sys.executable).parent / "skytasks"  # the console script the package installs
     out = subprocess.run([str(cli), "gc", "--region", REGION, "--endpoint-url",
-                          moto["endpoint"], "--grace-minutes", "0"], cwd=ROOT, capture_output=True, text=True,
+                          moto["endpoint"], "--grace-minutes", "0", "--now", a_minute_on], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -394,14 +388,12 @@ def launch_progress(flow_run_id: str) -> tuple:
 def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
     from flows.gc_sweep import skytasks_gc
     from skytasks.providers.aws.provider import AWSProvider
-    from skytasks.providers.aws.plan import plan_launch
 
     moto["creds"].save("skytasks-test-moto", overwrite=True)
     provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01).spec())
-    _, host_key = provider._make_keys()
-    provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
-    time.sleep(1.0)
-    assert skytasks_gc(aws_credentials_block="skytasks-test-moto") == [provider.pool_id]
+    provider.launch()
+    an_hour_on = datetime.now(timezone.utc) + timedelta(hours=1)  # long past its 0.6 s lifetime
+    assert skytasks_gc(aws_credentials_block="skytasks-test-moto", now=an_hour_on) == [provider.pool_id]
 
 
 def test_a_node_whose_bootstrap_failed_fails_the_launch_at_once_with_its_log(moto, tmp_path):
@@ -486,7 +478,6 @@ def test_a_termination_that_fails_reaches_the_flow_runs_log_an_event_and_the_cal
 
     from skytasks import PoolTeardownError
     from skytasks.providers.aws import resources
-    from skytasks.providers.aws.plan import plan_launch
     from skytasks.providers.aws.provider import AWSProvider
     from tests.test_prefect_native import _wait_for_events
 
@@ -501,8 +492,7 @@ def test_a_termination_that_fails_reaches_the_flow_runs_log_an_event_and_the_cal
 
         seen["flow_run"] = flow_run.get_id()
         provider = seen["provider"] = AWSProvider(aws_pool(moto).spec())
-        _, host_key = provider._make_keys()
-        provider._launch(plan_launch(provider._spec, provider._ec2, provider._ssm), host_key)
+        provider.launch()
         seen["stuck"] = provider.owned.instance_ids[0]
         ec2.modify_instance_attribute(InstanceId=seen["stuck"], DisableApiTermination={"Value": True})
         provider.stop()

@@ -286,11 +286,15 @@ def test_a_cancelled_flow_run_stops_every_rank(tmp_path):
 
 
 def silent_for_a_while() -> int:
-    time.sleep(2.5)  # no output, no report: nothing reaches the controller until the result
+    time.sleep(2.5)  # no output, no report: nothing of the rank reaches the controller until the result
     return rank_info().rank + 100
 
 
-def test_a_rank_silent_for_a_while_still_returns_its_result():
-    """Silence is not an end: the call waits for a message with no clock of its own to run out
-    (tests/test_call_run.py drives the same machine by hand)."""
-    assert distributed_task(silent_for_a_while, pool=GPUPool(nodes=2), init_torch=False)() == [100, 101]
+def test_a_rank_silent_for_a_while_still_returns_its_result(monkeypatch):
+    """Silence is not an end, with every clock armed: a deadline far off, and heartbeats whose
+    timeout (1 s) the rank's silence (2.5 s) outlasts; the agent's beats keep the node alive.
+    (tests/test_call_run.py drives the same machine by hand.)"""
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_SECONDS", "0.3")
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS", "1")
+    task = distributed_task(silent_for_a_while, pool=GPUPool(nodes=2), init_torch=False, timeout_seconds=60)
+    assert task() == [100, 101]

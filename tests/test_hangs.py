@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -48,24 +49,28 @@ def hang_after_printing() -> None:
     one_waits_in_barrier_the_other_sleeps()
 
 
-def fail_fast_with_a_collateral_rank() -> None:
+def fail_fast_with_a_collateral_rank(marker: str) -> None:
     import torch.distributed as dist
 
     if rank_info().rank == 1:
-        time.sleep(1.0)
+        # Rank 0 marks the moment before its barrier; its stack is read a second after this
+        # failure, when it is in the barrier whatever the machine's speed.
+        while not os.path.exists(marker):
+            time.sleep(0.02)
         raise ValueError("rank 1 gives up")
+    open(marker, "w").close()
     dist.barrier()
 
 
-def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast():
+def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast(tmp_path):
     hang = distributed_task(hang_after_printing, pool=GPUPool(nodes=2), hang_timeout_seconds=3, name="hangs")
     fails = distributed_task(fail_fast_with_a_collateral_rank, pool=GPUPool(nodes=2), name="fails")
 
     @flow
     def both():
-        for task in (hang, fails):
+        for task, args in ((hang, ()), (fails, (str(tmp_path / "rank0-in-barrier"),))):
             try:
-                task()
+                task(*args)
             except DistributedTaskError:
                 pass
 

@@ -105,4 +105,4 @@ def credentials_from(args: argparse.Namespace) -> Any:
 def run_gc(args: argparse.Namespace, log: Callable[[str], None]) -> list[str]:
     """`skytasks gc` (its arguments are parsed, and its lines printed, by `skytasks.cli`)."""
     ec2 = credentials_from(args).get_client("ec2")
-    return sweep(ec2, grace_minutes=args.grace_minutes, dry_run=args.dry_run, log=log)
+    return sweep(ec2, now=args.now, grace_minutes=args.grace_minutes, dry_run=args.dry_run, log=log)

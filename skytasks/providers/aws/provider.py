@@ -59,13 +59,8 @@ class AWSProvider:
 
     def start(self) -> list[NodeLink]:
         spec = self._spec
-        plan = plan_launch(spec, self._ec2, self._ssm)  # raises before anything exists
-        self._progress(0, spec.nodes, plan.cost_line(spec.nodes, spec.aws.max_lifetime_minutes / 60, spec.aws.spot))
         try:
-            login_key, host_key = self._make_keys()
-            self._launch(plan, host_key)
-            self._plan, self._login_key, self._host_key = plan, login_key, host_key  # for replace()
-            self._node_ids = list(self.owned.instance_ids)  # node rank -> its instance
+            plan, login_key, host_key = self.launch()
             addresses, private = self._wait_until_ready(plan, login_key, host_key)
             self._nodes = SSHNodes(SSHLogin(
                 targets=[(plan.login, a, 22) for a in addresses], known_hosts=_known_hosts(addresses, host_key),
@@ -77,6 +72,23 @@ class AWSProvider:
         except BaseException:
             self.stop()
             raise
+
+    def launch(self) -> tuple[LaunchPlan, Any, Any]:
+        """Plan (raising before anything exists), make the keys, group and instances; do not wait
+        for them. What `start` does first; `stop` deletes everything it made. Returns the plan, the
+        login key and the host key the nodes were given."""
+        spec = self._spec
+        plan = plan_launch(spec, self._ec2, self._ssm)
+        self._progress(0, spec.nodes, plan.cost_line(spec.nodes, spec.aws.max_lifetime_minutes / 60, spec.aws.spot))
+        login_key, host_key = self._make_keys()
+        self._launch(plan, host_key)
+        self._plan, self._login_key, self._host_key = plan, login_key, host_key  # for replace()
+        self._node_ids = list(self.owned.instance_ids)  # node rank -> its instance
+        return plan, login_key, host_key
+
+    def tags(self, resource_type: str) -> list[dict]:
+        """The TagSpecifications every resource of this pool carries (skytasks gc finds them by it)."""
+        return self._tags(resource_type)
 
     def prepare_workdir(self, request) -> tuple[str, str | None]:
         return self._nodes.prepare_workdir(request)  # type: ignore[union-attr]
