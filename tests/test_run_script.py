@@ -221,6 +221,10 @@ def ssh_pool(server: SSHServer) -> GPUPool:
                    ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable)
 
 
+def _home() -> str:
+    return os.path.expanduser("~")
+
+
 def test_workdir_travels_to_ssh_nodes_content_addressed(sshd, project, tmp_path, capsys):
     token = uuid.uuid4().hex  # new contents each test run: the nodes' cache never had them
     for name in ("train.py", "helpers.py"):
@@ -239,7 +243,9 @@ def test_workdir_travels_to_ssh_nodes_content_addressed(sshd, project, tmp_path,
     (project / "helpers.py").write_text("def double(x):\n    return 2 * x  # changed\n" + f"# {token}\n")
     third = call()
     assert "node 0 (127.0.0.1) got 1 file(s)" in third, third
-    landed = [p for p in Path.home().glob(".cache/skytasks/work-*") if (p / "notes.txt").exists()
+    # Where the node keeps its cache: its own home, as its login gives it (not this process's HOME).
+    node_home = distributed_task(_home, pool=ssh_pool(sshd), init_torch=False)()[0]
+    landed = [p for p in Path(node_home).glob(".cache/skytasks/work-*") if (p / "notes.txt").exists()
               and (p / "notes.txt").read_text() == token]
     assert len(landed) == 2  # two trees: before and after the change, each built once
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from skytasks import DistributedTaskError, GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
+from skytasks import GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.providers.slurm import job as slurm_job
 from tests.slurm_cluster import SlurmCluster, available
 from tests.sshd import SSHServer, free_port

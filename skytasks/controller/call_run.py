@@ -29,7 +29,7 @@ from skytasks.controller.failures import failure_error, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.protocol import NODE_FAILURES, SIGNS_OF_PROGRESS, Op, message
+from skytasks.protocol import SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
 from skytasks.stacks import where
 

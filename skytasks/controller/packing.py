@@ -79,7 +79,7 @@ _DISTRIBUTION_NAMES: set[str] | None = None
 
 
 # Top-level arguments whose pickle is at least this large travel as blobs of their own: once per
-# node, and not again while a warm rank group still holds the same bytes (see RankGroup.run).
+# node, and not again while a warm rank group still holds the same bytes (see RankGroup.call_message).
 BLOB_BYTES = 1 << 20
 
 

@@ -32,11 +32,11 @@ class _ThisTaskRunOnly(CachePolicy):
 
 
 class _OneLineGroups(logging.Filter):
-    """A rank failure used to print its whole exception group three times in a flow (about 230
-    lines for one ValueError): Prefect's task engine logs it, the flow engine logs it again, and
-    Python prints it when it reaches the top. Each failing rank's traceback is already in that
-    rank's own task run log, so Prefect's two engine logs get one line per root cause instead;
-    the group itself is printed in full once, by whoever finally handles it."""
+    """Prefect's task engine and its flow engine each log a failed task's exception, and Python
+    prints it again when it reaches the top: for an exception group of rank tracebacks that is
+    hundreds of lines. Each failing rank's traceback is already in that rank's own task run log,
+    so Prefect's two engine logs get one line per root cause; the group itself is printed in full
+    once, by whoever finally handles it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None

@@ -18,12 +18,13 @@ import tarfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.ssh_bridge import bridge_process
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
@@ -131,7 +132,6 @@ class SSHNodes:
             raise PoolStartError(f"node {node_rank} ({host}:{port}): cannot connect over SSH: {exc}") from exc
 
     async def _start_agent(self, conn: Any, node_rank: int, host: str, bundle: bytes, digest: str) -> NodeLink:
-        import asyncssh
 
         login = self._login
         remote_dir = f".cache/skytasks/{digest}"
@@ -276,70 +276,6 @@ def load_known_hosts(text: str | None, provider: str) -> Any:
     if "\n" not in text.strip() and os.path.exists(os.path.expanduser(text)):
         text = Path(os.path.expanduser(text)).read_text()
     return asyncssh.import_known_hosts(text)
-
-
-def bridge_process(proc: Any, label: str, reporter: PoolReporter) -> tuple[BinaryIO, BinaryIO, list]:
-    """A remote process's stdin and stdout (an asyncssh channel) as a pair of local pipes, so the
-    controller reads and writes it exactly like a local node's pipes; its stderr lines go to the
-    reporter. Call on the connection's event loop."""
-    import asyncssh
-
-    from_agent_r, from_agent_w = os.pipe()
-    to_agent_r, to_agent_w = os.pipe()
-    loop = asyncio.get_running_loop()
-
-    # A dropped connection ends both readers; that is how a node is lost, not an error of
-    # theirs: the closed pipe tells the controller (and nothing is left for asyncio to log).
-    async def agent_to_controller() -> None:
-        try:
-            while data := await proc.stdout.read(CHUNK):
-                await loop.run_in_executor(None, _write_all, from_agent_w, data)
-        except (OSError, asyncssh.Error):
-            pass
-        finally:
-            os.close(from_agent_w)  # the controller sees the node as lost
-
-    async def agent_stderr() -> None:
-        try:
-            while line := await proc.stderr.readline():
-                reporter.notice(f"[{label}] {line.decode(errors='replace').rstrip()}")
-        except (OSError, asyncssh.Error):
-            pass
-
-    def controller_to_agent() -> None:
-        try:
-            while data := os.read(to_agent_r, CHUNK):
-                asyncio.run_coroutine_threadsafe(_write_drain(proc.stdin, data), loop).result()
-        except Exception:  # noqa: BLE001 - the channel is gone; the reader reports it
-            pass
-        finally:
-            os.close(to_agent_r)
-            try:  # after stop() there is no loop, and no channel left to end
-                loop.call_soon_threadsafe(_eof, proc.stdin)
-            except RuntimeError:
-                pass
-
-    tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr())]
-    threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-out-{label}").start()
-    return os.fdopen(from_agent_r, "rb"), os.fdopen(to_agent_w, "wb"), tasks
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-async def _write_drain(stream: Any, data: bytes) -> None:
-    stream.write(data)
-    await stream.drain()
-
-
-def _eof(stream: Any) -> None:
-    try:
-        stream.write_eof()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _close_quietly(f: Any) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import shlex
 import subprocess
 import threading
@@ -18,7 +17,8 @@ from typing import Any, BinaryIO, Callable
 from skytasks.errors import PoolStartError
 from skytasks.pool_spec import SlurmSpec
 from skytasks.providers.reporting import PoolReporter
-from skytasks.providers.ssh import bridge_process, load_known_hosts, parse_host
+from skytasks.providers.ssh import load_known_hosts, parse_host
+from skytasks.providers.ssh_bridge import bridge_process
 
 
 @dataclass
