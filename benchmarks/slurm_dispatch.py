@@ -29,7 +29,7 @@ def slurm_dispatch(repeats: int) -> dict:
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.conf)
     try:
-        job = cluster.run("sbatch", "--parsable", "-N2", "--wrap", "sleep 600").stdout.strip()
+        job = cluster.run("sbatch", "--parsable", "--output=/dev/null", "-N2", "--wrap", "sleep 600").stdout.strip()
         while "RUNNING" not in cluster.run("squeue", "-h", "-j", job, "-o", "%T").stdout:
             time.sleep(0.2)
         head = cluster.addresses["n0"]

@@ -121,7 +121,7 @@ def test_the_example_flow_and_an_unchanged_torchrun_script_on_one_allocation(clu
 
 
 def test_a_pending_allocation_is_reported_then_cancelled_at_the_ready_timeout(cluster):
-    blocker = cluster.run("sbatch", "--parsable", "--exclusive", "-N3", "--wrap", "sleep 300").stdout.strip()
+    blocker = cluster.run("sbatch", "--parsable", "--output=/dev/null", "--exclusive", "-N3", "--wrap", "sleep 300").stdout.strip()
     try:
         deadline = time.monotonic() + 20
         while "RUNNING" not in cluster.run("squeue", "-h", "-j", blocker, "-o", "%T").stdout:
@@ -307,11 +307,11 @@ def test_gc_cancels_skytasks_jobs_past_their_expiry_and_nothing_else(cluster):
     from skytasks.providers.slurm.shell import SlurmShell
     from skytasks.providers.reporting import PoolReporter
 
-    expired = cluster.run("sbatch", "--parsable", "--job-name=skytasks-old", "--comment=skytasks:expires-at=2000-01-01T00:00:00Z",
+    expired = cluster.run("sbatch", "--parsable", "--output=/dev/null", "--job-name=skytasks-old", "--comment=skytasks:expires-at=2000-01-01T00:00:00Z",
                           "--wrap", "sleep 300").stdout.strip()
-    fresh = cluster.run("sbatch", "--parsable", "--job-name=skytasks-new", "--comment=skytasks:expires-at=2999-01-01T00:00:00Z",
+    fresh = cluster.run("sbatch", "--parsable", "--output=/dev/null", "--job-name=skytasks-new", "--comment=skytasks:expires-at=2999-01-01T00:00:00Z",
                         "--wrap", "sleep 300").stdout.strip()
-    theirs = cluster.run("sbatch", "--parsable", "--job-name=someone-else", "--comment=skytasks:expires-at=2000-01-01T00:00:00Z",
+    theirs = cluster.run("sbatch", "--parsable", "--output=/dev/null", "--job-name=someone-else", "--comment=skytasks:expires-at=2000-01-01T00:00:00Z",
                          "--wrap", "sleep 300").stdout.strip()
     try:
         shell = SlurmShell(slurm_pool().spec().slurm, PoolReporter("gc", "slurm"))
