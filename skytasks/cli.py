@@ -27,6 +27,8 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--workdir", default=None, help="directory every rank starts in (default: the current one)")
     run.add_argument("--timeout", type=float, default=None, help="seconds the whole call may take")
     run.add_argument("--retries", type=int, default=0, help="restart the whole group this many times on failure")
+    run.add_argument("--resources", action="store_true",
+                     help="print each rank's CPU, memory and GPU figures as its node samples them")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module, run as python -m")
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
@@ -68,7 +70,7 @@ def run_command(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     from prefect import flow
 
-    from skytasks.controller.runner import ECHO_RANK_LINES
+    from skytasks.controller.runner import ECHO_RANK_LINES, SHOW_RESOURCES
     from skytasks.errors import DistributedTaskError, PoolConfigError, ScriptFailed
     from skytasks.script import run_script
 
@@ -96,6 +98,7 @@ def run_command(args: argparse.Namespace) -> int:
                           timeout_seconds=args.timeout, retries=args.retries, name=name)
 
     token = ECHO_RANK_LINES.set(True)
+    shown = SHOW_RESOURCES.set(bool(args.resources))
     try:
         results = script_flow()
     except PoolConfigError as exc:
@@ -113,6 +116,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 130
     finally:
         ECHO_RANK_LINES.reset(token)
+        SHOW_RESOURCES.reset(shown)
     print(f"skytasks run: {name}: all {len(results)} rank(s) exited 0", file=sys.stderr)
     return 0
 

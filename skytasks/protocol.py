@@ -24,6 +24,7 @@ Agent -> controller:
   STOPPED group                                 the ranks of STOP are gone
   AGENT_ERROR error                             the agent failed a request; its ranks are stopped
   LEAVING reason, stacks {rank: stack}, group   the node is going away (SIGTERM); its ranks are gone
+  RESOURCES group, samples {rank: figures}      every few seconds while ranks run: CPU, RSS, GPU
 Rank -> controller (relayed by the agent, which adds `group` and `rank`):
   JOINING                                       entering init_process_group
   READY   pid                                   rendezvous done (or skipped), waiting for calls
@@ -56,6 +57,7 @@ class Op(StrEnum):
     STOPPED = "stopped"
     AGENT_ERROR = "agent_error"
     LEAVING = "leaving"
+    RESOURCES = "resources"
     JOINING = "joining"
     READY = "ready"
     LOG = "log"
@@ -146,6 +148,11 @@ class Leaving(TypedDict):
     group: int | None
 
 
+class Resources(TypedDict):
+    group: int | None
+    samples: dict[str, dict[str, float]]  # rank (as text) -> rss, host_memory, cpu, gpu_memory, ...
+
+
 class Joining(_Relayed):
     pass
 
@@ -188,7 +195,7 @@ class Lost(TypedDict):
 MESSAGES: dict[Op, type] = {
     Op.SPAWN: Spawn, Op.CALL: Call, Op.STACKS: Stacks, Op.STOP: Stop, Op.CLOSE: Close, Op.HEARTBEAT: Heartbeat,
     Op.HELLO: Hello, Op.OUTPUT: Output, Op.EXITED: Exited, Op.STACK: Stack, Op.STOPPED: Stopped,
-    Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
+    Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
     Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})

@@ -26,6 +26,8 @@ class SkytasksSettings(BaseSettings):
         5.0, gt=0, description="How long ranks get to leave a closed group cleanly before they are killed.")
     stop_confirm_seconds: float = Field(
         10.0, gt=0, description="How long stopped ranks may take to be confirmed gone before a call returns anyway.")
+    resource_sample_seconds: float = Field(
+        5.0, gt=0, description="How often each node agent samples its ranks' CPU, memory and GPU.")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
 
     @property

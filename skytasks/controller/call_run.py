@@ -212,11 +212,16 @@ class CallRun:
             if o.node_rank == node_rank and o.status is RankState.PENDING:
                 self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None, EndReason.NODE_LOST)
 
+    def _on_resources(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        for rank, figures in msg["samples"].items():
+            if int(rank) in self.outcomes:
+                self.observer.on_resources(int(rank), figures)
+
     # What each message does while the ranks run (dispatch by op; the rest change nothing).
     _WHILE_RUNNING = {
         Op.OUTPUT: _on_line, Op.LOG: _on_line, Op.REPORT: _on_report, Op.JOINING: _on_joining,
         Op.READY: _on_ready, Op.RESULT: _on_result, Op.FAILED: _on_failed, Op.EXITED: _on_exited,
-        Op.LOST: _on_node_failure, Op.AGENT_ERROR: _on_node_failure, Op.LEAVING: _on_node_failure,
+        Op.RESOURCES: _on_resources, Op.LOST: _on_node_failure, Op.AGENT_ERROR: _on_node_failure, Op.LEAVING: _on_node_failure,
     }
 
     def _ask_stacks(self, why: str, wait: float, now: float) -> None:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from skytasks.controller.rank_group import RankOutcome
+from skytasks.controller.runner import SHOW_RESOURCES
+from skytasks.controller.usage import RankUsage
 from skytasks.stacks import where
 
 
 class ConsoleObserver:
-    """Lines prefixed `[rank R]`; the runner's notices prefixed `[skytasks]`."""
+    """Lines prefixed `[rank R]`; the runner's notices prefixed `[skytasks]`; a rank's resource
+    warnings always, its figures with `skytasks run --resources`."""
+
+    def __init__(self) -> None:
+        self._usage: dict[int, RankUsage] = {}
 
     def on_attempt_start(self, attempt: int, world_size: int) -> None:
         pass
@@ -36,6 +43,13 @@ class ConsoleObserver:
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         for rank, stack in sorted(stacks.items()):
             print(f"[rank {rank}] was {where(stack) or 'somewhere unreadable'} ({why})", file=sys.stderr, flush=True)
+
+    def on_resources(self, rank: int, figures: dict[str, float]) -> None:
+        usage = self._usage.setdefault(rank, RankUsage(rank))
+        for warning in usage.add(figures, time.monotonic()):
+            print(f"[rank {rank}] WARNING {warning}", file=sys.stderr, flush=True)
+        if SHOW_RESOURCES.get():
+            print(f"[rank {rank}] uses {usage.line()}", file=sys.stderr, flush=True)
 
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
         shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())

@@ -23,6 +23,8 @@ from skytasks.workdir import WorkdirRequest, read_workdir
 
 # Set by `skytasks run`: rank lines are printed plainly on the console inside a flow too.
 ECHO_RANK_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_echo_rank_lines", default=False)
+# Set by `skytasks run --resources`: each rank's latest CPU, memory and GPU figures on the console.
+SHOW_RESOURCES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_show_resources", default=False)
 
 
 class PreparedCall:

@@ -26,6 +26,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from skytasks.devices import visible_gpus
+from skytasks.node.resources import Sampler
 from skytasks.protocol import Op, message
 from skytasks.wire import (RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header,
                            relay_frame)
@@ -34,13 +35,14 @@ from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess
 
 
 class NodeAgent:
-    def __init__(self, inbound: BinaryIO, outbound: BinaryIO, heartbeat_seconds: float = 5.0,
-                 heartbeat_timeout: float = 60.0, heartbeat_file: str | None = None):
+    def __init__(self, inbound: BinaryIO, outbound: BinaryIO, heartbeat_seconds: float, heartbeat_timeout: float,
+                 sample_seconds: float, heartbeat_file: str | None = None):
         self._inbound = HeardStream(inbound)
         self._out = FrameWriter(outbound)
         self._ranks: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
+        self._sample_seconds = sample_seconds
         self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
         self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
 
@@ -84,7 +86,7 @@ class NodeAgent:
     def serve(self) -> None:
         # What this node has, for the controller's device placement and backend choice.
         self.emit(message(Op.HELLO, pid=os.getpid(), python=sys.executable, gpus=visible_gpus()))
-        for target in (self._send_heartbeats, self._watch_controller):
+        for target in (self._send_heartbeats, self._watch_controller, self._sample_ranks):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         try:
             while True:
@@ -124,6 +126,26 @@ class NodeAgent:
         stacks = {str(rp.rank): rp.last_stack() for rp in ranks}
         groups = {rp.group for rp in ranks}
         self.emit(message(Op.LEAVING, reason=reason, stacks=stacks, group=groups.pop() if len(groups) == 1 else None))
+
+    def _sample_ranks(self) -> None:
+        """What each running rank uses, every few seconds, to the controller (skytasks.node.resources)."""
+        sampler = Sampler()
+        visible = visible_gpus()
+        while True:
+            time.sleep(self._sample_seconds)
+            with self._lock:
+                ranks = [rp for rp in self._ranks.values() if rp.proc.poll() is None]
+            if not ranks:
+                continue
+            targets = {rp.rank: (rp.proc.pid, _physical_gpu(rp.device, visible)) for rp in ranks}
+            try:
+                samples = sampler.sample(targets)
+            except Exception:  # noqa: BLE001 - figures are never worth a rank
+                continue
+            groups = {rp.group for rp in ranks}
+            if samples:
+                self.emit(message(Op.RESOURCES, group=groups.pop() if len(groups) == 1 else None,
+                                  samples={str(r): f for r, f in samples.items()}))
 
     def _end_ranks(self, grace: float) -> None:
         """The agent is leaving: its ranks go, and so does its scratch folder."""
@@ -212,6 +234,14 @@ class NodeAgent:
                 pass
 
 
+def _physical_gpu(device: str, visible: list[str]) -> str | None:
+    """The GPU nvidia-smi knows (its index or UUID) behind a rank's "cuda:<i>"."""
+    if not device.startswith("cuda:"):
+        return None
+    i = int(device.split(":", 1)[1])
+    return visible[i] if i < len(visible) else None
+
+
 def _heard(msg: dict[str, Any]) -> None:
     """A heartbeat: hearing it was the point (the stream's clock is reset by any byte)."""
 
@@ -232,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     # Required: the controller's settings (skytasks.settings) decide, never a default repeated here.
     parser.add_argument("--heartbeat-seconds", type=float, required=True)
     parser.add_argument("--heartbeat-timeout", type=float, required=True)
+    parser.add_argument("--sample-seconds", type=float, required=True)
     parser.add_argument("--heartbeat-file", default=None)
     args = parser.parse_args(argv)
     # Frames own the real stdout; anything else printed here (a warning, a stray print) goes to
@@ -246,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     # decides when ranks stop. It does end on SIGTERM, taking its ranks with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _end_on_sigterm)
-    agent = NodeAgent(inbound, outbound, args.heartbeat_seconds, args.heartbeat_timeout, args.heartbeat_file)
+    agent = NodeAgent(inbound, outbound, args.heartbeat_seconds, args.heartbeat_timeout, args.sample_seconds,
+                      args.heartbeat_file)
     agent.serve()
 
 

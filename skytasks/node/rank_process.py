@@ -52,6 +52,7 @@ class RankProcess:
         self.to_rank = FrameWriter(self.proc.stdin)  # type: ignore[arg-type]
         self._agent = agent
         self.stack_offset = 0  # where the next dump in the stack file starts
+        self.device = env.get("SKYTASKS_DEVICE", "cpu")  # "cuda:<i>": the i-th of the node's visible GPUs
         self.stopped_by_agent = False
         self._relays = [
             threading.Thread(target=self._relay_frames, args=(os.fdopen(ctrl_read, "rb"),), daemon=True),

@@ -10,7 +10,9 @@ beside it; at its end the call waits only for artifact writes still under way.
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 import threading
 import time
 from typing import Any
@@ -23,10 +25,12 @@ from skytasks.prefect_records.events import emit, pool_resource, rank_resource
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 from skytasks.prefect_records.rank_runs import RankRuns
-from skytasks.controller.runner import ECHO_RANK_LINES, outcome_summary
+from skytasks.controller.runner import ECHO_RANK_LINES, SHOW_RESOURCES, outcome_summary
+from skytasks.controller.usage import RankUsage
 from skytasks.stacks import user_frame, where
 
 METRICS_ARTIFACT_EVERY_SECONDS = 5.0  # each write is a new artifact version: keep the graph readable
+RESOURCES_ARTIFACT_EVERY_SECONDS = 5.0  # the live resources table and events: at most this often
 
 
 def artifact_key(label: str, suffix: str) -> str:
@@ -52,6 +56,8 @@ class PrefectObserver:
         self._lock = threading.Lock()
         self.runs: RankRuns | None = None
         self.outcomes: list[RankOutcome] = []
+        self._usage: dict[int, RankUsage] = {}  # over the whole call, every attempt
+        self._resources_written_at = 0.0
 
     # -- the runner's steps ------------------------------------------------------------------
 
@@ -66,9 +72,10 @@ class PrefectObserver:
 
     def on_call_end(self, error: BaseException | None) -> None:
         self._write_metrics()
+        self._write_resources()
         rows = [{"rank": o.rank, "node": o.node_rank, "address": o.node_addr, "outcome": o.status,
                  "seconds": round(o.ended - o.started, 3) if o.started and o.ended else None,
-                 "summary": outcome_summary(o)} for o in self.outcomes]
+                 "summary": outcome_summary(o), **self._usage_columns(o.rank)} for o in self.outcomes]
         self._writes.append(write_table(rows, artifact_key(self.label, "ranks"), f"{self.label}: one row per rank",
                                         **self._ids))
         if error is None and self._progress.exists:
@@ -109,6 +116,38 @@ class PrefectObserver:
             self._progress.set(progress * 100 if progress <= 1 else progress)
         if time.monotonic() - self._metrics_written_at >= METRICS_ARTIFACT_EVERY_SECONDS:
             self._write_metrics()
+
+    def on_resources(self, rank: int, figures: dict[str, float]) -> None:
+        """A rank's figures: its warnings into its own run's log at once, the live table and the
+        events every few seconds."""
+        with self._lock:
+            usage = self._usage.setdefault(rank, RankUsage(rank))
+            warnings = usage.add(figures, time.monotonic())
+        for line in warnings:
+            self.runs.on_log(rank, logging.WARNING, line)  # type: ignore[union-attr]
+        if self._echo and SHOW_RESOURCES.get():
+            print(f"[rank {rank}] uses {usage.line()}", file=sys.stderr, flush=True)
+        if time.monotonic() - self._resources_written_at >= RESOURCES_ARTIFACT_EVERY_SECONDS:
+            self._write_resources()
+
+    def _usage_columns(self, rank: int) -> dict[str, str]:
+        usage = self._usage.get(rank)
+        return usage.columns() if usage else {}
+
+    def _write_resources(self) -> None:
+        """The latest figures per rank: a table artifact (a new version of the same key each time)
+        and one `skytasks.rank.resources` event per rank."""
+        with self._lock:
+            usages = [self._usage[r] for r in sorted(self._usage)]
+            self._resources_written_at = time.monotonic()
+        if not usages:
+            return
+        rows = [{"rank": u.rank, "latest": u.line(), **u.columns()} for u in usages]
+        self._writes.append(write_table(rows, artifact_key(self.label, "resources"),
+                                        f"{self.label}: what each rank uses (latest, peak and mean)", **self._ids))
+        for u in usages:
+            emit("skytasks.rank.resources", rank_resource(self.label, u.rank), related=[pool_resource(self.pool_name)],
+                 payload={"task": self.label, "rank": u.rank, "latest": u.latest, "summary": u.columns()})
 
     def on_notice(self, text: str) -> None:
         self._parent_logger.warning("[skytasks] %s", text)

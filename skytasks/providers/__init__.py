@@ -41,8 +41,10 @@ class NodeLink:
 
 def agent_args(heartbeat_file: str | None = None) -> list[str]:
     """The agent's command line: it is told its heartbeat, never left to a default of its own."""
-    interval, timeout = settings().heartbeat
-    args = ["-m", "skytasks.node.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}"]
+    knobs = settings()
+    interval, timeout = knobs.heartbeat
+    args = ["-m", "skytasks.node.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}",
+            "--sample-seconds", f"{knobs.resource_sample_seconds:g}"]
     return args + (["--heartbeat-file", heartbeat_file] if heartbeat_file else [])
 
 

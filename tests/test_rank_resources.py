@@ -1,0 +1,140 @@
+"""What each rank uses, where people look: the rank table's columns, the live resources table,
+the warnings in a rank's own log, and `skytasks.rank.resources` events.
+
+End to end on CPU (a rank that allocates 500 MB shows it; a busy rank shows its CPU); the GPU side
+from recorded `nvidia-smi` outputs; the warnings from scripted samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+
+from skytasks import GPUPool, distributed_task, rank_info
+from skytasks.controller.usage import MB, RankUsage
+from skytasks.node.resources import Sampler, parse_compute_apps, parse_gpu_query
+
+# `nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits`
+# as drivers print it: a 535 data-centre driver (H100), a 550 with a GPU that reports no utilisation
+# (MIG), and a 470 on a consumer card.
+GPU_QUERY = {
+    "535": "0, GPU-3f6a0c1e-1111-2222-3333-444455556666, 87, 61234, 81559\n"
+           "1, GPU-9a8b7c6d-1111-2222-3333-444455556666, 3, 1024, 81559\n",
+    "550-mig": "0, GPU-aaaaaaaa-1111-2222-3333-444455556666, [N/A], 20480, 40960\n",
+    "470": "0, GPU-bbbbbbbb-1111-2222-3333-444455556666, 100, 7900, 8192\n",
+}
+APPS = ("4242, GPU-3f6a0c1e-1111-2222-3333-444455556666, 61000\n"
+        "4343, GPU-9a8b7c6d-1111-2222-3333-444455556666, 900\n"
+        "bad line\n")
+
+
+@pytest.mark.parametrize("driver", list(GPU_QUERY))
+def test_gpu_figures_are_read_from_nvidia_smi_query_output(driver):
+    devices = parse_gpu_query(GPU_QUERY[driver])
+    assert devices and all(d.memory_total > d.memory_used > 0 for d in devices)
+    if driver == "535":
+        assert [(d.index, d.utilization) for d in devices] == [("0", 87.0), ("1", 3.0)]
+        assert devices[0].memory_total == 81559 * MB
+    if driver == "550-mig":
+        assert devices[0].utilization is None  # not reported: absent, never 0
+    assert parse_compute_apps(APPS) == {4242: ("GPU-3f6a0c1e-1111-2222-3333-444455556666", 61000 * MB),
+                                        4343: ("GPU-9a8b7c6d-1111-2222-3333-444455556666", 900 * MB)}
+
+
+def test_an_idle_gpu_warns_once_after_a_minute_and_full_memory_warns_once():
+    usage = RankUsage(rank=3)
+    idle = {"rss": 100 * MB, "host_memory": 1000 * MB, "cpu": 5.0, "gpu_util": 2.0, "gpu_memory": 10 * MB,
+            "gpu_memory_total": 1000 * MB}
+    said = [line for t in range(0, 60, 5) for line in usage.add(idle, now=float(t))]
+    assert said == []  # 55 s of idle GPU: not yet
+    said = usage.add(idle, now=61.0) + usage.add(idle, now=70.0)
+    assert len(said) == 1 and "rank 3: its GPU has been under 10% busy for 61s" in said[0]
+    busy = {**idle, "gpu_util": 95.0, "gpu_memory": 950 * MB, "rss": 950 * MB}
+    said = usage.add(busy, now=75.0) + usage.add(busy, now=80.0)
+    assert len(said) == 2 and any("GPU memory at 950 of 1000 MB" in s for s in said)
+    assert any("host memory at 950 of 1000 MB" in s for s in said)
+    cols = usage.columns()
+    assert cols["peak RSS MB"] == "950" and cols["peak GPU MB"] == "950" and "mean GPU %" in cols
+
+
+def test_a_cpu_rank_has_no_gpu_columns_at_all():
+    usage = RankUsage(rank=0)
+    usage.add({"rss": 200 * MB, "host_memory": 8000 * MB, "cpu": 50.0}, now=0.0)
+    assert set(usage.columns()) == {"peak RSS MB", "mean RSS MB", "mean CPU %"}
+
+
+def test_sampling_this_process_is_cheap_and_sees_its_memory():
+    import os
+
+    sampler = Sampler()
+    sampler.sample({0: (os.getpid(), None)})
+    started, cpu_before = time.perf_counter(), time.process_time()
+    for _ in range(200):
+        figures = sampler.sample({0: (os.getpid(), None)})[0]
+    per_sample = (time.process_time() - cpu_before) / 200
+    assert figures["rss"] > 10 * MB and "cpu" in figures and "gpu_util" not in figures
+    # one sample every 5 s: under 1% of a core means under 50 ms a sample; it is far less
+    print(f"one sample of one rank: {per_sample * 1e6:.0f} µs of CPU ({time.perf_counter() - started:.3f}s for 200)")
+    assert per_sample < 0.005
+
+
+def hold_memory_and_spin(seconds: float) -> str:
+    info = rank_info()
+    if info.rank == 0:
+        block = bytearray(500 * MB)  # touched: resident, not just reserved
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(seconds)
+        return "held"
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return "spun"
+
+
+def test_the_rank_table_shows_what_each_rank_used(monkeypatch):
+    from datetime import datetime, timedelta, timezone
+
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
+    monkeypatch.setenv("SKYTASKS_RESOURCE_SAMPLE_SECONDS", "0.5")
+    task = distributed_task(hold_memory_and_spin, pool=GPUPool(nodes=2), init_torch=False, name="usage")
+
+    @flow
+    def measured():
+        return task(4.0)
+
+    state = measured(return_state=True)
+    assert state.result() == ["held", "spun"]
+
+    async def tables():
+        async with get_client() as client:
+            found = {}
+            for a in sorted(await client.read_artifacts(), key=lambda a: a.created):
+                if a.flow_run_id == state.state_details.flow_run_id and a.key in ("usage-ranks", "usage-resources"):
+                    found[a.key] = a.data  # the newest version of each key wins
+            return found
+
+    found = asyncio.run(tables())
+    import json
+
+    rows = {r["rank"]: r for r in json.loads(found["usage-ranks"])}
+    assert float(rows[0]["peak RSS MB"]) >= 500 > float(rows[1]["peak RSS MB"]), rows
+    assert float(rows[1]["mean CPU %"]) >= 60, rows  # a spinning rank keeps about one core busy
+    assert "peak GPU MB" not in rows[0]  # no GPU here: the columns are absent, not zero
+    live = json.loads(found["usage-resources"])
+    assert [r["rank"] for r in live] == [0, 1] and "RSS" in live[0]["latest"]
+    from tests.test_prefect_native import _wait_for_events
+
+    deadline = time.monotonic() + 20
+    while True:  # events reach the API a moment after they are emitted
+        events = _wait_for_events("skytasks.rank.resources", since, {"skytasks.rank.resources"},
+                                  str(state.state_details.flow_run_id))
+        ranks = {e["payload"]["rank"]: e["payload"] for e in events}
+        if set(ranks) == {0, 1} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert set(ranks) == {0, 1} and ranks[0]["latest"]["rss"] > 0
