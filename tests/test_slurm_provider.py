@@ -322,3 +322,46 @@ def test_gc_cancels_skytasks_jobs_past_their_expiry_and_nothing_else(cluster):
         assert expired not in ids and fresh in ids and theirs in ids
     finally:
         cluster.run("scancel", expired, fresh, theirs, check=False)
+
+
+def test_a_preempted_node_says_so_with_its_ranks_stacks_and_the_retry_resumes_from_the_checkpoint(
+        cluster, tmp_path, capsys):
+    """SLURM's SIGTERM before the kill (preemption, scancel --signal, the time limit) reaches the
+    agent and its ranks at once: the agent says the node is going away, with where each rank
+    was; the attempt fails as a lost node; the retry resumes from the last checkpoint."""
+    from skytasks import Checkpointer
+
+    marker = tmp_path / "step"
+    pool = slurm_pool(procs_per_node=1)
+
+    @distributed_task(pool=pool, retries=1)
+    def train(ckpt_dir: str, marker: str):
+        ckpt = Checkpointer(ckpt_dir, keep=2)
+        found = ckpt.load_latest()
+        start = 0 if found is None else found[0] + 1
+        for step in range(start, 6):
+            ckpt.save({"step": step}, step)
+            if rank_info().attempt == 1 and step == 2:
+                import socket
+
+                Path(f"{marker}{rank_info().rank}").write_text(socket.gethostname())
+                time.sleep(120)  # preempted here
+        return (rank_info().attempt, start)
+
+    def preempt_node_1() -> None:
+        deadline = time.monotonic() + 60
+        while not Path(f"{marker}1").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # into the sleep
+        host = Path(f"{marker}1").read_text()
+        # the agent step on rank 1's node, as `scancel --signal` names a step
+        steps = [line.split() for line in cluster.run("squeue", "-h", "-s", "-o", "%i %N").stdout.splitlines()]
+        [step] = [s for s, node in steps if node == host and ".batch" not in s]
+        cluster.run("scancel", "--signal=TERM", step)
+
+    threading.Thread(target=preempt_node_1, daemon=True).start()
+    out = train(str(tmp_path / "ckpt"), str(marker))
+    assert out == [(2, 3), (2, 3)]  # attempt 2 went on from the step after the last checkpoint
+    err = capsys.readouterr().err
+    assert "node 1 is going away" in err and "SIGTERM" in err, err
+    assert "stopped because node 1 is going away" in err and "in `train`" in err, err  # its rank's stack
