@@ -148,16 +148,17 @@ def device_environment(r: RankDevice, backend: str) -> dict[str, str]:
     return {"SKYTASKS_DEVICE": r.device, "SKYTASKS_BACKEND": backend}
 
 
-def check_backend_before_launch(backend: str | None, provider: str, nodes: int, procs_per_node: int,
-                                accelerators_per_node: int | None) -> None:
+def check_backend_before_launch(backend: str | None, *, on_this_machine: bool, gpus_from_config: bool, nodes: int,
+                                procs_per_node: int, accelerators_per_node: int | None) -> None:
     """An explicit nccl that cannot work is refused before any node is brought up, from what is
-    known beforehand: this machine's GPUs for a local pool, `accelerators_per_node` for others.
+    known beforehand: this machine's GPUs for nodes on this machine, `accelerators_per_node` for
+    others (for a provider that launches what the configuration says, unset means no GPU).
     (Remote nodes are checked again against what their agents report, before ranks start.)"""
     if backend != "nccl":
         return
-    if provider == "local":
+    if on_this_machine:
         slices = split_local_gpus(visible_gpus(), nodes, procs_per_node)
         choose_backend("nccl", place_ranks(slices, procs_per_node, ["this machine"] * nodes))
-    elif accelerators_per_node is not None or provider == "aws":
+    elif accelerators_per_node is not None or gpus_from_config:
         per_node = [[str(i) for i in range(accelerators_per_node or 0)] for _ in range(nodes)]
         choose_backend("nccl", place_ranks(per_node, procs_per_node))

@@ -16,6 +16,10 @@ from skytasks.errors import PoolConfigError
 
 SMI = "\n".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})" for i in range(8))
 
+LOCAL = dict(on_this_machine=True, gpus_from_config=False)
+SSH = dict(on_this_machine=False, gpus_from_config=False)
+LAUNCHED = dict(on_this_machine=False, gpus_from_config=True)  # aws, slurm
+
 
 def smi(n: int) -> str:
     return "\n".join(SMI.splitlines()[:n])
@@ -138,11 +142,11 @@ def test_other_explicit_backends_pass_through():
 def test_preflight_refuses_nccl_before_launch(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(PoolConfigError, match="procs_per_node=1"):
-        check_backend_before_launch("nccl", "local", 2, 1, None)
-    check_backend_before_launch("nccl", "local", 1, 1, None)  # one rank on one GPU is fine
-    check_backend_before_launch(None, "local", 4, 4, None)  # auto never refuses
+        check_backend_before_launch("nccl", **LOCAL, nodes=2, procs_per_node=1, accelerators_per_node=None)
+    check_backend_before_launch("nccl", **LOCAL, nodes=1, procs_per_node=1, accelerators_per_node=None)  # one rank on one GPU is fine
+    check_backend_before_launch(None, **LOCAL, nodes=4, procs_per_node=4, accelerators_per_node=None)  # auto never refuses
     with pytest.raises(PoolConfigError, match="procs_per_node=8"):
-        check_backend_before_launch("nccl", "ssh", 2, 8, 4)
+        check_backend_before_launch("nccl", **SSH, nodes=2, procs_per_node=8, accelerators_per_node=4)
     with pytest.raises(PoolConfigError, match="have no GPU"):
-        check_backend_before_launch("nccl", "aws", 2, 1, None)  # a CPU instance type
-    check_backend_before_launch("nccl", "ssh", 2, 8, None)  # unknown until the agents report
+        check_backend_before_launch("nccl", **LAUNCHED, nodes=2, procs_per_node=1, accelerators_per_node=None)  # a CPU instance type
+    check_backend_before_launch("nccl", **SSH, nodes=2, procs_per_node=8, accelerators_per_node=None)  # unknown until the agents report

@@ -357,7 +357,8 @@ def test_a_preempted_node_says_so_with_its_ranks_stacks_and_the_retry_resumes_fr
         # the agent step on rank 1's node, as `scancel --signal` names a step
         steps = [line.split() for line in cluster.run("squeue", "-h", "-s", "-o", "%i %N").stdout.splitlines()]
         [step] = [s for s, node in steps if node == host and ".batch" not in s]
-        cluster.run("scancel", "--signal=TERM", step)
+        # (scancel may exit non-zero when a process of the step is already gone; the signal went out)
+        cluster.run("scancel", "--signal=TERM", step, check=False)
 
     threading.Thread(target=preempt_node_1, daemon=True).start()
     out = train(str(tmp_path / "ckpt"), str(marker))

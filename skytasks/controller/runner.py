@@ -63,12 +63,14 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
     did not start) is retried while retries are left. Interrupts never are."""
     spec = runtime.spec
     world = spec.nodes * spec.procs_per_node
-    check_backend_before_launch(options.backend, spec.provider, spec.nodes, spec.procs_per_node,
-                                spec.accelerators_per_node)
+    provider = provider_class(spec.provider)  # what it can do, never its name, decides
+    check_backend_before_launch(options.backend, on_this_machine=provider.runs_on_this_machine,
+                                gpus_from_config=provider.gpus_from_config, nodes=spec.nodes,
+                                procs_per_node=spec.procs_per_node, accelerators_per_node=spec.accelerators_per_node)
     workdir = None
     if options.workdir is not None:
         # Read (and held to the size limit) before any node is up, when it has to travel.
-        here = provider_class(spec.provider).runs_on_this_machine
+        here = provider.runs_on_this_machine
         workdir = WorkdirRequest(options.workdir, None if here else read_workdir(options.workdir))
     group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
     policy = FailurePolicy(options.retries)

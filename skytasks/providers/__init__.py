@@ -54,6 +54,9 @@ class NodeProvider(Protocol):
     reshape_is_cheap: bool
     # Whether the nodes are this machine (a workdir is used in place, not sent).
     runs_on_this_machine: bool
+    # Whether the nodes have exactly the GPUs the pool's fields ask for (it launches or allocates
+    # them), so a pool with no accelerator has none; ssh hosts have whatever they have.
+    gpus_from_config: bool
 
     def start(self) -> list[NodeLink]:
         """Bring every node up and start its agent; all or nothing."""

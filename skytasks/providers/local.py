@@ -18,6 +18,7 @@ LOOPBACK = "127.0.0.1"
 class LocalProvider:
     reshape_is_cheap = True  # processes on this machine: a call of another shape starts its own
     runs_on_this_machine = True  # a workdir is used in place
+    gpus_from_config = False
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec

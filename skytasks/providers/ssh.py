@@ -75,6 +75,7 @@ class SSHNodes:
 
     reshape_is_cheap = False  # the hosts are the pool's: another shape cannot have them too
     runs_on_this_machine = False  # a workdir travels to the nodes
+    gpus_from_config = False
 
     def __init__(self, login: SSHLogin, reporter: PoolReporter | None = None):
         self._login = login

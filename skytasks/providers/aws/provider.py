@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 class AWSProvider:
     reshape_is_cheap = False  # instances cost money: a call of another shape must not launch its own
     runs_on_this_machine = False  # a workdir travels to the nodes
+    gpus_from_config = True
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec

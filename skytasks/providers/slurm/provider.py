@@ -45,6 +45,7 @@ class AllocatedNode:
 class SlurmProvider:
     reshape_is_cheap = False  # an allocation waits in a queue and is billed: never a second one per call
     runs_on_this_machine = False
+    gpus_from_config = True
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         assert spec.slurm is not None
