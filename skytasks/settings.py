@@ -28,6 +28,8 @@ class SkytasksSettings(BaseSettings):
         10.0, gt=0, description="How long stopped ranks may take to be confirmed gone before a call returns anyway.")
     resource_sample_seconds: float = Field(
         5.0, gt=0, description="How often each node agent samples its ranks' CPU, memory and GPU.")
+    teardown_wait_seconds: float = Field(
+        60.0, gt=0, description="How long a teardown waits for SLURM jobs to leave the queue before it reports them.")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
 
     @property

@@ -172,6 +172,14 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
              f"hostname {hostname} && exec \"$@\"", "-", *argv],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True)
 
+    def freeze_controller(self) -> None:
+        """slurmctld stops answering (a hung or overloaded controller): the jobs stay, and nobody
+        can cancel them until it answers again."""
+        self.daemons["ctl"].send_signal(signal.SIGSTOP)
+
+    def thaw_controller(self) -> None:
+        self.daemons["ctl"].send_signal(signal.SIGCONT)
+
     def start_node(self, name: str) -> None:
         self._start_daemon(name, ["slurmd", "-D", "-f", str(self.conf)], name)
 

@@ -366,3 +366,30 @@ def test_a_preempted_node_says_so_with_its_ranks_stacks_and_the_retry_resumes_fr
     err = capsys.readouterr().err
     assert "node 1 is going away" in err and "SIGTERM" in err, err
     assert "stopped because node 1 is going away" in err and "in `train`" in err, err  # its rank's stack
+
+
+def test_a_job_that_cannot_be_cancelled_is_an_error_naming_it_not_a_silent_leak(cluster, monkeypatch, caplog):
+    """slurmctld does not answer when the pool ends: the job may still hold its nodes (and bill
+    for them). The pool's exit names it in an ERROR and raises PoolTeardownError."""
+    import logging
+
+    from skytasks import PoolTeardownError
+
+    monkeypatch.setenv("SKYTASKS_TEARDOWN_WAIT_SECONDS", "2")
+    pool = slurm_pool(procs_per_node=1)
+    with pytest.raises(PoolTeardownError) as caught, caplog.at_level(logging.ERROR, logger="skytasks"):
+        with pool:
+            job = cluster.queue()[0].split()[0]
+            cluster.freeze_controller()
+    try:
+        assert f"slurm job {job}" in str(caught.value) and "skytasks gc" in str(caught.value)
+        assert f"slurm job {job}" in caplog.text
+    finally:
+        cluster.thaw_controller()
+        cluster.run("scancel", job, check=False)
+        # The steps ended while the controller was frozen, so it still waits to hear of them:
+        # an administrator's way out is to down the nodes and resume them, which ends the job.
+        if cluster.wait_queue_empty(timeout=5):
+            cluster.run("scontrol", "update", "nodename=n0,n1,n2", "state=down", "reason=test cleanup", check=False)
+            cluster.run("scontrol", "update", "nodename=n0,n1,n2", "state=resume", check=False)
+            cluster.wait_idle()

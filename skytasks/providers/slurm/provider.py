@@ -30,9 +30,9 @@ from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.slurm import job as slurm_job
 from skytasks.providers.slurm.node_steps import NodeSteps
 from skytasks.providers.slurm.shell import SlurmShell
+from skytasks.settings import settings
 
 POLL_SECONDS = 1.0
-CANCEL_WAIT_SECONDS = 60.0
 
 
 @dataclass
@@ -239,10 +239,10 @@ class SlurmProvider:
             self.jobs = [j for j in self.jobs if j in left]
             if left:
                 box["error"] = self.reporter.teardown_failed(
-                    [f"slurm job {j}" for j in left], detail or f"still in the queue after {CANCEL_WAIT_SECONDS:g}s")
+                    [f"slurm job {j}" for j in left], detail or "still in the queue after the teardown's wait")
 
     def _wait_gone(self, jobs: list[str]) -> list[str]:
-        deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+        deadline = time.monotonic() + settings().teardown_wait_seconds
         while True:
             done = self.shell.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)])
             left = [j for j in done.stdout.split() if j in jobs] if done.returncode == 0 else []
