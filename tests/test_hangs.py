@@ -49,26 +49,28 @@ def hang_after_printing() -> None:
     one_waits_in_barrier_the_other_sleeps()
 
 
-def fail_fast_with_a_collateral_rank(marker: str) -> None:
-    import torch.distributed as dist
-
+def fail_fast_with_a_rank_left_waiting(marker: str) -> None:
     if rank_info().rank == 1:
-        # Rank 0 marks the moment before its barrier; its stack is read a second after this
-        # failure, when it is in the barrier whatever the machine's speed.
+        # Rank 0 marks the moment it starts waiting; its stack is read a second after this
+        # failure, when it is still waiting whatever the machine's speed.
         while not os.path.exists(marker):
             time.sleep(0.02)
         raise ValueError("rank 1 gives up")
     open(marker, "w").close()
-    dist.barrier()
+    wait_for_rank_1()
+
+
+def wait_for_rank_1() -> None:
+    time.sleep(60)  # not a collective: rank 1's exit cannot fail it first, only our stop ends it
 
 
 def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast(tmp_path):
     hang = distributed_task(hang_after_printing, pool=GPUPool(nodes=2), hang_timeout_seconds=3, name="hangs")
-    fails = distributed_task(fail_fast_with_a_collateral_rank, pool=GPUPool(nodes=2), name="fails")
+    fails = distributed_task(fail_fast_with_a_rank_left_waiting, pool=GPUPool(nodes=2), name="fails")
 
     @flow
     def both():
-        for task, args in ((hang, ()), (fails, (str(tmp_path / "rank0-in-barrier"),))):
+        for task, args in ((hang, ()), (fails, (str(tmp_path / "rank0-waiting"),))):
             try:
                 task(*args)
             except DistributedTaskError:
@@ -93,14 +95,14 @@ def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast(tmp_path):
     while True:
         logs, artifacts = asyncio.run(logs_by_run())
         # Logs reach the API in batches: wait until everything asserted below has arrived.
-        ready = ("barrier" in logs.get("fails[rank 0/2]", "") and "barrier" in logs.get("hangs[rank 0/2]", "")
+        ready = ("wait_for_rank_1" in logs.get("fails[rank 0/2]", "") and "barrier" in logs.get("hangs[rank 0/2]", "")
                  and "hang_after_printing" in logs.get("hangs[rank 1/2]", "") and artifacts)
         if ready or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert "stack (no rank wrote output" in logs["hangs[rank 0/2]"] and "barrier" in logs["hangs[rank 0/2]"]
     assert "hang_after_printing" in logs["hangs[rank 1/2]"]
-    # fail-fast: the collateral rank 0 was stopped in its barrier, and its log says so
+    # fail-fast: rank 0 was stopped where it waited, and its log says so
     assert "stack (stopped because rank 1 failed)" in logs["fails[rank 0/2]"]
-    assert "barrier" in logs["fails[rank 0/2]"]
+    assert "wait_for_rank_1" in logs["fails[rank 0/2]"]
     assert artifacts and any("barrier" in str(a.data) for a in artifacts)

@@ -115,14 +115,7 @@ class NodeAgent:
         self.leaving_known.set()
         with self._lock:
             ranks = list(self._ranks.values())
-        for rp in ranks:
-            rp.stop()
-        deadline = time.monotonic() + TERM_GRACE_SECONDS
-        for rp in ranks:
-            try:
-                rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        _stop_and_wait(ranks, TERM_GRACE_SECONDS)
         stacks = {str(rp.rank): rp.last_stack() for rp in ranks}
         groups = {rp.group for rp in ranks}
         self.emit(message(Op.LEAVING, reason=reason, stacks=stacks, group=groups.pop() if len(groups) == 1 else None))
@@ -219,19 +212,25 @@ class NodeAgent:
         with self._lock:
             ranks = list(self._ranks.values())
             self._ranks.clear()
+        _stop_and_wait(ranks, grace)
         for rp in ranks:
-            rp.stop() if grace > 0 else rp.kill()
-        deadline = time.monotonic() + grace
-        for rp in ranks:
-            try:
-                rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
             rp.kill()  # the whole session, stragglers and grandchildren included
             try:
                 rp.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _stop_and_wait(ranks: list[RankProcess], grace: float) -> None:
+    """SIGTERM to every rank (SIGKILL with no grace), then wait for them until the grace is up."""
+    for rp in ranks:
+        rp.stop() if grace > 0 else rp.kill()
+    deadline = time.monotonic() + grace
+    for rp in ranks:
+        try:
+            rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _physical_gpu(device: str, visible: list[str]) -> str | None:

@@ -10,6 +10,7 @@ import sys
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
+from skytasks.providers.processes import end_child
 from skytasks.providers.reporting import PoolReporter
 
 LOOPBACK = "127.0.0.1"
@@ -41,7 +42,7 @@ class LocalProvider:
         """A new agent for a node that was lost (its agent died or fell silent)."""
         old = self._procs.pop(node_rank, None)
         if old is not None:
-            _end(old)
+            end_child(old)
         return self._start_node(node_rank)
 
     def _start_node(self, node_rank: int) -> NodeLink:
@@ -65,7 +66,7 @@ class LocalProvider:
             outbound=proc.stdin,  # type: ignore[arg-type]
             env={"PYTHONPATH": self._path},
             machine="this machine",
-            close=lambda p=proc: _end(p),
+            close=lambda p=proc: end_child(p),
         )
 
     def abort(self) -> None:
@@ -84,7 +85,7 @@ class LocalProvider:
     def stop(self) -> None:
         procs, self._procs = self._procs, {}
         for p in procs.values():
-            _end(p)
+            end_child(p)
 
 
 def _controller_path() -> str:
@@ -92,22 +93,3 @@ def _controller_path() -> str:
     sibling file of the flow) finds them on a local rank too."""
     parts = [os.path.abspath(p or ".") for p in sys.path]
     return os.pathsep.join(dict.fromkeys(p for p in parts if os.path.isdir(p)))
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """Close the agent's stdin (it then stops its ranks and exits); kill it if it lingers."""
-    if proc.poll() is None:
-        try:
-            proc.stdin.close()  # type: ignore[union-attr]
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            stream.close()  # type: ignore[union-attr]
-        except OSError:
-            pass

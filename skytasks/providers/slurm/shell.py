@@ -16,6 +16,7 @@ from typing import Any, BinaryIO, Callable
 
 from skytasks.errors import PoolStartError
 from skytasks.pool_spec import SlurmSpec
+from skytasks.providers.processes import end_child
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.ssh import load_known_hosts, parse_host
 from skytasks.providers.ssh_bridge import bridge_process
@@ -102,7 +103,7 @@ class SlurmShell:
                                     # stops the ranks in order
                                     start_new_session=True)
             self._procs.append(proc)
-            step = Step(proc.stdout, proc.stdin, lambda: _end(proc))  # type: ignore[arg-type]
+            step = Step(proc.stdout, proc.stdin, lambda: end_child(proc, terminate_first=True))  # type: ignore[arg-type]
             threading.Thread(target=self._relay_stderr, args=(proc.stderr, label, step), daemon=True).start()
             return step
         conn = self._connected()
@@ -130,7 +131,7 @@ class SlurmShell:
 
     def close(self) -> None:
         for p in self._procs:
-            _end(p)
+            end_child(p, terminate_first=True)
         self._procs = []
         if self._conn is not None:
             conn, self._conn = self._conn, None
@@ -153,26 +154,3 @@ class _TailReporter:
     def notice(self, line: str) -> None:
         self._tail.append(line.split("] ", 1)[-1])
         self._reporter.notice(line)
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """EOF to the step (its agent ends and srun with it); signal srun if it lingers."""
-    if proc.poll() is None:
-        try:
-            proc.stdin.close()  # type: ignore[union-attr]
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # srun passes it on to the step's tasks
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        try:
-            stream.close()  # type: ignore[union-attr]
-        except OSError:
-            pass

@@ -1,0 +1,32 @@
+"""Ending a child process that speaks over its stdin and stdout (a local agent, an srun step)."""
+
+from __future__ import annotations
+
+import subprocess
+
+
+def end_child(proc: subprocess.Popen, *, terminate_first: bool = False, wait: float = 10.0) -> None:
+    """EOF on its stdin (an agent then stops its ranks and exits); if it lingers, SIGTERM when
+    `terminate_first` (srun passes it on to the step's tasks), then SIGKILL. Its pipes are closed."""
+    if proc.poll() is None:
+        try:
+            proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        signals = ([proc.terminate] if terminate_first else []) + [proc.kill]
+        for send in [None, *signals]:
+            if send is not None:
+                send()
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is None:
+            continue
+        try:
+            stream.close()
+        except OSError:
+            pass
