@@ -138,3 +138,24 @@ def test_the_rank_table_shows_what_each_rank_used(monkeypatch):
             break
         time.sleep(0.5)
     assert set(ranks) == {0, 1} and ranks[0]["latest"]["rss"] > 0
+
+
+def test_skytasks_run_shows_each_ranks_figures_on_request(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    (tmp_path / "work.py").write_text("import time\nblock = bytearray(200 * 1024 * 1024)\ntime.sleep(2.5)\n")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "SKYTASKS_RESOURCE_SAMPLE_SECONDS": "0.5"}
+    run = subprocess.run([sys.executable, "-m", "skytasks.cli", "run", "--nodes", "2", "--resources",
+                          "--workdir", str(tmp_path), "work.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    # the script is a child of the rank process: its 200 MB count as the rank's
+    import re
+
+    seen = [int(mb) for mb in re.findall(r"\[rank 0\] uses RSS (\d+) MB", run.stderr)]
+    assert seen and max(seen) >= 200, run.stderr[-3000:]
+    assert "[rank 1] uses RSS" in run.stderr

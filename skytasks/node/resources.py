@@ -46,6 +46,22 @@ def rss_bytes(pid: int) -> int | None:
         return None
 
 
+def with_descendants(pid: int) -> list[int]:
+    """The process and every process below it: a script `run_script` started, DataLoader workers.
+    (/proc/<pid>/task/<tid>/children, which every current Linux kernel has.)"""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 @dataclass(frozen=True)
 class GpuDevice:
     index: str  # as nvidia-smi numbers it (the physical index CUDA_VISIBLE_DEVICES names)
@@ -104,7 +120,8 @@ def _nvidia_smi(query: str) -> str:
 
 class Sampler:
     """Per-rank figures between two calls of `sample`: CPU percent over the interval, RSS now,
-    and on GPU nodes the rank's GPU memory and its device's utilisation."""
+    and on GPU nodes the rank's GPU memory and its device's utilisation. A rank counts with every
+    process below it (the script of `skytasks run`, DataLoader workers)."""
 
     def __init__(self) -> None:
         self._last: dict[int, tuple[float, float]] = {}  # pid -> (wall, cpu seconds)
@@ -123,18 +140,20 @@ class Sampler:
             apps = parse_compute_apps(_nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory"))
         out: dict[int, dict[str, float]] = {}
         for rank, (pid, gpu) in ranks.items():
-            cpu, rss = cpu_seconds(pid), rss_bytes(pid)
-            if cpu is None or rss is None:
+            if cpu_seconds(pid) is None:
                 continue  # gone between the listing and the read
+            tree = with_descendants(pid)
+            cpu = sum(c for c in map(cpu_seconds, tree) if c is not None)
+            rss = sum(r for r in map(rss_bytes, tree) if r is not None)
             figures: dict[str, float] = {"rss": rss, "host_memory": self.host_memory}
             if pid in self._last:
                 wall, before = self._last[pid]
-                if now > wall:
-                    figures["cpu"] = 100.0 * (cpu - before) / (now - wall)
+                if now > wall:  # a child that ended takes its CPU time along: never below 0
+                    figures["cpu"] = max(0.0, 100.0 * (cpu - before) / (now - wall))
             self._last[pid] = (now, cpu)
             device = devices.get(gpu) if gpu is not None else None
             if device is not None:
-                figures["gpu_memory"] = apps.get(pid, ("", 0))[1]
+                figures["gpu_memory"] = sum(apps[p][1] for p in tree if p in apps)
                 figures["gpu_memory_total"] = device.memory_total
                 if device.utilization is not None:
                     figures["gpu_util"] = device.utilization
