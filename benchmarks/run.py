@@ -194,6 +194,13 @@ def ssh_dispatch(repeats: int) -> dict:
             "cold_ratio": cold_s / torchrun_s, "warm_ratio": warm_s / torchrun_s}
 
 
+def update_results(out: Path, **figures: object) -> None:
+    """`--only`: these figures into results.json, the others kept as they were."""
+    merged = json.loads(out.read_text()) if out.exists() else {}
+    out.write_text(json.dumps({**merged, **figures}, indent=2))
+    print(f"\nupdated {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
@@ -210,10 +217,7 @@ def main() -> None:
         print(f"   torchrun (local, 2 procs) {d['torchrun_s']:.2f}   skytasks ssh cold {d['cold_s']:.2f} "
               f"({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
         if args.only:
-            merged = json.loads(out.read_text()) if out.exists() else {}
-            out.write_text(json.dumps({**merged, "ssh_dispatch": d}, indent=2))
-            print(f"\nupdated {out}")
-            return
+            return update_results(out, ssh_dispatch=d)
 
     if args.only == "slurm" or (args.only is None and os.geteuid() == 0):
         from slurm_dispatch import slurm_dispatch
@@ -223,10 +227,7 @@ def main() -> None:
         print(f"   torchrun (srun in a running allocation) {d['torchrun_s']:.2f}   skytasks slurm cold, own "
               f"allocation {d['cold_s']:.2f} ({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
         if args.only:
-            merged = json.loads(out.read_text()) if out.exists() else {}
-            out.write_text(json.dumps({**merged, "slurm_dispatch": d}, indent=2))
-            print(f"\nupdated {out}")
-            return
+            return update_results(out, slurm_dispatch=d)
 
     if args.only is None or args.only == "recovery":
         from recovery import recovery
@@ -236,10 +237,7 @@ def main() -> None:
         print(f"   a node is lost -> replaced, and the retry's ranks running: {r['lost_node_to_retry_running_s']:.2f}")
         print(f"   hang detected -> the caller has the error: {r['hang_detected_to_error_s']:.2f}")
         if args.only:
-            merged = json.loads(out.read_text()) if out.exists() else {}
-            out.write_text(json.dumps({**merged, "recovery": r}, indent=2))
-            print(f"\nupdated {out}")
-            return
+            return update_results(out, recovery=r)
 
     if args.only == "flow":
         from prefect.testing.utilities import prefect_test_harness
@@ -254,12 +252,7 @@ def main() -> None:
         for r in rows:
             print(f"fan-out {r['ranks']}: outside a flow {r['call_s']:.2f}, in a flow {r['call_in_flow_s']:.2f}, "
                   f"Prefect part {r['prefect_s']:.2f}")
-        merged = json.loads(out.read_text()) if out.exists() else {}
-        merged["warm_in_flow"] = {**w, "torchrun_fastest_s": fastest}
-        merged["fan_out_in_flow_check"] = rows
-        out.write_text(json.dumps(merged, indent=2))
-        print(f"\nupdated {out}")
-        return
+        return update_results(out, warm_in_flow={**w, "torchrun_fastest_s": fastest}, fan_out_in_flow_check=rows)
 
     results["dispatch"] = d = dispatch(repeats)
     print("\n1. trivial 2-rank all_reduce (median seconds)")

@@ -89,12 +89,7 @@ def train(epochs: int = 3) -> dict:
     @field_validator("slurm_login")
     @classmethod
     def _login_is_well_formed(cls, login: Optional[str]) -> Optional[str]:
-        if login is not None:
-            m = HOST_PATTERN.match(login.strip())
-            if not m or (m["port"] and not 0 < int(m["port"]) < 65536):
-                raise ValueError(f"slurm_login: {login!r} is not of the form [user@]host[:port]")
-            return login.strip()
-        return login
+        return None if login is None else _host("slurm_login", login)
 
     @field_validator("slurm_extra_args")
     @classmethod
@@ -108,11 +103,7 @@ def train(epochs: int = 3) -> dict:
     @field_validator("hosts")
     @classmethod
     def _hosts_are_well_formed(cls, hosts: list[str]) -> list[str]:
-        for h in hosts:
-            m = HOST_PATTERN.match(h.strip())
-            if not m or (m["port"] and not 0 < int(m["port"]) < 65536):
-                raise ValueError(f"hosts: {h!r} is not of the form [user@]host[:port]")
-        return [h.strip() for h in hosts]
+        return [_host("hosts", h) for h in hosts]
 
     @model_validator(mode="after")
     def _fields_agree(self) -> GPUPool:
@@ -225,6 +216,14 @@ def train(epochs: int = 3) -> dict:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.runtime().aexit()
+
+
+def _host(field: str, text: str) -> str:
+    """`[user@]host[:port]`, stripped, or a ValueError naming the field."""
+    m = HOST_PATTERN.match(text.strip())
+    if not m or (m["port"] and not 0 < int(m["port"]) < 65536):
+        raise ValueError(f"{field}: {text!r} is not of the form [user@]host[:port]")
+    return text.strip()
 
 
 def aws_environment(creds: AwsCredentials) -> dict[str, str]:

@@ -138,7 +138,7 @@ class CallRun:
     def outcome(self) -> CallOutcome:
         if self.failures:
             error = failure_error(self.label, self.failures, self.aborted_at)
-            return CallOutcome(EndReason(error.failures[0].kind), error=error, failures=tuple(error.failures))
+            return CallOutcome(EndReason(error.failures[0].kind), error=error)
         unfinished = sorted(r for r, o in self.outcomes.items() if o.status is not RankState.COMPLETED)
         if unfinished:  # never a silent None: a call succeeds only when every rank returned
             raise RuntimeError(f"{self.label}: ranks {unfinished} ended without a result or a recorded cause "

@@ -9,11 +9,11 @@ decides, and the runner applies the decision. The policy is Prefect's own for ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from skytasks.errors import DistributedTaskError, RankFailure
+from skytasks.errors import DistributedTaskError
 
 
 class RankState(StrEnum):
@@ -39,8 +39,7 @@ class EndReason(StrEnum):
 class CallOutcome:
     reason: EndReason
     values: list[Any] | None = None  # every rank's value in rank order, when COMPLETED
-    error: BaseException | None = None  # what the caller gets when nothing more is tried
-    failures: tuple[RankFailure, ...] = field(default_factory=tuple)
+    error: BaseException | None = None  # what the caller gets when nothing more is tried (its failures too)
 
     @property
     def ok(self) -> bool:

@@ -70,8 +70,8 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
     workdir = None
     if options.workdir is not None:
         # Read (and held to the size limit) before any node is up, when it has to travel.
-        here = provider.runs_on_this_machine
-        workdir = WorkdirRequest(options.workdir, None if here else read_workdir(options.workdir))
+        workdir = WorkdirRequest(options.workdir,
+                                 None if provider.runs_on_this_machine else read_workdir(options.workdir))
     group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
     policy = FailurePolicy(options.retries)
     error: BaseException | None = None

@@ -43,6 +43,8 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
         self._sample_seconds = sample_seconds
+        self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
+                          Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.HEARTBEAT: _heard}
         self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
         self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
 
@@ -117,8 +119,7 @@ class NodeAgent:
             ranks = list(self._ranks.values())
         _stop_and_wait(ranks, TERM_GRACE_SECONDS)
         stacks = {str(rp.rank): rp.last_stack() for rp in ranks}
-        groups = {rp.group for rp in ranks}
-        self.emit(message(Op.LEAVING, reason=reason, stacks=stacks, group=groups.pop() if len(groups) == 1 else None))
+        self.emit(message(Op.LEAVING, reason=reason, stacks=stacks, group=_group_of(ranks)))
 
     def _sample_ranks(self) -> None:
         """What each running rank uses, every few seconds, to the controller (skytasks.node.resources)."""
@@ -135,10 +136,8 @@ class NodeAgent:
                 samples = sampler.sample(targets)
             except Exception:  # noqa: BLE001 - figures are never worth a rank
                 continue
-            groups = {rp.group for rp in ranks}
             if samples:
-                self.emit(message(Op.RESOURCES, group=groups.pop() if len(groups) == 1 else None,
-                                  samples={str(r): f for r, f in samples.items()}))
+                self.emit(message(Op.RESOURCES, group=_group_of(ranks), samples={str(r): f for r, f in samples.items()}))
 
     def _end_ranks(self, grace: float) -> None:
         """The agent is leaving: its ranks go, and so does its scratch folder."""
@@ -146,9 +145,7 @@ class NodeAgent:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _dispatch(self, op: str, msg: dict[str, Any]) -> None:
-        handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
-                    Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.HEARTBEAT: _heard}
-        handlers[Op(op)](msg)
+        self._handlers[Op(op)](msg)
 
     def _stacks_in_background(self, msg: dict[str, Any]) -> None:
         threading.Thread(target=self._send_stacks, args=(msg,), daemon=True).start()
@@ -231,6 +228,12 @@ def _stop_and_wait(ranks: list[RankProcess], grace: float) -> None:
             rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+
+
+def _group_of(ranks: list[RankProcess]) -> int | None:
+    """The rank group these ranks belong to, or None when they are not of one group."""
+    groups = {rp.group for rp in ranks}
+    return groups.pop() if len(groups) == 1 else None
 
 
 def _physical_gpu(device: str, visible: list[str]) -> str | None:

@@ -140,10 +140,11 @@ class Sampler:
             apps = parse_compute_apps(_nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory"))
         out: dict[int, dict[str, float]] = {}
         for rank, (pid, gpu) in ranks.items():
-            if cpu_seconds(pid) is None:
-                continue  # gone between the listing and the read
             tree = with_descendants(pid)
-            cpu = sum(c for c in map(cpu_seconds, tree) if c is not None)
+            cpus = [cpu_seconds(p) for p in tree]
+            if cpus[0] is None:
+                continue  # gone between the listing and the read
+            cpu = sum(c for c in cpus if c is not None)
             rss = sum(r for r in map(rss_bytes, tree) if r is not None)
             figures: dict[str, float] = {"rss": rss, "host_memory": self.host_memory}
             if pid in self._last:

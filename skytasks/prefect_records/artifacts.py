@@ -11,8 +11,6 @@ and flow run by id, with a client of the writer's own.
 
 from __future__ import annotations
 
-from skytasks.providers.reporting import console_logger
-
 import json
 import math
 import queue
@@ -21,6 +19,8 @@ from concurrent.futures import Future
 from contextvars import copy_context
 from typing import Any, Callable
 from uuid import UUID
+
+from skytasks.providers.reporting import console_logger
 
 
 

@@ -62,9 +62,12 @@ class NodeSteps:
         self._python = spec.slurm.remote_python or "python3"
         self._steps: dict[str, Step] = {}
         self._workdirs: dict[str, str] = {}
+        self._bundle: tuple[bytes, str] | None = None  # the controller's skytasks, tarred once
 
     def start_agent(self, node_rank: int, name: str, address: str, job_id: str, args: list[str]) -> NodeLink:
-        bundle, digest = package_bundle()
+        if self._bundle is None:
+            self._bundle = package_bundle()
+        bundle, digest = self._bundle
         env = [f"{k}={v}" for k, v in self._spec.env.items()]
         argv = [*srun(job_id, name), "env", *env, self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *args]
         step = self._steps[name] = self._shell.open(argv, f"node {node_rank} {name}")
