@@ -9,10 +9,7 @@ cause first, and a non-zero exit (the failing rank's own exit code where it has 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-from pathlib import Path
 
 
 def _run_parser(commands: argparse._SubParsersAction) -> None:
@@ -56,71 +53,6 @@ def _utc_time(text: str):
         raise argparse.ArgumentTypeError(f"--now: {text!r} is not a UTC time such as 2026-01-31T12:00:00Z") from None
 
 
-class _NoRankLinesOnConsole(logging.Filter):
-    """The CLI prints rank lines itself, plainly; Prefect's console copy would print them twice."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name == "prefect.task_runs" and str(record.msg).startswith("[rank "))
-
-
-def run_command(args: argparse.Namespace) -> int:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry tracebacks
-    # Without PREFECT_API_URL the run goes to Prefect's ephemeral server, whose 20 s start limit a
-    # busy machine can miss.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    from prefect import flow
-
-    from skytasks.controller.runner import ECHO_RANK_LINES, SHOW_RESOURCES
-    from skytasks.errors import DistributedTaskError, PoolConfigError, ScriptFailed
-    from skytasks.script import run_script
-
-    if args.pool:
-        pool = args.pool
-    else:
-        from skytasks.blocks.gpu_pool import GPUPool
-
-        try:
-            pool = GPUPool(provider="local", nodes=args.nodes or 1, procs_per_node=args.procs_per_node or 1)
-        except ValueError as exc:
-            print(f"skytasks run: {exc}", file=sys.stderr)
-            return 2
-    for logger in (logging.getLogger(), logging.getLogger("prefect")):
-        for handler in logger.handlers:
-            if not type(handler).__name__.startswith("APILogHandler"):
-                handler.addFilter(_NoRankLinesOnConsole())
-    name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
-
-    @flow(name=name, log_prints=False)
-    def script_flow() -> list:
-        return run_script(args.script, args.args, pool=pool, module=args.module, workdir=args.workdir,
-                          nodes=args.nodes if args.pool else None,
-                          procs_per_node=args.procs_per_node if args.pool else None,
-                          timeout_seconds=args.timeout, retries=args.retries, name=name)
-
-    token = ECHO_RANK_LINES.set(True)
-    shown = SHOW_RESOURCES.set(bool(args.resources))
-    try:
-        results = script_flow()
-    except PoolConfigError as exc:
-        print(f"skytasks run: {exc}", file=sys.stderr)
-        return 2
-    except DistributedTaskError as err:
-        root = err.exceptions[0]
-        print(f"skytasks run: {name} failed; root cause: {root}", file=sys.stderr)
-        for other in err.exceptions[1:]:
-            print(f"skytasks run: also: {str(other).splitlines()[0]}", file=sys.stderr)
-        code = root.exit_code if isinstance(root, ScriptFailed) else 1
-        return code if 0 < code < 256 else 1
-    except KeyboardInterrupt:
-        print("skytasks run: interrupted; every rank was stopped", file=sys.stderr)
-        return 130
-    finally:
-        ECHO_RANK_LINES.reset(token)
-        SHOW_RESOURCES.reset(shown)
-    print(f"skytasks run: {name}: all {len(results)} rank(s) exited 0", file=sys.stderr)
-    return 0
-
-
 def _slurm_gc(args: argparse.Namespace) -> int:
     from skytasks.blocks.gpu_pool import GPUPool
     from skytasks.providers.reporting import PoolReporter
@@ -143,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     _gc_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "run":
+        from skytasks.run_command import run_command
+
         return run_command(args)
     if args.slurm:
         return _slurm_gc(args)

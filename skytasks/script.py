@@ -141,11 +141,23 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
     `workdir` (default: the current directory, as under torchrun) is where every rank starts and
     what the script path is relative to; it travels to ssh and aws nodes. A rank that exits
     non-zero fails the call like a raising rank (`DistributedTaskError` of `ScriptFailed`)."""
+    task, call_args = script_task(script, args, pool=pool, module=module, workdir=workdir, nodes=nodes,
+                                  procs_per_node=procs_per_node, env=env, timeout_seconds=timeout_seconds,
+                                  hang_timeout_seconds=hang_timeout_seconds, retries=retries,
+                                  retry_delay_seconds=retry_delay_seconds, name=name, tags=tags)
+    return task(*call_args)
+
+
+def script_options(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any = None, module: bool = False,
+                   workdir: str | os.PathLike | None = None, nodes: int | None = None,
+                   procs_per_node: int | None = None, env: Mapping[str, str] | None = None,
+                   timeout_seconds: float | None = None, hang_timeout_seconds: float | None = None,
+                   retries: int = 0, retry_delay_seconds: float = 0, name: str | None = None,
+                   tags: Iterable[str] = ()) -> tuple[Any, tuple]:
+    """`run_script`'s checked options (its pool not yet looked up) and `run_on_rank`'s arguments."""
     import uuid
 
     from skytasks.call_options import CallOptions
-    from skytasks.providers import provider_class
-    from skytasks.task import DistributedTask, resolve_pool
     from skytasks.workdir import check_workdir
 
     root = check_workdir(workdir) or Path.cwd().resolve()
@@ -154,12 +166,20 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
     options = CallOptions(name=label, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
                           timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
                           retries=retries, retry_delay_seconds=retry_delay_seconds, workdir=root, tags=tuple(tags))
-    pool = resolve_pool(pool, nodes=nodes, procs_per_node=procs_per_node)
-    if not module and os.path.isabs(command[0]) and not provider_class(pool.provider).runs_on_this_machine:
-        raise PoolConfigError(f"script: {str(script)!r} is outside the workdir {root}; "
-                              f"{pool.provider} nodes only get the workdir")
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
         raise PoolConfigError("env: expected a mapping of strings to strings")
-    task = DistributedTask(run_on_rank, options.replace(pool=pool))
-    return task(command, dict(env or {}), retries, f"skytasks-{uuid.uuid4().hex[:12]}")
+    return options, (command, dict(env or {}), retries, f"skytasks-{uuid.uuid4().hex[:12]}")
 
+
+def script_task(script: str | os.PathLike, args: Iterable[Any] = (), **options: Any) -> tuple[Any, tuple]:
+    """`run_script`'s call, checked and not yet started: the distributed task and its arguments."""
+    from skytasks.providers import provider_class
+    from skytasks.task import DistributedTask, resolve_pool
+
+    checked, call_args = script_options(script, args, **options)
+    pool = resolve_pool(checked.pool, nodes=checked.nodes, procs_per_node=checked.procs_per_node)
+    command = call_args[0]
+    if not options.get("module") and os.path.isabs(command[0]) and not provider_class(pool.provider).runs_on_this_machine:
+        raise PoolConfigError(f"script: {str(script)!r} is outside the workdir {checked.workdir}; "
+                              f"{pool.provider} nodes only get the workdir")
+    return DistributedTask(run_on_rank, checked.replace(pool=pool)), call_args

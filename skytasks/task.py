@@ -38,7 +38,8 @@ class DistributedTask:
     def with_options(self, **changes: Any) -> DistributedTask:
         return DistributedTask(self._fn, self.options.replace(**changes))
 
-    def _prepare(self) -> PreparedCall:
+    def prepare(self) -> PreparedCall:
+        """The call's pool and checked options, before anything starts."""
         if in_rank():
             raise RuntimeError(
                 f"distributed task {self.name!r} was called inside a rank: nested fan-out is not "
@@ -69,7 +70,7 @@ class DistributedTask:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Every rank's return value, in rank order. In an async flow, an awaitable of it: the
         call runs in a thread, and the event loop goes on."""
-        call = self._prepare()
+        call = self.prepare()
         flow_run = FlowRunContext.get()
         if flow_run is None:
             payload = pack_call(self._fn, args, kwargs)
@@ -88,7 +89,7 @@ class DistributedTask:
                                "outside a flow, call the distributed task directly")
         from skytasks.prefect_records import parent_task as prefect_task
 
-        return prefect_task.submit_in_flow(self._parent_task(), self._prepare(), args, kwargs, wait_for=wait_for)
+        return prefect_task.submit_in_flow(self._parent_task(), self.prepare(), args, kwargs, wait_for=wait_for)
 
     def __repr__(self) -> str:
         return f"DistributedTask({self.name!r})"

@@ -21,8 +21,6 @@ from skytasks.providers import provider_class
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest, read_workdir
 
-# Set by `skytasks run`: rank lines are printed plainly on the console inside a flow too.
-ECHO_RANK_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_echo_rank_lines", default=False)
 # Set by `skytasks run --resources`: each rank's latest CPU, memory and GPU figures on the console.
 SHOW_RESOURCES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_show_resources", default=False)
 

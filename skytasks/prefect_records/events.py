@@ -1,15 +1,24 @@
 """Prefect events for automations: skytasks.pool.up / .down, skytasks.rank.failed,
 skytasks.call.completed (and .failed), with the pool and rank as related resources.
 
-Emitted only inside a Prefect run, where an API is configured; a plain script stays offline.
+Emitted only inside a Prefect run, where an API is configured; a plain script stays offline. A
+call whose run is recorded later (`skytasks run`) sets `EVENT_SINK`, which holds its events for
+the record.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextvars
+import sys
+from typing import Any, Callable
+
+EVENT_SINK: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("skytasks_event_sink",
+                                                                                         default=None)
 
 
 def _run_resources() -> list[dict[str, str]] | None:
+    if "prefect.context" not in sys.modules:
+        return None  # no Prefect, no run (and no import of Prefect just to find that out)
     from prefect.context import FlowRunContext, TaskRunContext
 
     flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
@@ -36,6 +45,9 @@ def rank_resource(task: str, rank: int) -> dict[str, str]:
 
 
 def emit(event: str, resource: dict[str, str], related: list[dict[str, str]] = (), payload: dict[str, Any] | None = None) -> None:
+    sink = EVENT_SINK.get()
+    if sink is not None:
+        return sink(event, resource, list(related), payload)
     run_related = _run_resources()
     if run_related is None:
         return

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 import threading
 import time
 from typing import Any
@@ -24,8 +23,8 @@ from skytasks.prefect_records.artifacts import ProgressBar, wait_for, write_tabl
 from skytasks.prefect_records.events import emit, pool_resource, rank_resource
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
-from skytasks.prefect_records.rank_runs import RankRuns
-from skytasks.controller.runner import ECHO_RANK_LINES, SHOW_RESOURCES, outcome_summary
+from skytasks.prefect_records.rank_runs import RankRuns, log_at_its_time
+from skytasks.controller.runner import outcome_summary
 from skytasks.controller.usage import RankUsage
 from skytasks.stacks import user_frame, where
 
@@ -45,7 +44,6 @@ class PrefectObserver:
         self.label, self.pool_name, self.run_tags = label, pool_name, run_tags
         self._parent = parent.task_run
         self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
-        self._echo = ECHO_RANK_LINES.get()
         self._started = time.monotonic()
         self._ids = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
         self._progress = ProgressBar(artifact_key(label, "progress"), f"{label}: progress of the distributed call",
@@ -63,7 +61,7 @@ class PrefectObserver:
 
     def on_attempt_start(self, attempt: int, world_size: int) -> None:
         self.runs = RankRuns(self.label, world_size, attempt, self.run_tags, self._parent.flow_run_id,
-                             self._parent.id, echo=self._echo)
+                             self._parent.id)
 
     def on_attempt_end(self, attempt: int, error: BaseException | None) -> None:
         if self.runs is not None:
@@ -125,8 +123,6 @@ class PrefectObserver:
             warnings = usage.add(figures, time.monotonic())
         for line in warnings:
             self.runs.on_log(rank, logging.WARNING, line)  # type: ignore[union-attr]
-        if self._echo and SHOW_RESOURCES.get():
-            print(f"[rank {rank}] uses {usage.line()}", file=sys.stderr, flush=True)
         if time.monotonic() - self._resources_written_at >= RESOURCES_ARTIFACT_EVERY_SECONDS:
             self._write_resources()
 
@@ -149,8 +145,13 @@ class PrefectObserver:
             emit("skytasks.rank.resources", rank_resource(self.label, u.rank), related=[pool_resource(self.pool_name)],
                  payload={"task": self.label, "rank": u.rank, "latest": u.latest, "summary": u.columns()})
 
+    def on_event(self, event: str, resource: dict, related: list, payload: dict | None) -> None:
+        """An event of the call's pool, said before the run existed (`skytasks run`): emitted now,
+        from the parent task run, so it is related to the run like any other."""
+        emit(event, resource, related, payload)
+
     def on_notice(self, text: str) -> None:
-        self._parent_logger.warning("[skytasks] %s", text)
+        log_at_its_time(self._parent_logger, logging.WARNING, "[skytasks] %s", text)
 
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         """Each rank's whole stack into its own run's log; a row per rank in one artifact."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 from prefect import Task, tags
 from prefect.cache_policies import CachePolicy
 from prefect.futures import PrefectFuture
 
+from skytasks.controller.held_observer import HeldObserver
 from skytasks.controller.packing import pack_call
 from skytasks.prefect_records.observer import PrefectObserver
 from skytasks.controller.runner import PreparedCall, run_call
@@ -58,14 +60,28 @@ def _distributed_call(args: tuple, kwargs: dict, call: PreparedCall) -> list[Any
     return run_call(call.runtime, payload, call.options, observer)
 
 
-def parent_task(label: str) -> Task:
+def _started_call(held: HeldObserver, result: Future, call: PreparedCall) -> list[Any]:
+    """The body of the parent task run of a call that began before its flow run did (`skytasks
+    run`): it tells the record everything the call says, from its start to its end, and then
+    returns (or raises) what the call did."""
+    held.feed(PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags))
+    return result.result()
+
+
+def record_started_call(call: PreparedCall, held: HeldObserver, result: Future) -> list[Any]:
+    """Inside a flow: the parent task run of a call already under way elsewhere."""
+    with tags(*call.tags):
+        return parent_task(call.options.label, body=_started_call)(held, result, call)
+
+
+def parent_task(label: str, body: Callable[..., list[Any]] = _distributed_call) -> Task:
     """The Prefect task a distributed task is in flows (made once per distributed task)."""
     return Task(
         # No tags of our own: a tagged task run acquires tag concurrency slots through the API
         # before it starts (Prefect's rule for every tagged task), which cost up to 2 s here on a
         # busy SQLite server. The user's `tags=` do go on it, with that cost, so a tag
         # concurrency limit holds for distributed calls as for any task.
-        _distributed_call, name=label, task_run_name=label,
+        body, name=label, task_run_name=label,
         cache_policy=_ThisTaskRunOnly(), persist_result=True,
         result_serializer="pickle",  # Prefect's pickle serializer is cloudpickle
         retries=0,  # attempts are the runner's: a retry restarts the whole rank group

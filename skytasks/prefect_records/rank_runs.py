@@ -15,9 +15,8 @@ events leave, exactly as the flow's ordinary task runs do.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
-from datetime import timedelta
+from datetime import timedelta, timezone
 from typing import Any
 
 from prefect import Task
@@ -27,6 +26,7 @@ from prefect.logging.loggers import task_run_logger
 from prefect.states import Cancelled, Completed, Failed, Running, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
+from skytasks.controller.held_observer import RECORDED_AT
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 
@@ -41,6 +41,28 @@ def _rank_run(label: str, rank: int, world: int) -> None:
 
 
 RANK_TASK = Task(_rank_run, name="skytasks-rank", cache_policy=NO_CACHE, persist_result=False, retries=0)
+
+
+def stamped(state: State) -> State:
+    """The state at the time its event happened, when it is handed over late (`RECORDED_AT`)."""
+    at = RECORDED_AT.get()
+    if at is not None:
+        state.timestamp = type(state.timestamp).fromtimestamp(at, tz=timezone.utc)
+    return state
+
+
+def log_at_its_time(logger: Any, level: int, msg: str, *args: Any, exc_info: Any = None) -> None:
+    """`logger.log`, but a line handed over late keeps the time it was printed."""
+    at = RECORDED_AT.get()
+    if at is None:
+        logger.log(level, msg, *args, exc_info=exc_info)
+        return
+    base = logger.logger
+    if base.isEnabledFor(level):
+        _, kwargs = logger.process(msg, {})
+        record = base.makeRecord(base.name, level, __file__, 0, msg, args, exc_info, extra=kwargs["extra"])
+        record.created, record.msecs = at, (at % 1) * 1000
+        base.handle(record)
 
 
 def final_state(rank: int, outcome: RankOutcome) -> State:
@@ -58,7 +80,7 @@ class RankRun:
     def __init__(self, label: str, rank: int, world: int, flow_run_id: Any, parent_id: Any, attempt: int,
                  tags: list[str]) -> None:
         self.rank = rank
-        running = Running()
+        running = stamped(Running())
         self.task_run = TaskRun(
             id=_new_id(), name=f"{label}[rank {rank}/{world}]", flow_run_id=flow_run_id,
             task_key=RANK_TASK.task_key, dynamic_key=f"{parent_id}-{attempt}-{rank}",
@@ -74,7 +96,7 @@ class RankRun:
         self._last_event = emit_task_run_state_change_event(self.task_run, None, running)
 
     def log(self, level: int, line: str) -> None:
-        self.logger.log(level, "[rank %d] %s", self.rank, line)
+        log_at_its_time(self.logger, level, "[rank %d] %s", self.rank, line)
 
     def finish(self, outcome: RankOutcome) -> None:
         """Into the rank's final state; a failure that raced our stop replaces the Cancelled."""
@@ -83,12 +105,14 @@ class RankRun:
         self.outcome = outcome
         if outcome.status is RankState.FAILED and outcome.failure is not None:
             exc = outcome.failure.exception
-            self.logger.error("[rank %d] failed", self.rank, exc_info=(type(exc), exc, exc.__traceback__))
-        before, after = self.task_run.state, final_state(self.rank, outcome)
+            log_at_its_time(self.logger, logging.ERROR, "[rank %d] failed", self.rank,
+                            exc_info=(type(exc), exc, exc.__traceback__))
+        before, after = self.task_run.state, stamped(final_state(self.rank, outcome))
         if after.timestamp <= before.timestamp:
             after.timestamp = before.timestamp + timedelta(microseconds=1)
         after.state_details.task_run_id, after.state_details.flow_run_id = self.task_run.id, self.task_run.flow_run_id
-        self.logger.log(logging.ERROR if after.is_failed() else logging.INFO, "Finished in state %s", after.name)
+        log_at_its_time(self.logger, logging.ERROR if after.is_failed() else logging.INFO, "Finished in state %s",
+                        after.name)
         run = self.task_run
         if before.is_running():
             run.total_run_time += after.timestamp - before.timestamp
@@ -102,16 +126,13 @@ class RankRuns:
     queued for Prefect's own background workers."""
 
     def __init__(self, label: str, world: int, attempt: int, tags: tuple[str, ...], flow_run_id: Any,
-                 parent_id: Any, echo: bool = False):
+                 parent_id: Any):
         self._lock = threading.Lock()  # rank news comes from the call's thread; close from another
         self.runs = {r: RankRun(label, r, world, flow_run_id, parent_id, attempt, [f"rank:{r}", *tags])
                      for r in range(world)}
-        self._echo = echo
 
     def on_output(self, rank: int, stream: str, line: str) -> None:
         self.runs[rank].log(logging.WARNING if stream == "stderr" else logging.INFO, line)
-        if self._echo:
-            print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
 
     def on_log(self, rank: int, level: int, line: str) -> None:
         self.runs[rank].log(level, line)

@@ -13,6 +13,7 @@ progress artifact, and Prefect events an Automation can act on:
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Sequence
 
@@ -37,6 +38,8 @@ def console_logger() -> logging.Logger:
 
 def flow_run_id() -> str | None:
     """The flow run this process is in, if any (tags on what a pool makes)."""
+    if "prefect.context" not in sys.modules:
+        return None  # no Prefect, no run (and no import of Prefect just to find that out)
     try:
         from prefect.context import FlowRunContext
 

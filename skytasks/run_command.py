@@ -1,0 +1,162 @@
+"""`skytasks run SCRIPT ARGS...`: `run_script` as a Prefect flow run, as fast as torchrun.
+
+A torchrun user times the whole command. Done in series (Prefect's server, then the flow run,
+then the pool, then the ranks) the command took 1.3x torchrun with a server and 2.8x with none
+configured, where Prefect's ephemeral server alone takes seconds to start. So the ranks start
+at once, on this thread, and the record is made beside them on another: the flow run, its parent
+task run, then everything the call said so far, each line and state at the time it happened
+(`HeldObserver`), then the rest live. The command ends when both have: nothing is left out of the
+run's record, and Ctrl-C and SIGTERM reach the call as they do anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+RECORD_WAIT_SECONDS = 120.0  # after the call: Prefect's ephemeral server may still be starting
+
+
+class _NoCopiesOnConsole(logging.Filter):
+    """Rank lines and notices are printed live by the command itself; Prefect's console copy of
+    the record would print them twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "prefect.task_runs" and str(record.msg).startswith(("[rank ", "[skytasks] ")))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry tracebacks
+    # Without PREFECT_API_URL the run goes to Prefect's ephemeral server, whose 20 s start limit a
+    # busy machine can miss.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    from skytasks.controller.console import ConsoleObserver
+    from skytasks.controller.held_observer import HeldObserver
+    from skytasks.controller.runner import SHOW_RESOURCES, run_call
+    from skytasks.errors import PoolConfigError
+    from skytasks.prefect_records.events import EVENT_SINK
+
+    name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
+    try:  # everything checked before anything starts
+        call, payload = _saved_pool_call(args, name) if args.pool else _local_call(args, name)
+    except (PoolConfigError, ValueError) as exc:
+        print(f"skytasks run: {exc}", file=sys.stderr)
+        return 2
+    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+        for handler in logger.handlers:
+            if not type(handler).__name__.startswith("APILogHandler"):
+                handler.addFilter(_NoCopiesOnConsole())
+
+    held = HeldObserver(ConsoleObserver())
+    outcome: Future = Future()
+    recorded: Future = Future()
+    recorder = threading.Thread(target=_record, args=(name, call, held, outcome, recorded), daemon=True,
+                                name="skytasks-record")
+    recorder.start()
+    shown, sink = SHOW_RESOURCES.set(bool(args.resources)), EVENT_SINK.set(held.on_event)
+    try:
+        outcome.set_result(run_call(call.runtime, payload, call.options, held))
+    except BaseException as err:  # noqa: BLE001 - the record hears it, then the user does
+        outcome.set_exception(err)
+    finally:
+        held.close()
+        SHOW_RESOURCES.reset(shown)
+        EVENT_SINK.reset(sink)
+    return _report(name, outcome, recorder, recorded)
+
+
+def _local_call(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
+    """The call on a local pool, made without Prefect: its ranks start while Prefect is imported
+    (a second or so) on the recording thread. The pool is what `GPUPool()` of this shape gives."""
+    from skytasks.controller.packing import pack_call
+    from skytasks.controller.pool_runtime import PoolRuntime
+    from skytasks.controller.runner import PreparedCall
+    from skytasks.pool_spec import PoolSpec
+    from skytasks.script import run_on_rank, script_options
+
+    options, call_args = script_options(args.script, args.args, module=args.module, workdir=args.workdir,
+                                        nodes=args.nodes or 1, procs_per_node=args.procs_per_node or 1,
+                                        timeout_seconds=args.timeout, retries=args.retries, name=name)
+    spec = PoolSpec(name="local-pool", provider="local", nodes=options.nodes, procs_per_node=options.procs_per_node,
+                    accelerators_per_node=None)
+    return PreparedCall(run_on_rank, PoolRuntime(spec, owner=None), options), pack_call(run_on_rank, call_args, {})
+
+
+def _saved_pool_call(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
+    """The call on a saved pool, loaded through the API (with none configured, its server starts now)."""
+    from skytasks.controller.packing import pack_call
+    from skytasks.script import script_task
+
+    task, call_args = script_task(args.script, args.args, pool=args.pool, module=args.module, workdir=args.workdir,
+                                  nodes=args.nodes, procs_per_node=args.procs_per_node, timeout_seconds=args.timeout,
+                                  retries=args.retries, name=name)
+    return task.prepare(), pack_call(task.fn, call_args, {})
+
+
+def _record(name: str, call: Any, held: Any, outcome: Future, recorded: Future) -> None:
+    """The flow run and its parent task run, made while the call runs; ends when the call has."""
+    from contextlib import nullcontext
+
+    from prefect import flow
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from skytasks.prefect_records.parent_task import record_started_call
+
+    @flow(name=name, log_prints=False)
+    def script_flow() -> list:
+        return record_started_call(call, held, outcome)
+
+    # Prefect 3.8's flow engine joins its heartbeat thread, which sleeps in whole seconds, at the
+    # end of every flow run: up to 1 s added to a command timed against torchrun. Heartbeats only
+    # serve an automation that marks silent runs crashed; whoever set a frequency keeps them.
+    chosen = any(k in os.environ for k in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY"))
+    try:
+        with nullcontext() if chosen else temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            script_flow()
+        recorded.set_result(None)
+    except BaseException as err:  # noqa: BLE001 - handed to the command's thread
+        recorded.set_exception(err)
+
+
+def _report(name: str, outcome: Future, recorder: threading.Thread, recorded: Future) -> int:
+    """The exit code, with the root cause first; the call's own error comes before the record's."""
+    from skytasks.errors import DistributedTaskError, PoolConfigError, ScriptFailed
+
+    try:
+        recorder.join(RECORD_WAIT_SECONDS)
+    except KeyboardInterrupt:
+        print("skytasks run: interrupted while the run was being recorded; its record may be incomplete",
+              file=sys.stderr)
+        return 130
+    error = outcome.exception()
+    if isinstance(error, KeyboardInterrupt):
+        print("skytasks run: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    if isinstance(error, PoolConfigError):
+        print(f"skytasks run: {error}", file=sys.stderr)
+        return 2
+    if isinstance(error, DistributedTaskError):
+        root = error.exceptions[0]
+        print(f"skytasks run: {name} failed; root cause: {root}", file=sys.stderr)
+        for other in error.exceptions[1:]:
+            print(f"skytasks run: also: {str(other).splitlines()[0]}", file=sys.stderr)
+        code = root.exit_code if isinstance(root, ScriptFailed) else 1
+        return code if 0 < code < 256 else 1
+    if error is not None:
+        raise error
+    if not recorded.done():
+        print(f"skytasks run: every rank exited 0, but the Prefect record was not done after "
+              f"{RECORD_WAIT_SECONDS:g} s", file=sys.stderr)
+        return 1
+    if recorded.exception() is not None:
+        print(f"skytasks run: every rank exited 0, but the run could not be recorded in Prefect: "
+              f"{recorded.exception()!r}", file=sys.stderr)
+        return 1
+    print(f"skytasks run: {name}: all {len(outcome.result())} rank(s) exited 0", file=sys.stderr)
+    return 0
