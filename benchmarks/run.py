@@ -204,12 +204,23 @@ def update_results(out: Path, **figures: object) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
-    parser.add_argument("--only", choices=["ssh", "slurm", "recovery", "flow"],
+    parser.add_argument("--only", choices=["cli", "ssh", "slurm", "recovery", "flow"],
                         help="run one figure (flow: warm calls and fan-out inside a flow) and update results.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
     results: dict = {"machine": f"{os.cpu_count()} cores", "python": sys.version.split()[0]}
     out = HERE / "results.json"
+
+    if args.only is None or args.only == "cli":
+        from cli_run import cli_run
+
+        results["cli_run"] = c = cli_run(repeats)
+        print("\n0. the same 4-rank script, `torchrun --nproc-per-node 4` against `skytasks run --nodes 2 "
+              "--procs-per-node 2` (median wall seconds of whole commands)")
+        print(f"   torchrun {c['torchrun_s']:.2f}   skytasks run, a server running {c['with_server_s']:.2f} "
+              f"({c['with_server_ratio']:.2f}x)   none configured {c['no_server_s']:.2f} ({c['no_server_ratio']:.2f}x)")
+        if args.only:
+            return update_results(out, cli_run=c)
 
     if args.only is None or args.only == "ssh":
         results["ssh_dispatch"] = d = ssh_dispatch(repeats)
