@@ -1,12 +1,24 @@
-"""Start a Prefect server on loopback, run the example flow against it, and screenshot the flow
-run page and the rank task run page with headless Chromium (Debian's `chromium` package).
+"""Start a Prefect server on loopback, run the example flow against it, and screenshot its run in
+Prefect's UI with headless Chromium (Debian's `chromium` package), driven over the DevTools
+protocol so that each picture waits for what it shows:
+
+- `flow-run.png`: the flow run page;
+- `flow-run-graph.png`: its graph with the parent task run expanded to its rank runs;
+- `rank0-task-run.png`: rank 0's task run page, once its logs have loaded (the UI first says
+  "This run didn't generate Logs" and fills them in a moment later);
+- `artifacts.png`: the flow run's artifacts tab.
 
     .venv/bin/python scripts/screenshot_flow_run.py OUT_DIR
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import itertools
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,24 +27,120 @@ import time
 from pathlib import Path
 
 import httpx
+import websockets
 
 ROOT = Path(__file__).resolve().parent.parent
+WIDTH, HEIGHT = 1600, 1100
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--window-size=1600,1100", "--virtual-time-budget=15000"]
+                  "--hide-scrollbars", f"--window-size={WIDTH},{HEIGHT}"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Page:
+    """One Chromium tab over the DevTools protocol: navigate, wait for text, click, screenshot."""
+
+    def __init__(self, ws: websockets.ClientConnection) -> None:
+        self._ws, self._ids = ws, itertools.count(1)
+
+    async def send(self, method: str, **params: object) -> dict:
+        call_id = next(self._ids)
+        await self._ws.send(json.dumps({"id": call_id, "method": method, "params": params}))
+        while True:
+            answer = json.loads(await self._ws.recv())
+            if answer.get("id") == call_id:
+                if "error" in answer:
+                    raise RuntimeError(f"{method}: {answer['error']}")
+                return answer.get("result", {})
+
+    async def text(self) -> str:
+        found = await self.send("Runtime.evaluate", expression="document.body ? document.body.innerText : ''",
+                                returnByValue=True)
+        return found.get("result", {}).get("value", "")
+
+    async def open(self, url: str, shows: str, timeout: float = 60.0) -> None:
+        """Go to `url` and wait until the page's text contains `shows` (reloading now and then:
+        the UI does not always poll for what arrived after it loaded)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            await self.send("Page.navigate", url=url)
+            for _ in range(20):
+                await asyncio.sleep(0.5)
+                if shows in await self.text():
+                    await asyncio.sleep(1.0)  # let the last of it render
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} never showed {shows!r}; it showed:\n{(await self.text())[:2000]}")
+
+    async def click(self, x: float, y: float) -> None:
+        for kind in ("mousePressed", "mouseReleased"):
+            await self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+    async def screenshot(self, path: Path) -> None:
+        shot = await self.send("Page.captureScreenshot", format="png")
+        path.write_bytes(base64.b64decode(shot["data"]))
+        print(path)
+
+
+async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], out_dir: Path) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            target = httpx.put(f"http://127.0.0.1:{devtools_port}/json/new?about:blank", timeout=2).json()
+            break
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+    async with websockets.connect(target["webSocketDebuggerUrl"], max_size=1 << 26) as ws:
+        page = Page(ws)
+        await page.send("Page.enable")
+        await page.send("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1,
+                        mobile=False)
+        rank0 = next(t for t in tasks if t["name"].endswith("[rank 0/2]"))
+        flow_url = f"{ui}/runs/flow-run/{run['id']}"
+        await page.open(flow_url, shows=run["name"])
+        await page.screenshot(out_dir / "flow-run.png")
+        await page.open(f"{ui}/runs/task-run/{rank0['id']}", shows="[rank 0]")
+        await page.screenshot(out_dir / "rank0-task-run.png")
+        await page.open(f"{flow_url}?tab=Artifacts", shows="train-ranks")
+        await page.screenshot(out_dir / "artifacts.png")
+        await _graph_expanded(page, flow_url, out_dir)
+
+
+async def _graph_expanded(page: Page, flow_url: str, out_dir: Path) -> None:
+    """The graph is a canvas: the parent task's node is found by its place (the widest bar of
+    the graph's first row under the flow's own tasks), clicked, and its rank runs open."""
+    await page.open(flow_url, shows="train")
+    where = await page.send("Runtime.evaluate", returnByValue=True, expression="""
+        (() => { const c = document.querySelector('canvas'); if (!c) return null;
+                 const r = c.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()""")
+    box = where.get("result", {}).get("value")
+    if not box:
+        raise RuntimeError("the flow run page has no graph canvas")
+    x, y, w, h = box
+    await page.click(x + w * float(os.environ.get("SKYTASKS_SHOT_NODE_X", 0.5)),
+                     y + h * float(os.environ.get("SKYTASKS_SHOT_NODE_Y", 0.5)))
+    await asyncio.sleep(2.0)
+    await page.screenshot(out_dir / "flow-run-graph.png")
 
 
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    api = f"http://127.0.0.1:{port}/api"
+    port, devtools_port = _free_port(), _free_port()
+    api, ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_UI_API_URL": api}
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    browser = None
+    profile = tempfile.mkdtemp()
     try:
         while True:
             try:
@@ -44,20 +152,17 @@ def main(out_dir: Path) -> None:
                        "SKYTASKS_EXAMPLE_SAMPLES": "512"}, check=True, cwd=ROOT)
         run = httpx.post(f"{api}/flow_runs/filter", json={"limit": 1, "sort": "START_TIME_DESC"}).json()[0]
         tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
-        rank0 = next(t for t in tasks if t["name"].endswith("[rank 0/2]"))
-        pages = {
-            "flow-run.png": f"http://127.0.0.1:{port}/runs/flow-run/{run['id']}",
-            "rank0-task-run.png": f"http://127.0.0.1:{port}/runs/task-run/{rank0['id']}",
-            "artifacts.png": f"http://127.0.0.1:{port}/runs/flow-run/{run['id']}?tab=Artifacts",
-        }
-        for name, url in pages.items():
-            subprocess.run(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={tempfile.mkdtemp()}",
-                            f"--screenshot={out_dir / name}", url], check=True, timeout=120,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            print(out_dir / name)
+        browser = subprocess.Popen(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                                    f"--remote-debugging-port={devtools_port}", "--remote-debugging-address=127.0.0.1",
+                                    "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        asyncio.run(_shoot(devtools_port, ui, run, tasks, out_dir))
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for proc in (browser, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        shutil.rmtree(profile, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ def run_command(args: argparse.Namespace) -> int:
     # Without PREFECT_API_URL the run goes to Prefect's ephemeral server, whose 20 s start limit a
     # busy machine can miss.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    from skytasks.prefect_records.early_server import start_early_server
+
+    early = start_early_server()  # first of all: with no API configured, Prefect's server takes seconds
     from skytasks.controller.console import ConsoleObserver
     from skytasks.controller.held_observer import HeldObserver
     from skytasks.controller.runner import SHOW_RESOURCES, run_call
@@ -44,6 +47,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
     try:  # everything checked before anything starts
+        if args.pool and early is not None:
+            early.wait_until_up(_server_timeout())  # the block is loaded through it
         call, payload = _saved_pool_call(args, name) if args.pool else _local_call(args, name)
     except (PoolConfigError, ValueError) as exc:
         print(f"skytasks run: {exc}", file=sys.stderr)
@@ -56,7 +61,7 @@ def run_command(args: argparse.Namespace) -> int:
     held = HeldObserver(ConsoleObserver())
     outcome: Future = Future()
     recorded: Future = Future()
-    recorder = threading.Thread(target=_record, args=(name, call, held, outcome, recorded), daemon=True,
+    recorder = threading.Thread(target=_record, args=(name, call, held, outcome, recorded, early), daemon=True,
                                 name="skytasks-record")
     recorder.start()
     shown, sink = SHOW_RESOURCES.set(bool(args.resources)), EVENT_SINK.set(held.on_event)
@@ -99,7 +104,11 @@ def _saved_pool_call(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
     return task.prepare(), pack_call(task.fn, call_args, {})
 
 
-def _record(name: str, call: Any, held: Any, outcome: Future, recorded: Future) -> None:
+def _server_timeout() -> float:
+    return float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+
+
+def _record(name: str, call: Any, held: Any, outcome: Future, recorded: Future, early: Any) -> None:
     """The flow run and its parent task run, made while the call runs; ends when the call has."""
     from contextlib import nullcontext
 
@@ -117,6 +126,8 @@ def _record(name: str, call: Any, held: Any, outcome: Future, recorded: Future) 
     # serve an automation that marks silent runs crashed; whoever set a frequency keeps them.
     chosen = any(k in os.environ for k in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY"))
     try:
+        if early is not None:
+            early.wait_until_up(_server_timeout())
         with nullcontext() if chosen else temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             script_flow()
         recorded.set_result(None)

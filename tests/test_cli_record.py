@@ -147,3 +147,51 @@ def test_a_failing_rank_under_the_cli_fails_its_records_too(tmp_path):
     assert by_name["failing_rank"].state.is_failed()
     assert by_name["failing_rank[rank 1/2]"].state.is_failed()
     assert "exited with code 5" in by_name["failing_rank[rank 1/2]"].state.message
+
+
+def test_with_no_api_configured_the_run_is_in_prefects_own_database_and_no_server_is_left(tmp_path):
+    import sqlite3
+
+    import psutil
+
+    home = tmp_path / "prefect-home"
+    (tmp_path / "no_api.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run([sys.executable, "-m", "skytasks.cli", "run", "--nodes", "2", "no_api.py"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "View at" not in done.stdout + done.stderr  # no link to a server that is gone
+    servers = [p for p in psutil.process_iter(["cmdline", "environ"])
+               if "prefect.server.api.server:create_app" in " ".join(p.info["cmdline"] or [])
+               and (p.info["environ"] or {}).get("PREFECT_HOME") == str(home)]
+    assert servers == []
+    db = sqlite3.connect(home / "prefect.db")
+    flows = db.execute("select name, state_type from flow_run").fetchall()
+    tasks = dict(db.execute("select name, state_type from task_run").fetchall())
+    lines = [m for (m,) in db.execute("select message from log") if "hello from" in m]
+    assert [state for _, state in flows] == ["COMPLETED"]
+    assert tasks == {"no_api": "COMPLETED", "no_api[rank 0/2]": "COMPLETED", "no_api[rank 1/2]": "COMPLETED"}
+    assert sorted(line.split(" at ")[0] for line in lines) == ["[rank 0] hello from 0", "[rank 1] hello from 1"]
+
+
+def test_the_early_server_is_only_started_when_nothing_configures_an_api(tmp_path, monkeypatch):
+    from skytasks.prefect_records.early_server import nothing_configures_an_api
+
+    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert nothing_configures_an_api()
+    (tmp_path / "home").mkdir()
+    profiles = tmp_path / "home" / "profiles.toml"
+    profiles.write_text('active = "ephemeral"\n[profiles.ephemeral]\nPREFECT_SERVER_ALLOW_EPHEMERAL_MODE = "true"\n')
+    assert nothing_configures_an_api()  # Prefect's own default profile
+    profiles.write_text('active = "team"\n[profiles.team]\nPREFECT_API_URL = "http://prefect.internal/api"\n')
+    assert not nothing_configures_an_api()
+    profiles.unlink()
+    (tmp_path / "pyproject.toml").write_text('[tool.prefect]\napi.url = "http://x/api"\n')
+    assert not nothing_configures_an_api()
+    (tmp_path / "pyproject.toml").unlink()
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    assert not nothing_configures_an_api()
