@@ -63,6 +63,14 @@ class Page:
                                 returnByValue=True)
         return found.get("result", {}).get("value", "")
 
+    async def wait_for(self, shows: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while shows not in await self.text():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the page never showed {shows!r}")
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
+
     async def open(self, url: str, shows: str, timeout: float = 60.0) -> None:
         """Go to `url` and wait until the page's text contains `shows` (reloading now and then:
         the UI does not always poll for what arrived after it loaded)."""
@@ -108,14 +116,18 @@ async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], out_
         await page.screenshot(out_dir / "flow-run.png")
         await page.open(f"{ui}/runs/task-run/{rank0['id']}", shows="[rank 0]")
         await page.screenshot(out_dir / "rank0-task-run.png")
-        await page.open(f"{flow_url}?tab=Artifacts", shows="train-ranks")
-        await page.screenshot(out_dir / "artifacts.png")
         await _graph_expanded(page, flow_url, out_dir)
+        await page.open(flow_url, shows=run["name"])
+        await page.send("Runtime.evaluate", expression="""[...document.querySelectorAll('*')]
+            .filter(e => e.children.length === 0 && e.textContent.trim() === 'Artifacts').pop().click()""")
+        await page.wait_for("train-ranks")
+        await page.screenshot(out_dir / "artifacts.png")
 
 
 async def _graph_expanded(page: Page, flow_url: str, out_dir: Path) -> None:
-    """The graph is a canvas: the parent task's node is found by its place (the widest bar of
-    the graph's first row under the flow's own tasks), clicked, and its rank runs open."""
+    """The graph is a canvas, so the parent task's node is found in a screenshot: the first run
+    of its green, left to right, top to bottom, above the state bar. A click on it opens its
+    rank runs below it."""
     await page.open(flow_url, shows="train")
     where = await page.send("Runtime.evaluate", returnByValue=True, expression="""
         (() => { const c = document.querySelector('canvas'); if (!c) return null;
@@ -123,11 +135,56 @@ async def _graph_expanded(page: Page, flow_url: str, out_dir: Path) -> None:
     box = where.get("result", {}).get("value")
     if not box:
         raise RuntimeError("the flow run page has no graph canvas")
-    x, y, w, h = box
-    await page.click(x + w * float(os.environ.get("SKYTASKS_SHOT_NODE_X", 0.5)),
-                     y + h * float(os.environ.get("SKYTASKS_SHOT_NODE_Y", 0.5)))
-    await asyncio.sleep(2.0)
+    shot = await page.send("Page.captureScreenshot", format="png")
+    pixels = _png_rgb(base64.b64decode(shot["data"]))
+    x0, y0, w, h = (int(v) for v in box)
+    node = next(((x, y) for y in range(y0 + 10, y0 + h - 40) for x in range(x0, x0 + w)
+                 if _is_node_green(pixels[y][x]) and all(_is_node_green(pixels[y][x + d]) for d in range(1, 30))), None)
+    if node is None:
+        raise RuntimeError("no task run node found in the graph")
+    await page.click(node[0] + 12, node[1] + 10)  # the node's chevron: expand
+    await asyncio.sleep(3.0)
     await page.screenshot(out_dir / "flow-run-graph.png")
+
+
+def _is_node_green(rgb: tuple[int, int, int]) -> bool:
+    r, g, b = rgb
+    return g > 130 and g > r + 60 and g > b + 40
+
+
+def _png_rgb(data: bytes) -> list[list[tuple[int, int, int]]]:
+    """Rows of (r, g, b) from Chromium's 8-bit RGB(A) PNG (no Pillow in the dev environment)."""
+    import struct
+    import zlib
+
+    width, height, depth, color = struct.unpack(">IIBB", data[16:26])
+    assert depth == 8 and color in (2, 6), (depth, color)
+    channels = 3 if color == 2 else 4
+    chunks, pos = [], 8
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        if kind == b"IDAT":
+            chunks.append(data[pos + 8:pos + 8 + length])
+        pos += 12 + length
+    raw, stride, rows, prev = zlib.decompress(b"".join(chunks)), width * channels, [], bytearray(width * channels)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - channels] if i >= channels else 0
+            b, c = prev[i], prev[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        rows.append([tuple(line[x * channels:x * channels + 3]) for x in range(width)])
+        prev = line
+    return rows
 
 
 def main(out_dir: Path) -> None:
