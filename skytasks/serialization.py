@@ -7,12 +7,72 @@ bytes that arrived. Used for large arguments (blobs) and for every return value.
 
 from __future__ import annotations
 
+import mmap
+import os
 import pickle
 from typing import Any
 
 import cloudpickle
 
 Blob = tuple[bytes, list[memoryview]]
+SHARED_BYTES = 1 << 20  # a received buffer this large gets memory of its own (see `SharedBuffer`)
+
+
+class SharedBuffer(mmap.mmap):
+    """A large argument as a rank received it, in a memory file of its own (memfd). Each call
+    maps it privately (`private_view`): copy-on-write, so the function may change its argument
+    in place while the cached bytes stay as sent, and a function that only reads it copies
+    nothing. A 500 MB argument used to be copied on every rank at every call (1.5 s here with
+    two ranks on two cores)."""
+
+    fd: int
+
+
+def shared_buffer(size: int) -> SharedBuffer | None:
+    """Memory for a received buffer of `size` bytes; None (an ordinary bytearray) when small
+    or where memfd is missing."""
+    if size < SHARED_BYTES:
+        return None
+    try:
+        fd = os.memfd_create("skytasks-argument", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return None
+    try:
+        os.ftruncate(fd, size)
+        buf = SharedBuffer(fd, size)
+    except OSError:
+        os.close(fd)
+        return None
+    buf.fd = fd
+    return buf
+
+
+def _shared(buf: Any) -> SharedBuffer | None:
+    # pickle hands a buffer that was sent read-only back as a read-only memoryview of it
+    base = buf.obj if isinstance(buf, memoryview) else buf
+    return base if isinstance(base, SharedBuffer) else None
+
+
+def private_view(buf: Any) -> Any:
+    """A writable copy of a received buffer for one call: copy-on-write for a `SharedBuffer`."""
+    shared = _shared(buf)
+    if shared is not None:
+        return mmap.mmap(shared.fd, len(shared), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return bytearray(buf)
+
+
+def release(blob: Blob) -> None:
+    """A cached blob is dropped: its memory files go (views a function still holds stay valid)."""
+    for buf in blob[1]:
+        shared = _shared(buf)
+        if shared is not None:
+            os.close(shared.fd)
+            if isinstance(buf, memoryview):
+                buf.release()
+            try:
+                shared.close()
+            except BufferError:  # still viewed; unmapped when the last view goes
+                pass
 
 
 def dumps_out_of_band(value: Any) -> Blob:
@@ -45,4 +105,4 @@ def same_blob(a: Blob, b: Blob) -> bool:
 def loads_out_of_band(blob: Blob, copy: bool) -> Any:
     """`copy` when the buffers must stay pristine (a cached argument the function may mutate)."""
     meta, buffers = blob
-    return pickle.loads(meta, buffers=[bytearray(b) if copy else b for b in buffers])
+    return pickle.loads(meta, buffers=[private_view(b) if copy else b for b in buffers])

@@ -57,3 +57,46 @@ def test_a_large_argument_travels_once_per_node_and_not_again_while_warm(monkeyp
     assert sent[0] >= 2 * big and sent[0] < 3 * big  # once per node (2), not once per rank (4)
     assert sent[1] == 0
     assert sent[2] >= 2 * big
+
+
+def scale_in_place(data: np.ndarray) -> tuple[float, bool]:
+    before = float(data[:1000].sum())
+    data *= 2  # the function's own copy: the next call must see the bytes as sent
+    return before, bool(data.flags.writeable)
+
+
+def test_a_function_may_change_its_argument_in_place_and_the_next_call_gets_it_as_sent():
+    data = np.arange(2_000_000, dtype=np.float64)  # 16 MB: held by the ranks between calls
+    expected = float(data[:1000].sum())
+    pool = GPUPool(nodes=2, procs_per_node=2)
+    task = distributed_task(scale_in_place, pool=pool, init_torch=False)
+    with pool:
+        assert task(data) == [(expected, True)] * 4
+        assert task(data) == [(expected, True)] * 4  # not resent, and not doubled by the first call
+        assert task(data) == [(expected, True)] * 4
+    assert float(data[:1000].sum()) == expected  # the caller's array is its own
+
+
+def test_a_received_argument_is_shared_copy_on_write_and_released():
+    from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
+
+    data = np.arange(1_000_000, dtype=np.float64)
+    meta, views = dumps_out_of_band(data)
+    held = shared_buffer(views[0].nbytes)
+    assert held is not None
+    memoryview(held).cast("B")[:] = views[0].cast("B")
+    blob = (meta, [memoryview(held).toreadonly()])  # as pickle hands back a buffer sent read-only
+    first = loads_out_of_band(blob, copy=True)
+    first[:] = -1.0
+    second = loads_out_of_band(blob, copy=True)
+    assert np.array_equal(second, data) and not np.shares_memory(first, second)
+    fd = held.fd
+    release(blob)
+    assert held.closed
+    assert np.array_equal(second, data)  # a view a function still holds stays valid
+    try:
+        os.fstat(fd)
+        still_open = True
+    except OSError:
+        still_open = False
+    assert not still_open

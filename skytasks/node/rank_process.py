@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, BinaryIO, Protocol
 
-from skytasks.wire import ChannelClosed, FrameWriter, read_frame
+from skytasks.wire import ChannelClosed, FrameWriter, read_frame, widen_pipe
 from skytasks.protocol import Op, message
 
 
@@ -49,6 +49,8 @@ class RankProcess:
             start_new_session=True,
         )
         os.close(ctrl_write)
+        widen_pipe(ctrl_read)  # results
+        widen_pipe(self.proc.stdin)  # calls and their arguments
         self.to_rank = FrameWriter(self.proc.stdin)  # type: ignore[arg-type]
         self._agent = agent
         self.stack_offset = 0  # where the next dump in the stack file starts

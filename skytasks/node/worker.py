@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from skytasks.rank import ENV_ATTEMPT
-from skytasks.serialization import dumps_out_of_band, loads_out_of_band
+from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
 from skytasks.protocol import Op, message
 from skytasks.wire import BlobRef, ChannelClosed, FrameWriter, read_frame
 
@@ -178,7 +178,7 @@ def _unpack(msg: dict[str, Any]) -> tuple[Any, tuple, dict]:
 
     refs = msg["refs"]
     for key in set(_BLOBS) - set(refs):  # the controller keeps exactly this call's blobs too
-        del _BLOBS[key]
+        release(_BLOBS.pop(key))
     _BLOBS.update(msg["blobs"])
     fn, args, kwargs = cloudpickle.loads(msg["head"])
 
@@ -256,7 +256,7 @@ def main() -> None:
         # collective would never notice otherwise.
         try:
             while True:
-                inbox.put(read_frame(inbound))
+                inbox.put(read_frame(inbound, buffer_for=shared_buffer))
         except (ChannelClosed, OSError):
             os._exit(1)
 

@@ -12,6 +12,7 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.processes import end_child
 from skytasks.providers.reporting import PoolReporter
+from skytasks.wire import widen_pipe
 
 LOOPBACK = "127.0.0.1"
 
@@ -59,6 +60,8 @@ class LocalProvider:
             start_new_session=True,
         )
         self._procs[node_rank] = proc
+        widen_pipe(proc.stdin)
+        widen_pipe(proc.stdout)
         return NodeLink(
             node_rank=node_rank,
             address=LOOPBACK,
