@@ -53,11 +53,6 @@ def run_command(args: argparse.Namespace) -> int:
     except (PoolConfigError, ValueError) as exc:
         print(f"skytasks run: {exc}", file=sys.stderr)
         return 2
-    for logger in (logging.getLogger(), logging.getLogger("prefect")):
-        for handler in logger.handlers:
-            if not type(handler).__name__.startswith("APILogHandler"):
-                handler.addFilter(_NoCopiesOnConsole())
-
     held = HeldObserver(ConsoleObserver())
     outcome: Future = Future()
     recorded: Future = Future()
@@ -116,6 +111,12 @@ def _record(name: str, call: Any, held: Any, outcome: Future, recorded: Future, 
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from skytasks.prefect_records.parent_task import record_started_call
+
+    # Prefect has set its logging up by now (on import, on this thread for a local pool).
+    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+        for handler in logger.handlers:
+            if not type(handler).__name__.startswith("APILogHandler"):
+                handler.addFilter(_NoCopiesOnConsole())
 
     @flow(name=name, log_prints=False)
     def script_flow() -> list:

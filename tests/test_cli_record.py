@@ -111,6 +111,8 @@ def test_the_cli_run_is_recorded_whole_with_each_line_at_its_time(tmp_path):
     done = _cli(tmp_path, "recorded_whole")
     ended = time.time()
     assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):  # printed live once, never again by Prefect's console copy of the record
+        assert (done.stdout + done.stderr).count(f"hello from {rank} at") == 1, done.stdout + done.stderr
     ranks = ["recorded_whole[rank 0/2]", "recorded_whole[rank 1/2]"]
 
     def ready(flow_run, by_name, logs):
