@@ -17,8 +17,10 @@ say something about the API, Prefect is left to do as it always does.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -108,10 +110,8 @@ class EarlyServer:
 
 def _detach() -> None:
     """In the child: out of the terminal's process group (Ctrl-C is for the ranks; the record
-    still has to be written), but killed with this process if it dies without stopping it."""
-    import ctypes
-    import signal
-
+    still has to be written), but killed with this process if it dies without stopping it.
+    Nothing is imported here: a child between fork and exec must not take the import lock."""
     os.setsid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
