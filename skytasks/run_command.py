@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 RECORD_WAIT_SECONDS = 120.0  # after the call: Prefect's ephemeral server may still be starting
@@ -45,18 +44,18 @@ def run_command(args: argparse.Namespace) -> int:
     from skytasks.errors import PoolConfigError
     from skytasks.prefect_records.events import EVENT_SINK
 
-    name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
     try:  # everything checked before anything starts
         if args.pool and early is not None:
             early.wait_until_up(_server_timeout())  # the block is loaded through it
-        call, payload = _saved_pool_call(args, name) if args.pool else _local_call(args, name)
+        call, payload = _saved_pool_call(args) if args.pool else _local_call(args)
     except (PoolConfigError, ValueError) as exc:
         print(f"skytasks run: {exc}", file=sys.stderr)
         return 2
+    name = call.options.label  # the script's name, as `run_script` gives it
     held = HeldObserver(ConsoleObserver())
     outcome: Future = Future()
     recorded: Future = Future()
-    recorder = threading.Thread(target=_record, args=(name, call, held, outcome, recorded, early), daemon=True,
+    recorder = threading.Thread(target=_record, args=(call, held, outcome, recorded, early), daemon=True,
                                 name="skytasks-record")
     recorder.start()
     shown, sink = SHOW_RESOURCES.set(bool(args.resources)), EVENT_SINK.set(held.on_event)
@@ -71,7 +70,7 @@ def run_command(args: argparse.Namespace) -> int:
     return _report(name, outcome, recorder, recorded)
 
 
-def _local_call(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
+def _local_call(args: argparse.Namespace) -> tuple[Any, Any]:
     """The call on a local pool, made without Prefect: its ranks start while Prefect is imported
     (a second or so) on the recording thread. The pool is what `GPUPool()` of this shape gives."""
     from skytasks.controller.packing import pack_call
@@ -82,20 +81,20 @@ def _local_call(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
 
     options, call_args = script_options(args.script, args.args, module=args.module, workdir=args.workdir,
                                         nodes=args.nodes or 1, procs_per_node=args.procs_per_node or 1,
-                                        timeout_seconds=args.timeout, retries=args.retries, name=name)
+                                        timeout_seconds=args.timeout, retries=args.retries)
     spec = PoolSpec(name="local-pool", provider="local", nodes=options.nodes, procs_per_node=options.procs_per_node,
                     accelerators_per_node=None)
     return PreparedCall(run_on_rank, PoolRuntime(spec, owner=None), options), pack_call(run_on_rank, call_args, {})
 
 
-def _saved_pool_call(args: argparse.Namespace, name: str) -> tuple[Any, Any]:
+def _saved_pool_call(args: argparse.Namespace) -> tuple[Any, Any]:
     """The call on a saved pool, loaded through the API (with none configured, its server starts now)."""
     from skytasks.controller.packing import pack_call
     from skytasks.script import script_task
 
     task, call_args = script_task(args.script, args.args, pool=args.pool, module=args.module, workdir=args.workdir,
                                   nodes=args.nodes, procs_per_node=args.procs_per_node, timeout_seconds=args.timeout,
-                                  retries=args.retries, name=name)
+                                  retries=args.retries)
     return task.prepare(), pack_call(task.fn, call_args, {})
 
 
@@ -103,7 +102,7 @@ def _server_timeout() -> float:
     return float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
 
 
-def _record(name: str, call: Any, held: Any, outcome: Future, recorded: Future, early: Any) -> None:
+def _record(call: Any, held: Any, outcome: Future, recorded: Future, early: Any) -> None:
     """The flow run and its parent task run, made while the call runs; ends when the call has."""
     from contextlib import nullcontext
 
@@ -118,7 +117,7 @@ def _record(name: str, call: Any, held: Any, outcome: Future, recorded: Future, 
             if not type(handler).__name__.startswith("APILogHandler"):
                 handler.addFilter(_NoCopiesOnConsole())
 
-    @flow(name=name, log_prints=False)
+    @flow(name=call.options.label, log_prints=False)
     def script_flow() -> list:
         return record_started_call(call, held, outcome)
 
