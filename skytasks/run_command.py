@@ -35,20 +35,25 @@ def run_command(args: argparse.Namespace) -> int:
     # Without PREFECT_API_URL the run goes to Prefect's ephemeral server, whose 20 s start limit a
     # busy machine can miss.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    from skytasks.errors import PoolConfigError
     from skytasks.prefect_records.early_server import start_early_server
 
-    early = start_early_server()  # first of all: with no API configured, Prefect's server takes seconds
+    try:  # the arguments, checked before anything starts (Prefect's server included)
+        options, call_args = _checked(args)
+    except (PoolConfigError, ValueError) as exc:
+        print(f"skytasks run: {exc}", file=sys.stderr)
+        return 2
+    early = start_early_server()  # then at once: with no API configured, Prefect's server takes seconds
     from skytasks.controller.console import ConsoleObserver
     from skytasks.controller.held_observer import HeldObserver
     from skytasks.controller.runner import SHOW_RESOURCES, run_call
-    from skytasks.errors import PoolConfigError
     from skytasks.prefect_records.events import EVENT_SINK
 
-    try:  # everything checked before anything starts
+    try:
         if args.pool and early is not None:
             early.wait_until_up(_server_timeout())  # the block is loaded through it
-        call, payload = _saved_pool_call(args) if args.pool else _local_call(args)
-    except (PoolConfigError, ValueError) as exc:
+        call, payload = _on_saved_pool(args, options, call_args) if args.pool else _on_local_pool(options, call_args)
+    except (PoolConfigError, ValueError) as exc:  # the saved pool's own checks
         print(f"skytasks run: {exc}", file=sys.stderr)
         return 2
     name = call.options.label  # the script's name, as `run_script` gives it
@@ -70,31 +75,38 @@ def run_command(args: argparse.Namespace) -> int:
     return _report(name, outcome, recorder, recorded)
 
 
-def _local_call(args: argparse.Namespace) -> tuple[Any, Any]:
+def _checked(args: argparse.Namespace) -> tuple[Any, tuple]:
+    """`run_script`'s options from the command line; a local pool's shape defaults to 1 x 1."""
+    from skytasks.script import script_options
+
+    local = not args.pool
+    nodes = 1 if local and args.nodes is None else args.nodes
+    procs_per_node = 1 if local and args.procs_per_node is None else args.procs_per_node
+    return script_options(args.script, args.args, pool=args.pool, module=args.module, workdir=args.workdir,
+                          nodes=nodes, procs_per_node=procs_per_node, timeout_seconds=args.timeout,
+                          retries=args.retries)
+
+
+def _on_local_pool(options: Any, call_args: tuple) -> tuple[Any, Any]:
     """The call on a local pool, made without Prefect: its ranks start while Prefect is imported
     (a second or so) on the recording thread. The pool is what `GPUPool()` of this shape gives."""
     from skytasks.controller.packing import pack_call
     from skytasks.controller.pool_runtime import PoolRuntime
     from skytasks.controller.runner import PreparedCall
     from skytasks.pool_spec import PoolSpec
-    from skytasks.script import run_on_rank, script_options
+    from skytasks.script import run_on_rank
 
-    options, call_args = script_options(args.script, args.args, module=args.module, workdir=args.workdir,
-                                        nodes=args.nodes or 1, procs_per_node=args.procs_per_node or 1,
-                                        timeout_seconds=args.timeout, retries=args.retries)
     spec = PoolSpec(name="local-pool", provider="local", nodes=options.nodes, procs_per_node=options.procs_per_node,
                     accelerators_per_node=None)
     return PreparedCall(run_on_rank, PoolRuntime(spec, owner=None), options), pack_call(run_on_rank, call_args, {})
 
 
-def _saved_pool_call(args: argparse.Namespace) -> tuple[Any, Any]:
+def _on_saved_pool(args: argparse.Namespace, options: Any, call_args: tuple) -> tuple[Any, Any]:
     """The call on a saved pool, loaded through the API (with none configured, its server starts now)."""
     from skytasks.controller.packing import pack_call
-    from skytasks.script import script_task
+    from skytasks.script import task_on_its_pool
 
-    task, call_args = script_task(args.script, args.args, pool=args.pool, module=args.module, workdir=args.workdir,
-                                  nodes=args.nodes, procs_per_node=args.procs_per_node, timeout_seconds=args.timeout,
-                                  retries=args.retries)
+    task = task_on_its_pool(options, call_args[0], module=args.module)
     return task.prepare(), pack_call(task.fn, call_args, {})
 
 

@@ -173,13 +173,18 @@ def script_options(script: str | os.PathLike, args: Iterable[Any] = (), *, pool:
 
 def script_task(script: str | os.PathLike, args: Iterable[Any] = (), **options: Any) -> tuple[Any, tuple]:
     """`run_script`'s call, checked and not yet started: the distributed task and its arguments."""
+    checked, call_args = script_options(script, args, **options)
+    return task_on_its_pool(checked, call_args[0], module=options.get("module", False)), call_args
+
+
+def task_on_its_pool(checked: Any, command: list[str], module: bool) -> Any:
+    """The distributed task of checked `script_options`, once its pool is looked up (a saved
+    block's name is loaded through the API)."""
     from skytasks.providers import provider_class
     from skytasks.task import DistributedTask, resolve_pool
 
-    checked, call_args = script_options(script, args, **options)
     pool = resolve_pool(checked.pool, nodes=checked.nodes, procs_per_node=checked.procs_per_node)
-    command = call_args[0]
-    if not options.get("module") and os.path.isabs(command[0]) and not provider_class(pool.provider).runs_on_this_machine:
-        raise PoolConfigError(f"script: {str(script)!r} is outside the workdir {checked.workdir}; "
+    if not module and os.path.isabs(command[0]) and not provider_class(pool.provider).runs_on_this_machine:
+        raise PoolConfigError(f"script: {command[0]!r} is outside the workdir {checked.workdir}; "
                               f"{pool.provider} nodes only get the workdir")
-    return DistributedTask(run_on_rank, checked.replace(pool=pool)), call_args
+    return DistributedTask(run_on_rank, checked.replace(pool=pool))

@@ -197,3 +197,21 @@ def test_the_early_server_is_only_started_when_nothing_configures_an_api(tmp_pat
     (tmp_path / "pyproject.toml").unlink()
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
     assert not nothing_configures_an_api()
+
+
+def test_bad_shape_on_the_command_line_is_refused_naming_it_before_anything_starts(tmp_path):
+    from tests.conftest import skytasks_processes
+
+    (tmp_path / "never.py").write_text("raise SystemExit('this script must never run')\n")
+    home = tmp_path / "prefect-home"  # no API configured: Prefect's own server would make its database here
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    for flag, value in (("--nodes", "0"), ("--procs-per-node", "-1")):
+        done = subprocess.run([sys.executable, "-m", "skytasks.cli", "run", flag, value, "never.py"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-2000:]
+        name = flag.lstrip("-").replace("-", "_")
+        assert f"skytasks run: {name}: must be an integer ≥ 1, got {value}" in done.stderr
+        assert "never run" not in done.stdout + done.stderr
+    assert skytasks_processes() == []
+    assert not (home / "prefect.db").exists()  # not even Prefect's server was started
