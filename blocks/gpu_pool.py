@@ -44,7 +44,9 @@ def train(epochs: int = 3) -> dict:
 
     provider: Literal["local", "ssh", "aws", "slurm"] = Field(
         "local", description="local: processes here; ssh: your machines; aws: EC2 it launches; slurm: a SLURM allocation")
-    nodes: int = Field(2, ge=1, description="Number of nodes.")
+    nodes: int = Field(2, ge=1, description="Number of nodes (the most, when min_nodes is set).")
+    min_nodes: Optional[int] = Field(
+        None, ge=1, description="Elastic: start with what can be had, at least this many; None: exactly `nodes`.")
     procs_per_node: int = Field(1, ge=1, description="Rank processes per node (one per GPU).")
     accelerator: Optional[str] = Field(None, description='GPU model, e.g. "A100", "H100", "L4". None means CPU.')
     accelerators_per_node: Optional[int] = Field(None, ge=1, description="GPUs per node; 1 when accelerator is set.")
@@ -109,6 +111,9 @@ def train(epochs: int = 3) -> dict:
     def _fields_agree(self) -> GPUPool:
         if self.accelerator is not None and self.accelerators_per_node is None:
             self.accelerators_per_node = 1
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes: {self.min_nodes} is more than nodes={self.nodes} (nodes is the most the "
+                             "pool asks for, min_nodes the fewest it runs on)")
         if self.provider == "ssh":
             if not self.hosts:
                 raise ValueError("hosts: provider='ssh' needs one host per node, head first")
@@ -177,13 +182,15 @@ def train(epochs: int = 3) -> dict:
                 torchvision=self.torchvision, torchaudio=self.torchaudio,
                 ready_timeout_seconds=self.ready_timeout_seconds, idle_minutes=self.idle_minutes,
                 max_lifetime_minutes=self.max_lifetime_minutes, **login)
-        return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes,
+        return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
                         env={**aws_environment(self.aws_credentials), **self.env}, ssh=ssh, aws=aws, slurm=slurm)
 
     def reshaped(self, **shape: int) -> GPUPool:
         """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so
         the copy has a runtime of its own."""
+        if self.min_nodes is not None and shape.get("nodes", self.nodes) < self.min_nodes:
+            shape = {**shape, "min_nodes": None}  # a fixed count below the floor: exactly that many
         copy = self.model_copy(update=shape)
         copy._runtime = None
         return copy

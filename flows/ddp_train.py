@@ -23,7 +23,8 @@ from skytasks import Checkpointer, GPUPool, distributed_task, rank_info, report,
 
 TEXT_PATH = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 
-pool = GPUPool(provider="local", nodes=2)
+# Elastic: it runs on 2 nodes, and goes on with 1 if a node is lost or preempted (min_nodes).
+pool = GPUPool(provider="local", nodes=2, min_nodes=1)
 
 
 def build_model(vocab_size: int, block_size: int, n_embd: int = 64, n_head: int = 4, n_layer: int = 2):
@@ -100,7 +101,7 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         first_epoch, epoch_losses = done + 1, state["epoch_losses"]
-        print(f"attempt {info.attempt}: resuming after epoch {done + 1} from its checkpoint")
+        print(f"attempt {info.attempt}: resuming after epoch {done + 1} from its checkpoint, on {info.world_size} ranks")
     steps, seen, started = 0, 0, time.perf_counter()
     for epoch in range(first_epoch, epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
@@ -118,8 +119,12 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
         epoch_losses.append(round((total[0] / total[1]).item(), 4))
         print(f"epoch {epoch + 1}/{epochs}  loss {epoch_losses[-1]:.3f}  ({info.world_size} ranks, {device})")
         report(epoch=epoch + 1, epochs=epochs, loss=epoch_losses[-1])  # live metrics artifact (head only)
-        ckpt.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "epoch_losses": epoch_losses}, epoch)
+        state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "epoch_losses": epoch_losses}
+        ckpt.save(state, epoch)
         dist.barrier()  # the head's checkpoint of this epoch is complete before anyone goes on
+        # A node of the pool has a preemption notice (spot, SLURM): end this attempt now, with this
+        # epoch saved; the retry resumes on the nodes that are left, at the epoch after it.
+        ckpt.save_if_preempted(state, epoch)
         if info.attempt == 1 and epoch + 1 == fail_once_at_epoch and info.rank == info.world_size - 1:
             raise RuntimeError(f"a failure on purpose after epoch {epoch + 1} (fail_once_at_epoch)")
 
@@ -137,6 +142,7 @@ def train(text: str, epochs: int = 10, batch_size: int = 32, block_size: int = 4
         "node": info.node_rank,
         "device": info.device,
         "attempt": info.attempt,
+        "world_size": info.world_size,
         "first_epoch": first_epoch + 1,
         "epoch_losses": epoch_losses,
         "steps": steps,

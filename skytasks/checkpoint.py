@@ -17,6 +17,10 @@ at step 0; on a later attempt every rank gets the newest checkpoint and goes on 
     for step in range(start, steps):
         ...
         ckpt.save({"model": model.state_dict()}, step)
+        ckpt.save_if_preempted({"model": model.state_dict()}, step)  # a spot or SLURM notice: save, end
+
+A checkpoint holds what the user gives it: a model's `state_dict` is the same for any world size,
+so an attempt with fewer ranks (an elastic pool that lost a node) resumes from it as well.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Checkpointer:
         if not text:
             raise ValueError("path: give a directory or s3://bucket/prefix")
         self.path, self.keep = text, keep
+        self._saved: dict[int, str] = {}  # the last step this object saved, and where
         if text.startswith("s3://"):
             bucket, _, prefix = text[len("s3://"):].partition("/")
             if not bucket:
@@ -60,9 +65,29 @@ class Checkpointer:
         buf = io.BytesIO()
         torch.save(state, buf)
         where = self._store.put(_name(step), buf.getbuffer())
+        self._saved = {step: where}
         for old in sorted(self.steps())[:-self.keep]:
             self._store.delete(_name(old))
         return where
+
+    def save_if_preempted(self, state: Any, step: int) -> None:
+        """Where `save` would go in the loop, called every step: nothing, until a node of the pool
+        has a preemption notice (`rank_info().preempted`). Then the head saves `state` as `step`
+        and ends the attempt with `Preempted`, so the retry starts at once on the nodes that are
+        left (or a replacement) and resumes from this checkpoint with `load_latest`. The other
+        ranks go on until the controller stops them: none may end the attempt before the head's
+        save is on disk."""
+        import time
+
+        from skytasks.preemption import Preempted, preemption
+
+        notice = preemption()
+        if notice is None or not _is_head():
+            return
+        # Saved already by `save` just before (a per-epoch checkpoint): not written twice.
+        where = self._saved.get(step) or self.save(state, step)
+        raise Preempted(f"{notice.describe()}; checkpoint of step {step} saved at {where} "
+                        f"{time.time() - notice.at:.2f}s after the notice; the retry resumes from it")
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints there, oldest first."""

@@ -80,17 +80,33 @@ class SlurmSpec:
 class PoolSpec:
     name: str  # the saved block's name, or "<provider>-pool": tags and events
     provider: Literal["local", "ssh", "aws", "slurm"]
-    nodes: int
+    nodes: int  # the most nodes the pool asks for
     procs_per_node: int
     accelerators_per_node: Optional[int]
     env: Mapping[str, str] = field(default_factory=dict)  # every rank's environment (AWS variables included)
     ssh: Optional[SSHSpec] = None
     aws: Optional[AWSSpec] = None
     slurm: Optional[SlurmSpec] = None
+    # The fewest nodes the pool runs on (elastic when below `nodes`): it starts with what it can
+    # get between the two, a retry goes on with what is left, and it grows back between calls.
+    min_nodes: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.min_nodes is None:
+            object.__setattr__(self, "min_nodes", self.nodes)
+        if not 1 <= self.min_nodes <= self.nodes:  # type: ignore[operator]
+            raise ValueError(f"min_nodes: must be between 1 and nodes={self.nodes}, got {self.min_nodes}")
         wanted = {"local": None, "ssh": "ssh", "aws": "aws", "slurm": "slurm"}[self.provider]
         for part in ("ssh", "aws", "slurm"):
             if (getattr(self, part) is not None) != (part == wanted):
                 raise ValueError(f"provider={self.provider!r}: the {part} part must be "
                                  f"{'set' if part == wanted else 'absent'}")
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.nodes
+
+    @property
+    def node_count(self) -> str:
+        """The count as people read it: "2", or "2-4" for an elastic pool."""
+        return f"{self.min_nodes}-{self.nodes}" if self.elastic else str(self.nodes)

@@ -15,6 +15,9 @@ Controller -> agent:
   STACKS  group                                 answer with one STACK per rank (faulthandler)
   STOP    group, grace                          SIGTERM, then SIGKILL after grace; answer STOPPED
   CLOSE   group, grace                          ranks leave cleanly (destroy the process group)
+  PREEMPTION node_rank, address, reason, deadline, at
+                                                a node of the pool will be taken away: relayed to
+                                                every rank (rank_info().preempted)
   HEARTBEAT                                     both ways; never reaches the event queue
 Agent -> controller:
   HELLO   pid, python, gpus                     once, first: the node is ready, with its GPUs
@@ -24,6 +27,8 @@ Agent -> controller:
   STOPPED group                                 the ranks of STOP are gone
   AGENT_ERROR error                             the agent failed a request; its ranks are stopped
   LEAVING reason, stacks {rank: stack}, group   the node is going away (SIGTERM); its ranks are gone
+  NOTICE  reason, deadline, at                  the node will be taken away (SIGUSR2 from a scheduler,
+                                                a spot interruption): it still runs until then
   RESOURCES group, samples {rank: figures}      every few seconds while ranks run: CPU, RSS, GPU
 Rank -> controller (relayed by the agent, which adds `group` and `rank`):
   JOINING                                       entering init_process_group
@@ -32,7 +37,7 @@ Rank -> controller (relayed by the agent, which adds `group` and `rank`):
   REPORT  metrics                               skytasks.report(...)
   RESULT  call, value, started, ended           the call's return value (out-of-band buffers)
   FAILED  call, type, message, traceback, exception, started, ended
-Controller -> rank (through the agent): CALL, CLOSE.
+Controller -> rank (through the agent): CALL, CLOSE, PREEMPTION.
 Made on the controller, never sent:
   LOST    reason                                a stream closed or fell silent
 """
@@ -49,6 +54,7 @@ class Op(StrEnum):
     STACKS = "stacks"
     STOP = "stop"
     CLOSE = "close"
+    PREEMPTION = "preemption"
     HEARTBEAT = "heartbeat"
     HELLO = "hello"
     OUTPUT = "output"
@@ -57,6 +63,7 @@ class Op(StrEnum):
     STOPPED = "stopped"
     AGENT_ERROR = "agent_error"
     LEAVING = "leaving"
+    NOTICE = "notice"
     RESOURCES = "resources"
     JOINING = "joining"
     READY = "ready"
@@ -105,6 +112,14 @@ class Close(TypedDict):
     grace: NotRequired[float]  # the agent's: how long ranks get to leave before they are killed
 
 
+class Preemption(TypedDict):
+    node_rank: int
+    address: str
+    reason: str
+    deadline: float | None  # epoch seconds when the node goes, when the notice says
+    at: float  # when the node's agent heard it
+
+
 class Heartbeat(TypedDict):
     pass
 
@@ -146,6 +161,12 @@ class Leaving(TypedDict):
     reason: str
     stacks: dict[str, str]  # rank (as text) -> its last stack
     group: int | None
+
+
+class Notice(TypedDict):
+    reason: str
+    deadline: float | None
+    at: float
 
 
 class Resources(TypedDict):
@@ -195,7 +216,7 @@ class Lost(TypedDict):
 MESSAGES: dict[Op, type] = {
     Op.SPAWN: Spawn, Op.CALL: Call, Op.STACKS: Stacks, Op.STOP: Stop, Op.CLOSE: Close, Op.HEARTBEAT: Heartbeat,
     Op.HELLO: Hello, Op.OUTPUT: Output, Op.EXITED: Exited, Op.STACK: Stack, Op.STOPPED: Stopped,
-    Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
+    Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.NOTICE: Notice, Op.PREEMPTION: Preemption, Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
     Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from skytasks.preemption import preemption
+
 ENV_RANK = "SKYTASKS_RANK"
 ENV_NUM_NODES = "SKYTASKS_NUM_NODES"
 ENV_PEERS = "SKYTASKS_PEERS"
@@ -34,6 +36,8 @@ class RankInfo:
     accelerators: int
     attempt: int
     device: str = "cpu"  # "cuda:<i>" when this rank has a GPU (its own or shared), else "cpu"
+    # A node of the pool will be taken away soon (skytasks.preemption): save, the attempt ends.
+    preempted: bool = False
 
     @property
     def is_head(self) -> bool:
@@ -96,4 +100,5 @@ def rank_info() -> RankInfo:
         accelerators=int(env[ENV_ACCELERATORS]),
         attempt=int(env.get(ENV_ATTEMPT, "1")),
         device=env.get(ENV_DEVICE, "cpu"),
+        preempted=preemption() is not None,
     )

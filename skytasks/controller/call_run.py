@@ -34,6 +34,7 @@ from skytasks.serialization import loads_out_of_band
 from skytasks.stacks import where
 
 _call_ids = itertools.count(1)
+PREEMPTED_TYPE = "skytasks.preemption.Preempted"
 _OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL)  # how a rank ends when our stop reaches it
 STACKS_WAIT_SECONDS = 1.0  # after a failure: the other ranks' stacks, before they are stopped
 HANG_STACKS_WAIT_SECONDS = 2.0
@@ -72,6 +73,7 @@ class CallRun:
         self._hung = False
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
+        self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
 
     # -- the machine's inputs --------------------------------------------------------------
 
@@ -119,7 +121,9 @@ class CallRun:
         op = msg["op"]
         if msg.get("group", self.group.id) != self.group.id or not self.bus.is_current(node_rank, msg):
             return  # late news from a group already discarded, or from a replaced node
-        if self.phase is Phase.STOPPING:
+        if op == Op.NOTICE:
+            self._on_notice(node_rank, msg)
+        elif self.phase is Phase.STOPPING:
             self._while_stopping(node_rank, msg, now)
         elif op == Op.STACK and self.phase is Phase.STACKS:
             if msg["rank"] in self._stacks_wanted and msg["stack"]:
@@ -192,7 +196,23 @@ class CallRun:
 
     def _on_failed(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         if msg["call"] in (self.id, None):
-            self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"))
+            kind = EndReason.PREEMPTED if msg["type"] == PREEMPTED_TYPE else EndReason.RANK_FAILED
+            self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"), kind)
+
+    def _on_notice(self, node_rank: int, msg: dict[str, Any]) -> None:
+        """A node will be taken away: every rank hears it at once (its peers must save too), and
+        the call goes on until the head ends it (`save_if_preempted`) or the node goes."""
+        if node_rank in self.notices or self.phase is Phase.DONE:
+            return
+        self.notices[node_rank] = msg
+        address = self.group.addresses.get(node_rank, "")
+        deadline = msg["deadline"]
+        when = "" if deadline is None else (f", going at {time.strftime('%H:%M:%S', time.localtime(deadline))} "
+                                            f"(in {max(0.0, deadline - time.time()):.0f}s)")
+        self.observer.on_notice(f"node {node_rank} ({address}) will be taken away: {msg['reason']}{when}; every rank "
+                                f"is told (rank_info().preempted)")
+        self.bus.broadcast(message(Op.PREEMPTION, node_rank=node_rank, address=address, reason=msg["reason"],
+                                   deadline=deadline, at=msg["at"]))
 
     def _on_exited(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         rank = msg["rank"]
@@ -205,6 +225,8 @@ class CallRun:
         what = {Op.LOST: f"lost the agent of node {node_rank}", Op.LEAVING: f"node {node_rank} is going away",
                 }.get(op, f"the agent of node {node_rank} failed")
         detail = msg.get("reason") or msg.get("error", "")
+        if node_rank in self.notices:
+            detail += f" (after its preemption notice: {self.notices[node_rank]['reason']})"
         if op == Op.LEAVING:
             stacks = {int(r): s for r, s in (msg.get("stacks") or {}).items() if s}
             self.observer.on_stacks(stacks, f"stopped because node {node_rank} is going away")

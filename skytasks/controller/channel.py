@@ -34,6 +34,8 @@ class NodeChannel:
         self.serial = next(_serials)  # events say which channel they came from: a replaced
         # node's old channel may still have news in the queue
         self.gpus: list[str] = []  # what the agent reported in its hello
+        self.notice: dict[str, Any] | None = None  # its preemption notice: it runs, but not for long
+        self.lost_reason = ""
 
     def start(self) -> NodeChannel:
         """Start reading the agent's frames into the event queue."""
@@ -51,10 +53,25 @@ class NodeChannel:
                 if msg["op"] != Op.HEARTBEAT:
                     msg["channel"] = self.serial
                     self._events.put((self.link.node_rank, msg))
+                if msg["op"] == Op.NOTICE and self.notice is None:  # set here, not when the queue is read:
+                    self.notice = msg  # the next group must leave the node out even between calls
                 if msg["op"] == Op.LEAVING:  # it is gone as soon as it says so: replaced before the retry
                     self.mark_lost(f"the node is going away: {msg['reason']}")
         except (ChannelClosed, OSError, ValueError) as exc:
             self.mark_lost(str(exc))
+
+    @property
+    def usable(self) -> bool:
+        """Whether a new rank group may be placed here: alive, and not about to be taken away."""
+        return self.alive and self.notice is None
+
+    def why_gone(self) -> str:
+        return "was lost" if self.notice is None else f"was preempted ({self.notice['reason']})"
+
+    def retire(self) -> None:
+        """The pool lets this node go: its stream closing now is no news."""
+        with self._lost_lock:
+            self.alive = False
 
     def mark_lost(self, reason: str) -> None:
         """Report the node lost, once, however many ways it was found out."""
@@ -62,6 +79,7 @@ class NodeChannel:
             if not self.alive:
                 return
             self.alive = False
+            self.lost_reason = reason
         try:  # what the provider knows of it (SLURM: the node's state and reason)
             detail = self.link.loss_detail()
         except Exception:  # noqa: BLE001 - the loss is reported all the same

@@ -29,6 +29,7 @@ class EndReason(StrEnum):
     COMPLETED = "completed"
     RANK_FAILED = "rank failed"  # a rank raised, or its process died
     NODE_LOST = "node lost"  # an agent's stream closed or fell silent, its agent failed, or it is going away
+    PREEMPTED = "preempted"  # a node had a preemption notice: the head saved and ended the attempt (Preempted)
     HANG = "hang"  # hang_timeout_seconds without a sign of progress
     INIT_TIMEOUT = "init timeout"  # the process group did not form
     DEADLINE = "deadline"  # timeout_seconds

@@ -59,9 +59,10 @@ class PoolRuntime:
         provider = provider_for(self.spec)
         if starting is not None:  # lets a cancelled `async with` abort a launch in progress
             starting["provider"] = provider
-        session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env)).start()
+        session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
+                              nodes=(self.spec.min_nodes, self.spec.nodes)).start()  # type: ignore[arg-type]
         emit("skytasks.pool.up", pool_resource(self.spec.name),
-             payload={"provider": self.spec.provider, "nodes": self.spec.nodes,
+             payload={"provider": self.spec.provider, "nodes": len(session.nodes), "asked": self.spec.node_count,
                       "procs_per_node": self.spec.procs_per_node, "addresses": [n.link.address for n in session.nodes]})
         return session
 

@@ -106,6 +106,7 @@ class RankGroup:
         self.placement: dict[int, tuple[int, str]] = {}  # rank -> (node_rank, node address)
         self.spawns: dict[int, dict[str, Any]] = {}  # node_rank -> its SPAWN message
         peers = tuple(n.address for n in nodes)
+        self.addresses = {n.node_rank: n.address for n in nodes}
         for node in nodes:
             ranks = []
             for local in range(ppn):

@@ -60,7 +60,7 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
     (a rank raising, a node lost, a hang, the init timeout, the attempt's deadline, a pool that
     did not start) is retried while retries are left. Interrupts never are."""
     spec = runtime.spec
-    world = spec.nodes * spec.procs_per_node
+    world = spec.nodes * spec.procs_per_node  # what it asks for, until a session says what it has
     provider = provider_class(spec.provider)  # what it can do, never its name, decides
     check_backend_before_launch(options.backend, on_this_machine=provider.runs_on_this_machine,
                                 gpus_from_config=provider.gpus_from_config, nodes=spec.nodes,
@@ -78,10 +78,25 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
             attempt = 0
             while True:
                 attempt += 1
-                observer.on_attempt_start(attempt, world)
+                started = False
                 try:
-                    outcome = _attempt(sessions, payload, group_spec, options, observer, attempt)
+                    # Timed from here: the attempt's deadline covers starting a call-scoped pool.
+                    deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
+                    try:
+                        session = sessions.get()
+                        session.prepare(observer, first_attempt=attempt == 1)
+                    except PoolStartError as exc:  # the pool, or a lost node's replacement, did not come up
+                        observer.on_attempt_start(attempt, world)
+                        started = True
+                        outcome = CallOutcome(EndReason.POOL_START, error=exc)
+                    else:
+                        world = session.world_size  # an elastic pool runs on what it has
+                        observer.on_attempt_start(attempt, world)
+                        started = True
+                        outcome = _attempt(session, payload, group_spec, options, observer, attempt, deadline)
                 except BaseException as interrupted:  # Ctrl-C, SIGTERM, cancellation: never retried
+                    if not started:
+                        observer.on_attempt_start(attempt, world)
                     observer.on_attempt_end(attempt, interrupted)
                     raise
                 observer.on_attempt_end(attempt, outcome.error)
@@ -90,7 +105,7 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
                     return outcome.unwrap()
                 # A collective cannot survive a partial restart: the next attempt is a fresh group.
                 observer.on_notice(f"{options.label}: attempt {attempt} failed ({outcome.cause!r}); {decision.why}; "
-                                   f"restarting all {world} ranks in {options.retry_delay_seconds:g}s")
+                                   f"restarting the ranks in {options.retry_delay_seconds:g}s")
                 time.sleep(options.retry_delay_seconds)
     except BaseException as err:
         error = err
@@ -99,15 +114,13 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
         observer.on_call_end(error)
 
 
-def _attempt(sessions: Any, payload: PackedCall, group_spec: GroupSpec, options: CallOptions,
-             observer: RunObserver, attempt: int) -> CallOutcome:
-    """One attempt, from starting the pool (when it is call-scoped) to the ranks' end."""
-    deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
+def _attempt(session: Any, payload: PackedCall, group_spec: GroupSpec, options: CallOptions,
+             observer: RunObserver, attempt: int, deadline: float | None) -> CallOutcome:
+    """One attempt on the session's nodes, to the ranks' end."""
     try:
-        session = sessions.get()
         return session.call(payload, group_spec, attempt=attempt, deadline=deadline, observer=observer,
                             label=options.label, hang_timeout=options.hang_timeout_seconds)
-    except PoolStartError as exc:  # the pool, or a lost node's replacement, did not come up
+    except PoolStartError as exc:  # a node lost in between, whose replacement did not come up
         return CallOutcome(EndReason.POOL_START, error=exc)
 
 

@@ -39,27 +39,44 @@ class ChannelBus:
         return {n.link.node_rank for n in self.nodes if n.alive}
 
     def is_current(self, node_rank: int, msg: dict[str, Any]) -> bool:
-        return self.nodes[node_rank].sent(msg)
+        # A node that left an elastic pool may still have news in the queue, under its old number.
+        return node_rank < len(self.nodes) and self.nodes[node_rank].sent(msg)
 
 
 class PoolSession:
     """The nodes of a pool that is up, and the rank group that lives on them."""
 
-    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str]):
+    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str],
+                 nodes: tuple[int, int] | None = None):
         self.provider = provider
         self.procs_per_node = procs_per_node
         self.env = dict(env)
+        # (min, max): an elastic pool runs on what it has between the two; None: exactly what it started with
+        self.counts = nodes
         self.events: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.group: RankGroup | None = None
         self.nodes: list[NodeChannel] = []
         self.bus = ChannelBus(self.nodes)
         self._closed = threading.Event()
+        self._calls = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.procs_per_node
+
+    @property
+    def elastic(self) -> bool:
+        return self.counts is not None and self.counts[0] < self.counts[1]
 
     def start(self) -> PoolSession:
         """Bring the nodes up, and wait for every agent's hello; all or nothing."""
         try:
-            self.nodes.extend(NodeChannel(link, self.events).start() for link in self.provider.start())
+            for position, link in enumerate(self.provider.start()):
+                link.node_rank = position
+                self.nodes.append(NodeChannel(link, self.events).start())
+            if self.counts is None:
+                self.counts = (len(self.nodes), len(self.nodes))
             keep_heartbeats(self.nodes, self._closed)
             self._await_agents()
         except BaseException:
@@ -88,15 +105,27 @@ class PoolSession:
                 detail = msg.get("reason") or msg.get("error", "")
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
 
+    def prepare(self, observer: CallObserver, *, first_attempt: bool) -> None:
+        """The nodes the next attempt runs on. Lost and going nodes leave (replaced, or on an
+        elastic pool dropped while at least min_nodes are left); before a later call, never
+        between the attempts of one, an elastic pool grows back toward its most."""
+        with self._lock:
+            self._mend(observer)
+            if first_attempt and self._calls > 0:
+                self._grow(observer)
+            if first_attempt:
+                self._calls += 1
+
     def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
              observer: CallObserver, label: str, hang_timeout: float | None = None) -> CallOutcome:
         # One call at a time on a pool's ranks: two calls cannot share one process group.
         with self._lock:
             g = self.group
-            if g is None or g.broken or g.spec != spec or not all(n.alive for n in self.nodes):
+            if (g is None or g.broken or g.spec != spec or g.world_size != self.world_size
+                    or not all(n.usable for n in self.nodes)):
                 if g is not None and not g.broken:
                     g.close(self.bus)
-                self._replace_lost_nodes(observer)
+                self._mend(observer)
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
                 shapes = [NodeShape(n.link.node_rank, n.link.address, n.link.machine, tuple(n.gpus),
                                     tuple(n.link.env.items())) for n in self.nodes]
@@ -113,25 +142,81 @@ class PoolSession:
                 if g.broken:
                     self.group = None
 
-    def _replace_lost_nodes(self, observer: CallObserver) -> None:
-        """A lost node (its agent stream closed or fell silent) is replaced before the next group
-        starts: a full pool for every retry and every later call inside `with pool:`."""
-        lost = [n for n in self.nodes if not n.alive]
-        if not lost:
+    def _mend(self, observer: CallObserver) -> None:
+        """Lost nodes (the agent stream closed or fell silent) and going ones (a preemption
+        notice) leave before the next group starts. Each is replaced, except on an elastic pool,
+        where they are dropped while at least min_nodes are left: torchrun's elastic agent too
+        restarts on the members it has rather than wait for new ones."""
+        gone = [n for n in self.nodes if not n.usable]
+        if not gone:
             return
-        replace = self.provider.replace
+        left = len(self.nodes) - len(gone)
+        wanted = len(gone) if not self.elastic else max(0, self.counts[0] - left)  # type: ignore[index]
+        for old in gone[wanted:]:
+            self._drop(old)
+            why = old.why_gone() + (f": {old.lost_reason}" if old.notice is None and old.lost_reason else "")
+            observer.on_notice(f"node {old.link.node_rank} ({old.link.address}) {why}; "
+                               f"the elastic pool goes on with the {left} node{'s' * (left != 1)} left, "
+                               f"{left * self.procs_per_node} rank{'s' * (left * self.procs_per_node != 1)}, and grows back toward {self.counts[1]} "  # type: ignore[index]
+                               f"nodes before a later call")
         fresh = []
-        for old in lost:
+        for old in gone[:wanted]:
             started = time.monotonic()
             old.link.close()
-            new = NodeChannel(replace(old.link.node_rank), self.events).start()
-            self.nodes[old.link.node_rank] = new
+            link = self.provider.replace(old.link.node_id)
+            link.node_rank = old.link.node_rank
+            new = NodeChannel(link, self.events).start()
+            self.nodes[self.nodes.index(old)] = new
             keep_heartbeats([new], self._closed)
             fresh.append((old, new, started))
         self._await_agents([new for _, new, _ in fresh])
         for old, new, started in fresh:
-            observer.on_notice(f"node {old.link.node_rank} ({old.link.address}) was lost; replaced by a new node "
-                               f"({new.link.address}) in {time.monotonic() - started:.2f}s")
+            observer.on_notice(f"node {old.link.node_rank} ({old.link.address}) {old.why_gone()}; replaced by a new "
+                               f"node ({new.link.address}) in {time.monotonic() - started:.2f}s")
+        self._renumber()
+
+    def _drop(self, node: NodeChannel) -> None:
+        node.retire()
+        self.nodes.remove(node)
+        node.link.close()
+        self.provider.release(node.link.node_id)
+
+    def _grow(self, observer: CallObserver) -> None:
+        """Back toward the most nodes, with what the provider can get now; a shortfall is said,
+        never raised: the pool still has at least min_nodes."""
+        assert self.counts is not None
+        missing = self.counts[1] - len(self.nodes)
+        if missing <= 0:
+            return
+        started = time.monotonic()
+        fresh: list[NodeChannel] = []
+        try:
+            links = self.provider.grow(missing)
+            for position, link in enumerate(links, start=len(self.nodes)):
+                link.node_rank = position
+                fresh.append(NodeChannel(link, self.events).start())
+            self._await_agents(fresh)
+        except PoolStartError as exc:
+            for node in fresh:
+                node.retire()
+                node.link.close()
+                self.provider.release(node.link.node_id)
+            observer.on_notice(f"the pool could not grow back toward {self.counts[1]} nodes and stays at "
+                               f"{len(self.nodes)}: {exc}")
+            return
+        self.nodes.extend(fresh)
+        keep_heartbeats(fresh, self._closed)
+        if fresh:
+            observer.on_notice(f"the pool grew back to {len(self.nodes)} of {self.counts[1]} nodes "
+                               f"({', '.join(n.link.address for n in fresh)}) in {time.monotonic() - started:.2f}s; "
+                               f"this call runs on {self.world_size} ranks")
+        if len(self.nodes) < self.counts[1]:
+            observer.on_notice(f"the pool has {len(self.nodes)} of {self.counts[1]} nodes: no more could be had now "
+                               f"(see the pool's log for why); it tries again before the next call")
+
+    def _renumber(self) -> None:
+        for position, node in enumerate(self.nodes):
+            node.link.node_rank = position
 
     def _workdir_on_nodes(self, request: WorkdirRequest, observer: CallObserver) -> str:
         """Where the workdir is on every node, sent there first if it must travel."""

@@ -3,7 +3,7 @@
 It plays the part of torchrun's elastic agent, with the controller in place of the rendezvous
 backend. It speaks `wire` frames on its stdin/stdout, which are pipes from the controller for a
 local node and an SSH channel for a remote one. It imports only the standard library,
-`skytasks.wire`, `skytasks.protocol` and `skytasks.devices`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
+`skytasks.wire`, `skytasks.protocol`, `skytasks.preemption` and `skytasks.devices`: no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and a
 payload passes through it untouched.
 
 Why it kills everything when its stream closes, or when the controller falls silent past the
@@ -14,6 +14,7 @@ network, ranks that keep running would hang in a collective or bill for a GPU fo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from skytasks.devices import visible_gpus
+from skytasks.preemption import NOTICE_SIGNAL
 from skytasks.node.resources import Sampler
 from skytasks.protocol import Op, message
 from skytasks.wire import (RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header,
@@ -36,15 +38,19 @@ from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess
 
 class NodeAgent:
     def __init__(self, inbound: BinaryIO, outbound: BinaryIO, heartbeat_seconds: float, heartbeat_timeout: float,
-                 sample_seconds: float, heartbeat_file: str | None = None):
+                 sample_seconds: float, heartbeat_file: str | None = None, notice_file: str | None = None):
         self._inbound = HeardStream(inbound)
         self._out = FrameWriter(outbound)
         self._ranks: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
         self._sample_seconds = sample_seconds
+        self._notice_file = notice_file
+        self._noticed = threading.Event()
+        # PREEMPTION (a node of the pool is going, maybe this one) goes on to every rank at once.
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
-                          Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.HEARTBEAT: _heard}
+                          Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward,
+                          Op.HEARTBEAT: _heard}
         self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
         self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
 
@@ -77,6 +83,8 @@ class NodeAgent:
             silent = self._inbound.silent_for()
             if silent > self._timeout:
                 self._controller_gone(f"no word from the controller for {silent:.0f}s")
+            if self._notice_file and not self._noticed.is_set():
+                self._read_notice_file()
             if self._heartbeat_file and self._inbound.last_heard != touched:
                 touched = self._inbound.last_heard
                 try:
@@ -84,6 +92,27 @@ class NodeAgent:
                         f.write(f"{time.time():.0f}\n")
                 except OSError:
                     pass
+
+    def give_notice(self, reason: str, deadline: float | None = None) -> None:
+        """This node will be taken away at `deadline`: the controller tells every rank, and the
+        node keeps running until it goes (then LEAVING or a lost stream follows). Said once."""
+        if self._noticed.is_set():
+            return
+        self._noticed.set()
+        print(f"skytasks agent: preemption notice: {reason}", file=sys.stderr, flush=True)
+        self.emit(message(Op.NOTICE, reason=reason, deadline=deadline, at=time.time()))
+
+    def _read_notice_file(self) -> None:
+        """The watchdog's word (a spot interruption it read from the instance metadata): a JSON
+        object with `reason` and `deadline` (epoch seconds), written whole by a rename."""
+        try:
+            with open(self._notice_file) as f:  # type: ignore[arg-type]
+                notice = json.load(f)
+        except (OSError, ValueError):
+            return
+        deadline = notice.get("deadline")
+        self.give_notice(str(notice.get("reason") or "a notice from the node's watchdog"),
+                         float(deadline) if deadline is not None else None)
 
     def serve(self) -> None:
         # What this node has, for the controller's device placement and backend choice.
@@ -266,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, required=True)
     parser.add_argument("--sample-seconds", type=float, required=True)
     parser.add_argument("--heartbeat-file", default=None)
+    parser.add_argument("--notice-file", default=None, help="where the node's watchdog writes a preemption notice")
     args = parser.parse_args(argv)
     # Frames own the real stdout; anything else printed here (a warning, a stray print) goes to
     # stderr so it cannot corrupt the stream.
@@ -280,7 +310,16 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _end_on_sigterm)
     agent = NodeAgent(inbound, outbound, args.heartbeat_seconds, args.heartbeat_timeout, args.sample_seconds,
-                      args.heartbeat_file)
+                      args.heartbeat_file, args.notice_file)
+
+    def on_notice_signal(signum: int, frame: object) -> None:
+        # SIGUSR2: SLURM's --signal=USR2@<seconds> before the time limit, `scancel --signal=USR2`,
+        # or a preemption with send_user_signal. Sent from a thread: never from inside a handler
+        # that may have interrupted a send.
+        threading.Thread(target=agent.give_notice, args=(f"{signal.Signals(signum).name} reached the node agent",),
+                         daemon=True).start()
+
+    signal.signal(NOTICE_SIGNAL, on_notice_signal)
     agent.serve()
 
 

@@ -22,6 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+from skytasks import preemption
 from skytasks.rank import ENV_ATTEMPT
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
 from skytasks.protocol import Op, message
@@ -244,6 +245,7 @@ _STACK_FILE: Any = None
 def main() -> None:
     _die_with_parent()
     _dump_stacks_on_request()
+    preemption.take_signal()  # SLURM's --signal reaches every process of the step, ranks too
     out = FrameWriter(os.fdopen(int(os.environ["SKYTASKS_CTRL_FD"]), "wb"))
     inbound = os.fdopen(os.dup(0), "rb")
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -256,7 +258,12 @@ def main() -> None:
         # collective would never notice otherwise.
         try:
             while True:
-                inbox.put(read_frame(inbound, buffer_for=shared_buffer))
+                msg = read_frame(inbound, buffer_for=shared_buffer)
+                if msg["op"] == Op.PREEMPTION:  # now, not after the call: the loop polls for it
+                    preemption.receive(preemption.PreemptionNotice(
+                        msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
+                    continue
+                inbox.put(msg)
         except (ChannelClosed, OSError):
             os._exit(1)
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 class NodeLink:
     """A running node agent and the byte stream to it."""
 
+    # Its place in the pool now (NODE_RANK); the session renumbers nodes when one leaves an
+    # elastic pool. `node_id` is the provider's own name for it, which never changes.
     node_rank: int
     address: str  # the node's address as its peers see it
     inbound: BinaryIO  # frames from the agent
@@ -37,15 +39,21 @@ class NodeLink:
     # Why the stream ended, in the provider's words (SLURM: the node's state and reason), asked
     # when the node is found lost; "" when the provider knows no more than the closed stream.
     loss_detail: Callable[[], str] = lambda: ""
+    node_id: int = -1  # -1: the node_rank it was started as
+
+    def __post_init__(self) -> None:
+        if self.node_id < 0:
+            self.node_id = self.node_rank
 
 
-def agent_args(heartbeat_file: str | None = None) -> list[str]:
+def agent_args(heartbeat_file: str | None = None, notice_file: str | None = None) -> list[str]:
     """The agent's command line: it is told its heartbeat, never left to a default of its own."""
     knobs = settings()
     interval, timeout = knobs.heartbeat
     args = ["-m", "skytasks.node.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}",
             "--sample-seconds", f"{knobs.resource_sample_seconds:g}"]
-    return args + (["--heartbeat-file", heartbeat_file] if heartbeat_file else [])
+    args += ["--heartbeat-file", heartbeat_file] if heartbeat_file else []
+    return args + (["--notice-file", notice_file] if notice_file else [])
 
 
 class NodeProvider(Protocol):
@@ -59,11 +67,21 @@ class NodeProvider(Protocol):
     gpus_from_config: bool
 
     def start(self) -> list[NodeLink]:
-        """Bring every node up and start its agent; all or nothing."""
+        """Bring nodes up and start their agents: `spec.nodes` of them, or for an elastic pool as
+        many as can be had down to `spec.min_nodes` (saying why not more through the reporter).
+        Fewer than that is a PoolStartError, with everything started torn down."""
 
-    def replace(self, node_rank: int) -> NodeLink:
+    def replace(self, node_id: int) -> NodeLink:
         """A working node in place of a lost one, with its agent started; raises PoolStartError
         naming the node when none can be had."""
+
+    def grow(self, count: int) -> list[NodeLink]:
+        """Up to `count` more nodes, agents started, with new node ids: what can be had now
+        (maybe none, saying why through the reporter). Never raises for want of capacity."""
+
+    def release(self, node_id: int) -> None:
+        """A node the pool no longer uses (it was lost or is going, and is not replaced): end
+        what holds it (its agent, its instance, its job) now rather than at `stop`."""
 
     def abort(self) -> None:
         """From another thread: cut a `start` in progress short (it tears down and raises)."""

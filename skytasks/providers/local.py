@@ -24,7 +24,8 @@ class LocalProvider:
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
-        self._procs: dict[int, subprocess.Popen] = {}  # node rank -> its agent
+        self._procs: dict[int, subprocess.Popen] = {}  # node id -> its agent
+        self._next_id = spec.nodes  # the ids of nodes grown later
 
     def start(self) -> list[NodeLink]:
         self._gpus = visible_gpus()
@@ -33,23 +34,34 @@ class LocalProvider:
         # importable here only through sys.path (a checkout, run from another directory).
         user_path = self._spec.env.get("PYTHONPATH")
         self._path = os.pathsep.join(p for p in (user_path, _controller_path()) if p)
-        try:
-            return [self._start_node(node_rank) for node_rank in range(self._spec.nodes)]
+        try:  # an elastic local pool gets its most: this machine has no capacity to run out of
+            return [self._start_node(node_id) for node_id in range(self._spec.nodes)]
         except BaseException:
             self.stop()
             raise
 
-    def replace(self, node_rank: int) -> NodeLink:
+    def replace(self, node_id: int) -> NodeLink:
         """A new agent for a node that was lost (its agent died or fell silent)."""
-        old = self._procs.pop(node_rank, None)
+        self.release(node_id)
+        return self._start_node(node_id)
+
+    def grow(self, count: int) -> list[NodeLink]:
+        """This machine always has room for more processes."""
+        links = []
+        for _ in range(count):
+            links.append(self._start_node(self._next_id))
+            self._next_id += 1
+        return links
+
+    def release(self, node_id: int) -> None:
+        old = self._procs.pop(node_id, None)
         if old is not None:
             end_child(old)
-        return self._start_node(node_rank)
 
-    def _start_node(self, node_rank: int) -> NodeLink:
+    def _start_node(self, node_id: int) -> NodeLink:
         env = {**os.environ, "PYTHONPATH": self._path}
         if self._gpus:  # each node sees its own slice; LOCAL_RANK indexes into it, as torchrun's
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._slices[node_rank])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._slices[node_id % len(self._slices)])
         proc = subprocess.Popen(
             [sys.executable, *agent_args()],
             stdin=subprocess.PIPE,
@@ -59,11 +71,11 @@ class LocalProvider:
             # which then stops the ranks in order instead of everything dying at once.
             start_new_session=True,
         )
-        self._procs[node_rank] = proc
+        self._procs[node_id] = proc
         widen_pipe(proc.stdin)
         widen_pipe(proc.stdout)
         return NodeLink(
-            node_rank=node_rank,
+            node_rank=node_id,
             address=LOOPBACK,
             inbound=proc.stdout,  # type: ignore[arg-type]
             outbound=proc.stdin,  # type: ignore[arg-type]
