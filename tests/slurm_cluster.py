@@ -218,6 +218,19 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
             time.sleep(0.3)
         return left
 
+    def wait_running(self, job_id: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip() == "RUNNING":
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"job {job_id} is not running after {timeout:g}s: {self.queue()}")
+
+    def wait_queue_empty_of(self, job_id: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while any(line.split()[0] == job_id for line in self.queue()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def kill_node(self, name: str) -> None:
         """The node dies: its slurmd and every process in its namespace (its job steps too)."""
         pids = subprocess.run(["ip", "netns", "pids", self.netns[name]], capture_output=True, text=True).stdout.split()

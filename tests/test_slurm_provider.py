@@ -393,3 +393,70 @@ def test_a_job_that_cannot_be_cancelled_is_an_error_naming_it_not_a_silent_leak(
             cluster.run("scontrol", "update", "nodename=n0,n1,n2", "state=down", "reason=test cleanup", check=False)
             cluster.run("scontrol", "update", "nodename=n0,n1,n2", "state=resume", check=False)
             cluster.wait_idle()
+
+
+def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_then_shrinks(cluster, tmp_path, capsys):
+    """`min_nodes=2, nodes=3` with one node held by someone else: SLURM's own `--nodes=2-3` gives
+    two, and the pool says why not three. Once that node is free, the next call grows to three
+    (a job of its own, `--immediate`). `scancel --signal=USR2` on one node's step is the
+    preemption notice: every rank is told, the head saves, and the retry resumes from that
+    checkpoint on the two nodes that are left."""
+    from skytasks import Checkpointer
+
+    blocker = cluster.run("sbatch", "--parsable", "-w", "n2", "--exclusive", "--output=/dev/null",
+                          "--wrap", "sleep 300").stdout.strip().split(";")[0]
+    cluster.wait_running(blocker)
+    pool = slurm_pool(nodes=3, min_nodes=2, procs_per_node=1)
+    marker = tmp_path / "noticed"
+
+    @distributed_task(pool=pool, retries=1)
+    def train(ckpt_dir: str, marker: str, steps: int = 40):
+        import socket
+
+        import torch
+        import torch.distributed as dist
+
+        info = rank_info()
+        ckpt = Checkpointer(ckpt_dir)
+        found = ckpt.load_latest()
+        start = 0 if found is None else found[0] + 1
+        for step in range(start, steps):
+            dist.all_reduce(torch.ones(1))
+            if info.node_rank == 1 and step == 3 and not Path(marker).exists():
+                Path(marker).write_text(socket.gethostname())
+            ckpt.save_if_preempted({"step": step}, step)
+            time.sleep(0.1)
+        return (info.attempt, info.world_size, start, socket.gethostname())
+
+    def notice_to_node_1() -> None:
+        deadline = time.monotonic() + 90
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        host = marker.read_text()
+        steps = [line.split() for line in cluster.run("squeue", "-h", "-s", "-o", "%i %N").stdout.splitlines()]
+        [step] = [s for s, node in steps if node == host and ".batch" not in s and "extern" not in s]
+        cluster.run("scancel", "--signal=USR2", step, check=False)
+
+    with pool:
+        session = pool.runtime().session
+        said = "\n".join(session.provider.reporter.lines)
+        cluster.run("scancel", blocker)
+        assert len(session.nodes) == 2
+        assert "got 2 of 3 nodes (--nodes=2-3)" in said and "n2 is allocated" in said, said
+        cluster.wait_queue_empty_of(blocker)
+        threading.Thread(target=notice_to_node_1, daemon=True).start()
+        out = train(str(tmp_path / "ckpt"), str(marker))
+        err = capsys.readouterr().err
+        said = "\n".join(session.provider.reporter.lines)
+        # The preempted node went back to SLURM: the pool's jobs hold only the nodes it uses.
+        held = cluster.run("squeue", "-h", "-o", "%N", "-j", ",".join(session.provider.jobs)).stdout
+        held_names = cluster.run("scontrol", "show", "hostnames", ",".join(held.split())).stdout.split()
+    assert sorted(held_names) == sorted(o[3] for o in out) and marker.read_text() not in held_names, held_names
+    assert "grew by n2" in said, said
+    assert "grew back to 3 of 3 nodes" in err, (err, said)
+    assert "will be taken away: SIGUSR2" in err, err
+    noticed = marker.read_text()
+    # The retry: two ranks, from the step after the head's checkpoint, never on the preempted node.
+    assert [o[:2] for o in out] == [(2, 2), (2, 2)], out
+    assert out[0][2] >= 4 and noticed not in {o[3] for o in out}, (out, noticed)
+    assert "Preempted" in err and "the elastic pool goes on with the 2 nodes left" in err, err

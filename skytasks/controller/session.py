@@ -59,7 +59,6 @@ class PoolSession:
         self.nodes: list[NodeChannel] = []
         self.bus = ChannelBus(self.nodes)
         self._closed = threading.Event()
-        self._calls = 0
 
     @property
     def world_size(self) -> int:
@@ -107,14 +106,12 @@ class PoolSession:
 
     def prepare(self, observer: CallObserver, *, first_attempt: bool) -> None:
         """The nodes the next attempt runs on. Lost and going nodes leave (replaced, or on an
-        elastic pool dropped while at least min_nodes are left); before a later call, never
-        between the attempts of one, an elastic pool grows back toward its most."""
+        elastic pool dropped while at least min_nodes are left); before each call, never between
+        the attempts of one, an elastic pool short of its most tries to grow back."""
         with self._lock:
             self._mend(observer)
-            if first_attempt and self._calls > 0:
-                self._grow(observer)
             if first_attempt:
-                self._calls += 1
+                self._grow(observer)
 
     def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
              observer: CallObserver, label: str, hang_timeout: float | None = None) -> CallOutcome:
@@ -129,7 +126,7 @@ class PoolSession:
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
                 shapes = [NodeShape(n.link.node_rank, n.link.address, n.link.machine, tuple(n.gpus),
                                     tuple(n.link.env.items())) for n in self.nodes]
-                self.group = g = RankGroup(shapes, self.procs_per_node, spec, self.provider.free_port(), self.env,
+                self.group = g = RankGroup(shapes, self.procs_per_node, spec, self.provider.free_port(self.nodes[0].link.node_id), self.env,
                                            node_dir)
                 g.start(self.bus)
             knobs = settings()

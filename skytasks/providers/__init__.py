@@ -86,8 +86,8 @@ class NodeProvider(Protocol):
     def abort(self) -> None:
         """From another thread: cut a `start` in progress short (it tears down and raises)."""
 
-    def free_port(self) -> int:
-        """A port on the head node that the peers can rendezvous on."""
+    def free_port(self, head: int) -> int:
+        """A port on the head node (by its node id) that the peers can rendezvous on."""
 
     def prepare_workdir(self, request: WorkdirRequest) -> tuple[str, str | None]:
         """Make the workdir present on every node: (its path there, a line saying what was sent)."""

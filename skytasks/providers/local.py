@@ -87,7 +87,7 @@ class LocalProvider:
     def abort(self) -> None:
         """Nothing to cut short: local agents start in milliseconds."""
 
-    def free_port(self) -> int:
+    def free_port(self, head: int) -> int:
         # Chosen per rank group on loopback, never a fixed 29500: two pools (or a torchrun next
         # door) on one machine do not collide.
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -64,10 +64,12 @@ class SSHLogin:
     pip_packages: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # applies on the node, pip included
     heartbeat_file: str | None = None
+    notice_file: str | None = None  # where the node's watchdog writes a preemption notice
     timeout: float = 900.0
     # The nodes' addresses as their peers see them, where that is not the address SSH uses
     # (EC2: SSH to the public address, rendezvous on the private one inside the VPC).
     peer_addresses: list[str] | None = None
+    min_nodes: int | None = None  # elastic: start with the targets that answer, at least this many
 
 
 class SSHNodes:
@@ -82,7 +84,7 @@ class SSHNodes:
         self._reporter = reporter or PoolReporter("ssh-pool", "ssh")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-ssh")
-        self._conns: list[Any] = []
+        self._conns: dict[int, Any] = {}  # node id (its target's index) -> its connection
         self._closers: list[Any] = []
         self._workdirs: dict[str, str] = {}  # tree digest -> its path on the nodes
 
@@ -101,14 +103,18 @@ class SSHNodes:
         hosts = self._login.targets
         # All nodes in parallel: the slowest node, not the sum, sets the start time.
         connected = await asyncio.gather(*(self._connect(i, *h) for i, h in enumerate(hosts)), return_exceptions=True)
-        self._conns = [c for c in connected if not isinstance(c, BaseException)]
+        self._conns = {i: c for i, c in enumerate(connected) if not isinstance(c, BaseException)}
         failed = [c for c in connected if isinstance(c, BaseException)]
-        if failed:  # all or nothing; stop() closes the connections that did open
+        wanted = len(hosts) if self._login.min_nodes is None else self._login.min_nodes
+        if len(self._conns) < wanted:  # stop() closes the connections that did open
             raise failed[0]
+        if failed:  # an elastic pool starts with the hosts that answer
+            self._reporter.notice(f"{self._reporter.key}: starting with {len(self._conns)} of {len(hosts)} hosts; "
+                                  + "; ".join(str(f) for f in failed))
         bundle, digest = package_bundle()
         return list(await asyncio.gather(*(
-            self._start_agent(conn, node_rank, host, bundle, digest)
-            for node_rank, (conn, (_, host, _)) in enumerate(zip(self._conns, hosts))
+            self._start_agent(conn, node_id, hosts[node_id][1], bundle, digest)
+            for node_id, conn in self._conns.items()
         )))
 
     def _known_hosts(self) -> Any:
@@ -144,7 +150,7 @@ class SSHNodes:
             paths.append("$HOME/" + await self._install_packages(conn, env))
         if login.env.get("PYTHONPATH"):
             paths.append(shlex.quote(login.env["PYTHONPATH"]))
-        agent = " ".join(shlex.quote(a) for a in agent_args(login.heartbeat_file))
+        agent = " ".join(shlex.quote(a) for a in agent_args(login.heartbeat_file, login.notice_file))
         proc = await conn.create_process(
             f"cd && {env} PYTHONPATH={':'.join(paths)} exec {login.python} {agent}", encoding=None
         )
@@ -183,11 +189,12 @@ class SSHNodes:
             return self._workdirs[tree.digest], None
 
         async def all_nodes() -> list:
-            return list(await asyncio.gather(*(sync_workdir(c, self._login.python, tree) for c in self._conns)))
+            return list(await asyncio.gather(*(sync_workdir(c, self._login.python, tree) for c in conns.values())))
 
+        conns = dict(self._conns)
         results = self._run(all_nodes(), timeout=self._login.timeout)
         self._workdirs[tree.digest] = results[0].path
-        hosts = [f"node {i} ({h})" for i, (_, h, _) in enumerate(self._login.targets)]
+        hosts = [f"node {i} ({self._login.targets[i][1]})" for i in conns]
         return results[0].path, describe_sync(request.root, [(h, r.files_sent, r.bytes_sent) for h, r in zip(hosts, results)])
 
     def retarget(self, node_rank: int, target: tuple[str | None, str, int], peer_address: str,
@@ -198,35 +205,61 @@ class SSHNodes:
             self._login.peer_addresses[node_rank] = peer_address
         self._login.known_hosts += known_hosts
 
-    def replace(self, node_rank: int) -> NodeLink:
+    def add_target(self, target: tuple[str | None, str, int], peer_address: str, known_hosts: str) -> int:
+        """One more machine (an instance launched to grow the pool): its node id, for `replace`."""
+        self._login.targets.append(target)
+        if self._login.peer_addresses is not None:
+            self._login.peer_addresses.append(peer_address)
+        self._login.known_hosts += known_hosts
+        return len(self._login.targets) - 1
+
+    def replace(self, node_id: int, what: str = "was lost and cannot be reached again") -> NodeLink:
         """A lost node again: a new connection and agent, or an error naming the host."""
         from skytasks.errors import PoolStartError
 
-        user, host, port = self._login.targets[node_rank]
+        user, host, port = self._login.targets[node_id]
 
         async def again() -> NodeLink:
+            old = self._conns.pop(node_id, None)
+            if old is not None:
+                old.close()
             try:
-                self._conns[node_rank].close()
-            except Exception:  # noqa: BLE001 - it is gone already
-                pass
-            try:
-                conn = await self._connect(node_rank, user, host, port)
+                conn = await self._connect(node_id, user, host, port)
             except Exception as exc:  # noqa: BLE001
-                raise PoolStartError(f"node {node_rank} ({host}:{port}) was lost and cannot be reached "
-                                     f"again: {exc}") from exc
-            self._conns[node_rank] = conn
+                raise PoolStartError(f"node {node_id} ({host}:{port}) {what}: {exc}") from exc
+            self._conns[node_id] = conn
             bundle, digest = package_bundle()
-            return await self._start_agent(conn, node_rank, host, bundle, digest)
+            return await self._start_agent(conn, node_id, host, bundle, digest)
 
         return self._run(again(), timeout=self._login.timeout)
+
+    def grow(self, count: int) -> list[NodeLink]:
+        """Hosts of the pool not in use now (they did not answer at the start, or were dropped),
+        each tried again; the first `count` that answer join."""
+        links: list[NodeLink] = []
+        for node_id in range(len(self._login.targets)):
+            if len(links) == count:
+                break
+            if node_id in self._conns:
+                continue
+            try:
+                links.append(self.replace(node_id, what="cannot be reached"))
+            except Exception as exc:  # noqa: BLE001 - said, and the pool stays as it is
+                self._reporter.notice(f"{self._reporter.key}: {exc}")
+        return links
+
+    def release(self, node_id: int) -> None:
+        conn = self._conns.pop(node_id, None)
+        if conn is not None:
+            self._loop.call_soon_threadsafe(conn.close)
 
     def abort(self) -> None:
         """Connecting is bounded by ready_timeout_seconds; nothing to cut short."""
 
-    def free_port(self) -> int:
+    def free_port(self, head: int) -> int:
         python = self._login.python
         code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
-        result = self._run(self._conns[0].run(f'{python} -c "{code}"', check=True), timeout=60)
+        result = self._run(self._conns[head].run(f'{python} -c "{code}"', check=True), timeout=60)
         return int(result.stdout.strip())
 
     def stop(self) -> None:
@@ -238,11 +271,11 @@ class SSHNodes:
                 if not proc.stdin.is_closing():
                     proc.stdin.write_eof()
             await asyncio.sleep(0)
-            for conn in self._conns:
+            for conn in self._conns.values():
                 conn.close()
             # A node behind a dead link never acknowledges the close; do not wait for it long.
             if self._conns:
-                await asyncio.wait([asyncio.ensure_future(c.wait_closed()) for c in self._conns], timeout=5)
+                await asyncio.wait([asyncio.ensure_future(c.wait_closed()) for c in self._conns.values()], timeout=5)
 
         try:
             self._run(close_all(), timeout=15)
@@ -263,7 +296,7 @@ class SSHProvider(SSHNodes):
             known_hosts=ssh.known_hosts or "",
             private_key=ssh.ssh_private_key.get_secret_value() if ssh.ssh_private_key else None,
             python=ssh.remote_python or "python3", pip_packages=list(ssh.pip_packages), env=dict(spec.env),
-            timeout=ssh.ready_timeout_seconds,
+            timeout=ssh.ready_timeout_seconds, min_nodes=spec.min_nodes,
         ), reporter)
 
 

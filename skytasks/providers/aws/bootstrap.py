@@ -28,6 +28,7 @@ STATE_DIR = "/var/lib/skytasks"  # status file ("ready" or the failure) and the 
 VENV = "/opt/skytasks/venv"
 VENV_PYTHON = f"{VENV}/bin/python"
 HEARTBEAT_FILE = f"{STATE_DIR}/heartbeat"
+NOTICE_FILE = f"{STATE_DIR}/preemption-notice"  # the watchdog writes a spot interruption here
 WATCHDOG_SOURCE = Path(__file__).resolve().parent / "watchdog.py"
 _BARE_VERSION = re.compile(r"^\d+(\.\d+)*([a-z]+\d*)?(\+[\w.]+)?$")
 
@@ -97,7 +98,8 @@ def render_user_data(spec: PoolSpec, cuda: bool, host_key_private: str, host_key
         "[Unit]", "Description=skytasks watchdog: terminate this node when its controller is gone", "",
         "[Service]",
         f"ExecStart=/usr/bin/python3 /opt/skytasks/watchdog.py --heartbeat-file {HEARTBEAT_FILE} "
-        f"--idle-seconds {idle:g} --max-lifetime-seconds {lifetime:g}",
+        f"--idle-seconds {idle:g} --max-lifetime-seconds {lifetime:g}"
+        + (f" --notice-file {NOTICE_FILE}" if spec.aws.spot else ""),
         "Restart=always", "", "[Install]", "WantedBy=multi-user.target", "",
     ])
     config = {

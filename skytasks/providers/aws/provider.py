@@ -25,9 +25,10 @@ from typing import Any
 from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink
 from skytasks.providers.reporting import PoolReporter, flow_run_id
+from skytasks.providers.aws.capacity import launch_what_can_be_had
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
-from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, STATE_DIR, VENV_PYTHON, render_user_data
+from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, NOTICE_FILE, STATE_DIR, VENV_PYTHON, render_user_data
 from skytasks.providers.ssh import SSHLogin, SSHNodes
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class AWSProvider:
                 peer_addresses=private,
                 private_key=login_key.export_private_key().decode(), python=self._python(),
                 env=dict(spec.env), heartbeat_file=HEARTBEAT_FILE, timeout=spec.aws.ready_timeout_seconds,
+                notice_file=NOTICE_FILE if spec.aws.spot else None,
             ), self.reporter)
             return self._nodes.start()
         except BaseException:
@@ -80,11 +82,16 @@ class AWSProvider:
         login key and the host key the nodes were given."""
         spec = self._spec
         plan = plan_launch(spec, self._ec2, self._ssm)
-        self._progress(0, spec.nodes, plan.cost_line(spec.nodes, spec.aws.max_lifetime_minutes / 60, spec.aws.spot))
+        hours = spec.aws.max_lifetime_minutes / 60
+        self._progress(0, spec.nodes, plan.cost_line(spec.nodes, hours, spec.aws.spot))
         login_key, host_key = self._make_keys()
-        self._launch(plan, host_key)
+        short = self._launch(plan, host_key)
+        if short:  # an elastic pool got fewer: why, and the cost of what it really has
+            launched = len(self.owned.instance_ids)
+            self.reporter.notice(f"{self.pool_id}: launched {launched} of {spec.nodes} nodes ({short}); "
+                                 f"{plan.cost_line(launched, hours, spec.aws.spot)}")
         self._plan, self._login_key, self._host_key = plan, login_key, host_key  # for replace()
-        self._node_ids = list(self.owned.instance_ids)  # node rank -> its instance
+        self._node_ids = dict(enumerate(self.owned.instance_ids))  # node id -> its instance
         return plan, login_key, host_key
 
     def tags(self, resource_type: str) -> list[dict]:
@@ -94,20 +101,50 @@ class AWSProvider:
     def prepare_workdir(self, request) -> tuple[str, str | None]:
         return self._nodes.prepare_workdir(request)  # type: ignore[union-attr]
 
-    def replace(self, node_rank: int) -> NodeLink:
+    def replace(self, node_id: int) -> NodeLink:
         """A lost node (its agent gone, its instance terminated: a spot interruption too): the
         instance is terminated, and one launched exactly alike (group, key, tags, user-data) joins
         the pool in its place, owned and torn down like the rest."""
-        lost = self._node_ids[node_rank]
-        self._ec2.terminate_instances(InstanceIds=[lost])
-        new = self._ec2.run_instances(**{**self._request, "MinCount": 1, "MaxCount": 1})["Instances"][0]["InstanceId"]
-        self.owned.instance_ids.append(new)
-        self._node_ids[node_rank] = new
-        [address], [private] = self._wait_until_ready(self._plan, self._login_key, self._host_key, ids=[new])
+        self._ec2.terminate_instances(InstanceIds=[self._node_ids.pop(node_id)])
+        [new], _ = launch_what_can_be_had(self._ec2, self._request, 1, 1)
+        [node] = self._join([new["InstanceId"]], node_ids=[node_id])
+        return node
+
+    def grow(self, count: int) -> list[NodeLink]:
+        """Up to `count` more instances launched alike, when EC2 has the capacity now."""
+        try:
+            instances, short = launch_what_can_be_had(self._ec2, self._request, 1, count)
+        except PoolStartError as exc:
+            self.reporter.notice(f"{self.pool_id}: could not grow: {exc}")
+            return []
+        if short:
+            self.reporter.notice(f"{self.pool_id}: grew by {len(instances)} of {count} nodes ({short})")
+        return self._join([i["InstanceId"] for i in instances])
+
+    def _join(self, ids: list[str], node_ids: list[int] | None = None) -> list[NodeLink]:
+        """New instances, once ready, as nodes of the pool (with their agents started)."""
+        self.owned.instance_ids += ids
+        addresses, private = self._wait_until_ready(self._plan, self._login_key, self._host_key, ids=ids)
         assert self._nodes is not None
-        self._nodes.retarget(node_rank, (self._plan.login, address, 22), private,
-                             _known_hosts([address], self._host_key))
-        return self._nodes.replace(node_rank)
+        links = []
+        for i, (iid, address, peer) in enumerate(zip(ids, addresses, private)):
+            target, known = (self._plan.login, address, 22), _known_hosts([address], self._host_key)
+            if node_ids is None:
+                node_id = self._nodes.add_target(target, peer, known)
+            else:
+                node_id = node_ids[i]
+                self._nodes.retarget(node_id, target, peer, known)
+            self._node_ids[node_id] = iid
+            links.append(self._nodes.replace(node_id))
+        return links
+
+    def release(self, node_id: int) -> None:
+        """A node the pool let go (preempted or lost): its instance is terminated now."""
+        assert self._nodes is not None
+        self._nodes.release(node_id)
+        iid = self._node_ids.pop(node_id, None)
+        if iid is not None:
+            self._ec2.terminate_instances(InstanceIds=[iid])
 
     def _python(self) -> str:
         # remote_python, when set, names an interpreter the image already has; otherwise it is
@@ -131,7 +168,7 @@ class AWSProvider:
         self.owned.key_name = self.pool_id
         return login_key, host_key
 
-    def _launch(self, plan: LaunchPlan, host_key: Any) -> None:
+    def _launch(self, plan: LaunchPlan, host_key: Any) -> str:
         spec, ec2 = self._spec, self._ec2
         sg = ec2.create_security_group(GroupName=self.pool_id, VpcId=plan.vpc_id, TagSpecifications=self._tags("security-group"),
                                        Description=f"skytasks pool {self.pool_id}: SSH from the controller, all traffic inside")
@@ -147,7 +184,7 @@ class AWSProvider:
             self.owned.placement_group = self.pool_id
         groups = [sg_id, *spec.aws.security_group_ids]
         request: dict[str, Any] = dict(
-            ImageId=plan.image_id, InstanceType=plan.instance_type, MinCount=spec.nodes, MaxCount=spec.nodes,
+            ImageId=plan.image_id, InstanceType=plan.instance_type,
             KeyName=self.owned.key_name or spec.aws.key_name,
             UserData=render_user_data(spec, plan.cuda, host_key.export_private_key().decode(),
                                       host_key.export_public_key().decode()),
@@ -173,8 +210,9 @@ class AWSProvider:
             key = "Arn" if spec.aws.iam_instance_profile.startswith("arn:") else "Name"
             request["IamInstanceProfile"] = {key: spec.aws.iam_instance_profile}
         self._request = request  # a replacement is launched exactly alike (replace())
-        reservation = ec2.run_instances(**request)
-        self.owned.instance_ids = [i["InstanceId"] for i in reservation["Instances"]]
+        instances, short = launch_what_can_be_had(ec2, request, spec.min_nodes, spec.nodes)
+        self.owned.instance_ids = [i["InstanceId"] for i in instances]
+        return short
 
     def _wait_until_ready(self, plan: LaunchPlan, login_key: Any, host_key: Any,
                           ids: list[str] | None = None) -> tuple[list[str], list[str]]:
@@ -232,9 +270,9 @@ class AWSProvider:
                 return []
             raise
 
-    def free_port(self) -> int:
+    def free_port(self, head: int) -> int:
         assert self._nodes is not None
-        return self._nodes.free_port()
+        return self._nodes.free_port(head)
 
     # -- stop -------------------------------------------------------------------------------
 

@@ -62,15 +62,27 @@ def parse_expiry(comment: str) -> datetime | None:
         return None
 
 
-def sbatch_args(spec: PoolSpec, pool_id: str, nodes: int, exclude: tuple[str, ...] = ()) -> list[str]:
-    """The allocation for `nodes` nodes of this pool: one batch job for its whole life."""
+def notice_seconds(max_lifetime_minutes: float) -> int:
+    """How long before the time limit SLURM sends the notice: two minutes, as EC2 gives a spot
+    node, or a fifth of a short job's life."""
+    return int(min(120, max(10, max_lifetime_minutes * 60 / 5)))
+
+
+def sbatch_args(spec: PoolSpec, pool_id: str, nodes: int, exclude: tuple[str, ...] = (),
+                fewest: int | None = None) -> list[str]:
+    """The allocation for `nodes` nodes of this pool (SLURM's own `--nodes=MIN-MAX` when it may
+    have `fewest`): one batch job for its whole life."""
     s = spec.slurm
     assert s is not None
+    count = f"{fewest}-{nodes}" if fewest is not None and fewest < nodes else str(nodes)
     args = ["sbatch", "--parsable", f"--job-name={pool_id}", f"--comment={expiry_comment(s.max_lifetime_minutes)}",
-            f"--nodes={nodes}", f"--ntasks-per-node={spec.procs_per_node}",
+            f"--nodes={count}", f"--ntasks-per-node={spec.procs_per_node}",
             f"--time={max(1, math.ceil(s.max_lifetime_minutes))}", "--output=/dev/null",
             # A failed node does not end the others' allocation: it is replaced on its own.
-            "--no-kill", "--no-requeue"]
+            "--no-kill", "--no-requeue",
+            # The preemption notice: USR2 to every process of the job's steps (agents and ranks)
+            # before the time limit, and at once on a preemption with PreemptParameters=send_user_signal.
+            f"--signal=USR2@{notice_seconds(s.max_lifetime_minutes)}"]
     for flag, value in (("--partition", s.partition), ("--account", s.account), ("--qos", s.qos),
                         ("--constraint", s.constraint), ("--gres", s.gres)):
         if value:

@@ -33,6 +33,7 @@ from skytasks.providers.slurm.shell import SlurmShell
 from skytasks.settings import settings
 
 POLL_SECONDS = 1.0
+GROW_WAIT_SECONDS = 10.0  # how long a call may wait for the nodes that grow an elastic pool back
 
 
 @dataclass
@@ -55,7 +56,7 @@ class SlurmProvider:
         self.reporter.key = self.pool_id
         self.shell = SlurmShell(spec.slurm, self.reporter)
         self.jobs: list[str] = []  # every job this pool submitted, cancelled at stop
-        self.nodes: list[AllocatedNode] = []  # node rank -> where it runs
+        self.nodes: dict[int, AllocatedNode] = {}  # node id -> where it runs
         self.lost: set[str] = set()  # node names lost so far: never allocated again by this pool
         self._steps = NodeSteps(self.shell, spec, self.reporter)
         self._aborted = threading.Event()
@@ -70,13 +71,16 @@ class SlurmProvider:
         spec = self._spec
         self._check_request()  # SLURM's refusal, before anything is queued
         try:
-            job_id = self._submit(spec.nodes)
+            job_id = self._submit(spec.nodes, fewest=spec.min_nodes)
             names = self._wait_running(job_id, spec.nodes)
-            self.nodes = [AllocatedNode(n, a, job_id) for n, a in self._addresses(names).items()]
-            self.reporter.progress(0, spec.nodes, f"job {job_id} running on {', '.join(names)}; starting node agents")
+            self.nodes = dict(enumerate(AllocatedNode(n, a, job_id) for n, a in self._addresses(names).items()))
+            if len(names) < spec.nodes:  # an elastic pool: SLURM gave what was free
+                self.reporter.notice(f"{self.pool_id}: job {job_id} got {len(names)} of {spec.nodes} nodes "
+                                     f"(--nodes={spec.min_nodes}-{spec.nodes}); {self._why_not_more(names)}")
+            self.reporter.progress(0, len(names), f"job {job_id} running on {', '.join(names)}; starting node agents")
             with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
-                links = list(pool.map(self._start_node, range(len(self.nodes))))
-            self.reporter.progress(len(links), spec.nodes, f"job {job_id}: every node agent is up")
+                links = list(pool.map(self._start_node, list(self.nodes)))
+            self.reporter.progress(len(links), len(names), f"job {job_id}: every node agent is up")
             return links
         except BaseException:
             self.stop()
@@ -102,8 +106,17 @@ class SlurmProvider:
                 return field
         return "nodes"
 
-    def _submit(self, nodes: int, exclude: tuple[str, ...] = ()) -> str:
-        args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=exclude)
+    def _why_not_more(self, have: list[str]) -> str:
+        """The partition's other nodes and their states, as SLURM says (sinfo)."""
+        part = self._spec.slurm.partition
+        done = self.shell.run(["sinfo", "-h", "-N", "-o", "%N|%T", *([f"--partition={part}"] if part else [])])
+        others = sorted({ln.strip() for ln in done.stdout.splitlines() if ln.strip() and ln.split("|")[0] not in have})
+        if not others:
+            return "the partition has no other node"
+        return "the partition's other nodes: " + ", ".join(o.replace("|", " is ") for o in others)
+
+    def _submit(self, nodes: int, exclude: tuple[str, ...] = (), fewest: int | None = None) -> str:
+        args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=exclude, fewest=fewest)
         done = self.shell.run(args, input=slurm_job.batch_script(self._spec.slurm.idle_minutes).encode())
         if done.returncode != 0:
             said = slurm_job.slurm_message(done.stderr)
@@ -113,9 +126,9 @@ class SlurmProvider:
         self.jobs.append(job_id)
         return job_id
 
-    def _wait_running(self, job_id: str, nodes: int) -> list[str]:
+    def _wait_running(self, job_id: str, nodes: int, timeout: float | None = None) -> list[str]:
         """Until the job runs: its node names. Pending is said with SLURM's reason and position."""
-        timeout = self._spec.slurm.ready_timeout_seconds
+        timeout = timeout or self._spec.slurm.ready_timeout_seconds
         deadline = time.monotonic() + timeout
         reason = "submitted"
         while True:
@@ -157,9 +170,9 @@ class SlurmProvider:
         found = slurm_job.parse_nodes(self.shell.run(["scontrol", "-o", "show", "node", ",".join(names)]).stdout)
         return {n: found.get(n, {}).get("NodeAddr") or n for n in names}
 
-    def _start_node(self, node_rank: int) -> NodeLink:
-        node = self.nodes[node_rank]
-        link = self._steps.start_agent(node_rank, node.name, node.address, node.job_id,
+    def _start_node(self, node_id: int) -> NodeLink:
+        node = self.nodes[node_id]
+        link = self._steps.start_agent(node_id, node.name, node.address, node.job_id,
                                        agent_args(slurm_job.heartbeat_file(node.job_id)))
         link.loss_detail = lambda: self.node_condition(node.name, node.job_id)
         return link
@@ -175,28 +188,62 @@ class SlurmProvider:
 
     # -- the calls' needs -------------------------------------------------------------------
 
-    def free_port(self) -> int:
-        head = self.nodes[0]
-        return self._steps.free_port(head.name, head.job_id)
+    def free_port(self, head: int) -> int:
+        node = self.nodes[head]
+        return self._steps.free_port(node.name, node.job_id)
 
     def prepare_workdir(self, request) -> tuple[str, str | None]:
-        return self._steps.prepare_workdir(request, [(n.name, n.job_id) for n in self.nodes])
+        return self._steps.prepare_workdir(request, [(n.name, n.job_id) for n in self.nodes.values()])
 
-    def replace(self, node_rank: int) -> NodeLink:
+    def replace(self, node_id: int) -> NodeLink:
         """A lost node: a one-node allocation of its own, on a machine that is neither one of the
         pool's other nodes nor one it lost before."""
-        old = self.nodes[node_rank]
+        old = self.nodes[node_id]
         self.lost.add(old.name)
-        self._steps.end(old.name)
+        self.release(node_id)
         try:
-            job_id = self._submit(1, exclude=tuple(self.lost | {n.name for n in self.nodes}))
+            job_id = self._submit(1, exclude=self._taken())
             [name] = self._wait_running(job_id, 1)
         except (PoolStartError, PoolConfigError) as exc:
-            raise PoolStartError(f"node {node_rank} ({old.name}) was lost and no replacement could be had: {exc}") \
+            raise PoolStartError(f"node {node_id} ({old.name}) was lost and no replacement could be had: {exc}") \
                 from exc
-        self.nodes[node_rank] = AllocatedNode(name, self._addresses([name])[name], job_id)
-        self.reporter.notice(f"{self.pool_id}: node {node_rank} ({old.name}) replaced by {name} (job {job_id})")
-        return self._start_node(node_rank)
+        self.nodes[node_id] = AllocatedNode(name, self._addresses([name])[name], job_id)
+        self.reporter.notice(f"{self.pool_id}: node {node_id} ({old.name}) replaced by {name} (job {job_id})")
+        return self._start_node(node_id)
+
+    def _taken(self) -> tuple[str, ...]:
+        return tuple(self.lost | {n.name for n in self.nodes.values()})
+
+    def grow(self, count: int) -> list[NodeLink]:
+        """A job of up to `count` more nodes, if SLURM starts it within GROW_WAIT_SECONDS; one
+        still pending then is cancelled: growing a pool never waits long in the queue."""
+        job_id = None
+        try:
+            job_id = self._submit(count, exclude=self._taken(), fewest=1)
+            names = self._wait_running(job_id, count, timeout=GROW_WAIT_SECONDS)
+        except (PoolStartError, PoolConfigError) as exc:
+            if job_id is not None:
+                self.shell.run(["scancel", "--quiet", job_id])
+            self.reporter.notice(f"{self.pool_id}: could not grow by {count} node{'s' * (count != 1)} now: {exc}")
+            return []
+        first = max(self.nodes, default=-1) + 1
+        for node_id, (name, address) in enumerate(self._addresses(names).items(), start=first):
+            self.nodes[node_id] = AllocatedNode(name, address, job_id)
+        self.reporter.notice(f"{self.pool_id}: grew by {', '.join(names)} (job {job_id})")
+        return [self._start_node(i) for i in range(first, first + len(names))]
+
+    def release(self, node_id: int) -> None:
+        """A node let go (lost, or preempted): its step ends, and a job none of whose nodes the
+        pool still uses is cancelled now."""
+        old = self.nodes.pop(node_id, None)
+        if old is None:
+            return
+        self._steps.end(old.name)
+        kept = [n.name for n in self.nodes.values() if n.job_id == old.job_id]
+        if not kept:
+            self.shell.run(["scancel", "--quiet", old.job_id])
+        else:  # the job gives the node back, so that it can be had again later (SLURM shrinks a job)
+            self.shell.run(["scontrol", "update", f"JobId={old.job_id}", f"NodeList={','.join(kept)}"])
 
     # -- stop -------------------------------------------------------------------------------
 
