@@ -59,6 +59,7 @@ class PoolSession:
         self.nodes: list[NodeChannel] = []
         self.bus = ChannelBus(self.nodes)
         self._closed = threading.Event()
+        self._members: tuple[int, ...] = ()  # the channels the group was placed on
 
     @property
     def world_size(self) -> int:
@@ -118,16 +119,17 @@ class PoolSession:
         # One call at a time on a pool's ranks: two calls cannot share one process group.
         with self._lock:
             g = self.group
-            if (g is None or g.broken or g.spec != spec or g.world_size != self.world_size
-                    or not all(n.usable for n in self.nodes)):
+            members = tuple(n.serial for n in self.nodes)  # a node replaced, dropped or added: a new group
+            if g is None or g.broken or g.spec != spec or self._members != members or not all(n.usable for n in self.nodes):
                 if g is not None and not g.broken:
                     g.close(self.bus)
                 self._mend(observer)
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
                 shapes = [NodeShape(n.link.node_rank, n.link.address, n.link.machine, tuple(n.gpus),
                                     tuple(n.link.env.items())) for n in self.nodes]
-                self.group = g = RankGroup(shapes, self.procs_per_node, spec, self.provider.free_port(self.nodes[0].link.node_id), self.env,
-                                           node_dir)
+                self.group = g = RankGroup(shapes, self.procs_per_node, spec,
+                                           self.provider.free_port(self.nodes[0].link.node_id), self.env, node_dir)
+                self._members = tuple(n.serial for n in self.nodes)
                 g.start(self.bus)
             knobs = settings()
             run = CallRun(g, self.bus, observer, label=label, attempt=attempt, deadline=deadline,
