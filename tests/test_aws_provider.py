@@ -526,3 +526,136 @@ async def _flow_run_errors(flow_run_id: str) -> list[str]:
             if logs or time.monotonic() > deadline:
                 return [log.message for log in logs]
             await asyncio.sleep(0.3)
+
+
+@pytest.fixture
+def ec2_capacity(monkeypatch):
+    """moto's EC2 with a capacity: a RunInstances for more instances than are left is refused with
+    EC2's own InsufficientInstanceCapacity, as a real region says when it has no more."""
+    from moto.ec2.exceptions import EC2ClientError
+    from moto.ec2.models.instances import InstanceBackend
+
+    left = {"instances": 2}
+    launch = InstanceBackend.run_instances
+
+    def run_instances(self, image_id, count, *args, **kwargs):
+        if count > left["instances"]:
+            raise EC2ClientError("InsufficientInstanceCapacity",
+                                 f"We currently do not have sufficient capacity for {count} instances in the "
+                                 f"Availability Zone you requested.")
+        left["instances"] -= count
+        return launch(self, image_id, count, *args, **kwargs)
+
+    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    return left
+
+
+def world_and_peers() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"world": rank_info().world_size, "sum": t.item(), "peers": rank_info().peers}
+
+
+def test_an_elastic_launch_takes_what_ec2_has_and_grows_back_when_capacity_returns(moto, ec2_capacity, tmp_path):
+    """nodes=3, min_nodes=2 in a region with room for 2: EC2 refuses 3 (InsufficientInstanceCapacity),
+    the pool launches 2, says why and what the 2 cost, and runs. When capacity returns, the next
+    call inside `with pool:` launches the third alike, and every instance ends terminated."""
+    stand_in = CloudInitStandIn(moto["ec2"], tmp_path)
+    stand_in.start()
+    pool = aws_pool(moto, nodes=3, min_nodes=2, ssh_user="root", remote_python=sys.executable,
+                    ready_timeout_seconds=120)
+    try:
+        with pool:
+            session = pool.runtime().session
+            said = "\n".join(session.provider.reporter.lines)
+            assert len(instances_of_latest_pool(moto["ec2"])) == 2  # what moto holds: 2, not 3
+            first = distributed_task(world_and_peers, pool=pool)()
+            ec2_capacity["instances"] = 5  # capacity came back
+            second = distributed_task(world_and_peers, pool=pool)()
+            grown = instances_of_latest_pool(moto["ec2"])
+    finally:
+        stand_in.stop()
+    assert "launched 2 of 3 nodes (InsufficientInstanceCapacity for 3" in said, said
+    assert "provisioning 2 x t3.micro" in said.split("launched 2 of 3 nodes")[1], said  # the cost of 2
+    assert [r["world"] for r in first] == [2, 2] and [r["sum"] for r in first] == [2.0, 2.0]
+    assert [r["world"] for r in second] == [3, 3, 3] and [r["sum"] for r in second] == [3.0] * 3
+    assert len(grown) == 3 and set(second[0]["peers"]) == {i["PrivateIpAddress"] for i in grown}
+    tags = lambda i: {t["Key"]: t["Value"] for t in i["Tags"]}  # noqa: E731
+    assert len({tags(i)["skytasks:pool"] for i in grown}) == 1  # the third is the pool's own
+    assert all(i["State"]["Name"] == "terminated" for i in instances_of_latest_pool(moto["ec2"]))
+
+
+def test_below_min_nodes_ec2s_capacity_error_names_nodes_and_nothing_is_left(moto, ec2_capacity):
+    ec2_capacity["instances"] = 1
+    with pytest.raises(PoolStartError, match=r"nodes: EC2 has no capacity for 2 t3.micro instances now "
+                                             r"\(InsufficientInstanceCapacity for 2"):
+        distributed_task(lambda: 1, pool=aws_pool(moto, nodes=3, min_nodes=2))()
+
+
+def test_the_watchdog_turns_a_spot_interruption_from_imdsv2_into_the_agents_notice(tmp_path):
+    """The instance metadata service, played on loopback (the watchdog's --metadata-url), first
+    has no instance-action (404), then one: the watchdog writes the notice file, and a node
+    agent reading it tells its controller, with EC2's time as the deadline."""
+    import http.server
+    import json as jsonlib
+
+    from skytasks.protocol import Op
+    from skytasks.wire import read_frame
+
+    action = {"action": "terminate", "time": "2030-01-01T00:02:00Z"}
+    state = {"scheduled": False, "tokens": 0}
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):  # IMDSv2: a session token first
+            assert self.headers["X-aws-ec2-metadata-token-ttl-seconds"]
+            state["tokens"] += 1
+            self._answer(200, b"token-123")
+
+        def do_GET(self):
+            if self.headers.get("X-aws-ec2-metadata-token") != "token-123":
+                return self._answer(401, b"")
+            if self.path == "/latest/meta-data/spot/instance-action" and state["scheduled"]:
+                return self._answer(200, jsonlib.dumps(action).encode())
+            self._answer(404, b"")
+
+        def _answer(self, code, body):
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    notice, heartbeat = tmp_path / "notice", tmp_path / "beat"
+    heartbeat.write_text("0")
+    watchdog = subprocess.Popen([sys.executable, str(ROOT / "skytasks/providers/aws/watchdog.py"),
+                                 "--heartbeat-file", str(heartbeat), "--idle-seconds", "600",
+                                 "--max-lifetime-seconds", "600", "--notice-file", str(notice),
+                                 "--started-at", str(time.time()),
+                                 "--metadata-url", f"http://127.0.0.1:{server.server_port}", "--notice-every", "0.2",
+                                 "--shutdown-command", "true"])
+    agent = subprocess.Popen([sys.executable, "-m", "skytasks.node.agent", "--heartbeat-seconds", "5",
+                              "--heartbeat-timeout", "60", "--sample-seconds", "5", "--notice-file", str(notice)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert read_frame(agent.stdout)["op"] == Op.HELLO
+        time.sleep(1.0)
+        assert not notice.exists() and state["tokens"] >= 2  # asked, and nothing scheduled yet
+        state["scheduled"] = True
+        msg = read_frame(agent.stdout)
+        while msg["op"] != Op.NOTICE:
+            msg = read_frame(agent.stdout)
+        assert "EC2 spot interruption: instance-action terminate at 2030-01-01T00:02:00Z" in msg["reason"]
+        assert msg["deadline"] == datetime(2030, 1, 1, 0, 2, tzinfo=timezone.utc).timestamp()
+    finally:
+        watchdog.terminate()
+        agent.stdin.close()
+        agent.wait(timeout=10)
+        watchdog.wait(timeout=10)
+        server.shutdown()

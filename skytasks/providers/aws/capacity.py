@@ -1,9 +1,10 @@
 """Launching what EC2 can give: between the fewest and the most nodes of an elastic pool.
 
-One RunInstances call with `MinCount`/`MaxCount` already asks EC2 for "as many as you can, at
-least this many". EC2 may still answer `InsufficientInstanceCapacity` for the larger count (a
-Capacity Block or a placement group is all or nothing), so on that answer the count steps down,
-one node at a time, to the fewest; anything else EC2 refuses is raised as it is.
+Each try is one RunInstances call for exactly `count` nodes (`MinCount` = `MaxCount`): all of them
+or none, so a cluster placement group never holds a partial set, and what was launched is what was
+asked for. When EC2 answers `InsufficientInstanceCapacity` (or another capacity error) the count
+steps down, one node at a time, to the fewest; anything else EC2 refuses is raised as it is.
+An answer for a count costs one API call and no instance: EC2 refuses before it launches.
 """
 
 from __future__ import annotations
@@ -25,16 +26,13 @@ def launch_what_can_be_had(ec2: Any, request: dict[str, Any], fewest: int, most:
     said = ""
     for count in range(most, fewest - 1, -1):
         try:
-            reservation = ec2.run_instances(**{**request, "MinCount": fewest, "MaxCount": count})
+            reservation = ec2.run_instances(**{**request, "MinCount": count, "MaxCount": count})
         except ClientError as exc:
             error = exc.response.get("Error", {})
             if error.get("Code") not in NO_CAPACITY:
                 raise
             said = f"{error.get('Code')} for {count}: {error.get('Message', '')}".strip()
             continue
-        instances = reservation["Instances"]
-        if len(instances) < most and not said:
-            said = f"EC2 launched {len(instances)} of the {most} asked for"
-        return instances, said
+        return reservation["Instances"], said
     raise PoolStartError(f"nodes: EC2 has no capacity for {fewest} {request.get('InstanceType')} "
                          f"instance{'s' * (fewest != 1)} now ({said}); nothing was launched")
