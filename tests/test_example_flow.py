@@ -60,3 +60,66 @@ def test_example_flow_runs_as_a_script():
     assert output.count("per-rank summary") == 1  # the table once, not twice
     assert output.count("→") == 4  # the header and a row per rank, once, and the closing line
     assert "skytasks ddp_train: 2 rank(s), loss" in proc.stdout
+
+
+def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishes_every_epoch_once(
+        tmp_path, monkeypatch):
+    """The brief's "done": the example flow on its elastic pool (1 to 2 nodes). Mid-training node 1
+    gets a preemption notice (SIGUSR2 to its agent, as SLURM's --signal sends it) and is taken
+    away soon after. The head saves at the epoch's end and ends the attempt; the retry runs on the
+    one node left from the epoch after that checkpoint. Every epoch's loss is there once, and the
+    flow run's log and rank table say why the world size changed."""
+    import asyncio
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+
+    from flows.ddp_train import pool
+
+    monkeypatch.chdir(tmp_path)
+    assert (pool.min_nodes, pool.nodes) == (1, 2)
+    sent: dict = {}
+
+    def notice_then_take_node_1_away() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list(tmp_path.glob("checkpoints/runs/*/step-000000000000.pt")):
+            time.sleep(0.05)
+        agent = next(p.parent() for p in psutil.Process().children(recursive=True)
+                     if "skytasks.node.worker" in " ".join(p.cmdline()) and p.environ().get("NODE_RANK") == "1")
+        sent["at"] = time.time()
+        os.kill(agent.pid, signal.SIGUSR2)  # the notice
+        time.sleep(2.0)
+        if agent.is_running():
+            os.kill(agent.pid, signal.SIGKILL)  # the node is taken away, if the pool did not let it go first
+
+    threading.Thread(target=notice_then_take_node_1_away, daemon=True).start()
+    state = ddp_train(epochs=5, nodes=2, samples=384, return_state=True)
+    results = state.result()
+    epochs = 5
+    [r] = results  # attempt 2 ran on the one node left
+    assert (r["attempt"], r["world_size"]) == (2, 1)
+    losses = r["epoch_losses"]
+    assert len(losses) == epochs and losses[-1] < losses[0], losses  # every epoch once: none lost, none repeated
+    assert 2 <= r["first_epoch"] <= epochs  # resumed after the notice's checkpoint
+    assert r["steps"] == (epochs - r["first_epoch"] + 1) * 12  # attempt 2 ran exactly the epochs left
+
+    async def record():
+        async with get_client() as client:
+            flow_run_id = state.state_details.flow_run_id
+            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            tables = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["train-ranks"])))
+            return [log.message for log in logs], [t for t in tables if t.flow_run_id == flow_run_id]
+
+    messages, tables = asyncio.run(record())
+    text = "\n".join(messages)
+    assert "node 1 (127.0.0.1) will be taken away: SIGUSR2 reached the node agent" in text, text
+    assert "node 1 (127.0.0.1) was preempted" in text and "goes on with the 1 node left, 1 rank" in text, text
+    rows = json.loads(max(tables, key=lambda t: t.created).data)
+    assert [(row["attempt"], row["world size"]) for row in rows] == [(1, 2), (1, 2), (2, 1)], rows
+    assert any(row["attempt"] == 1 and row["outcome"] == "failed" and "Preempted" in row["summary"] for row in rows), rows
