@@ -206,7 +206,8 @@ def update_results(out: Path, **figures: object) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
-    parser.add_argument("--only", choices=["cli", "dispatch", "broadcast", "ssh", "slurm", "recovery", "flow"],
+    parser.add_argument("--only", choices=["cli", "dispatch", "broadcast", "ssh", "slurm", "recovery", "preemption",
+                                           "flow"],
                         help="run one figure (flow: warm calls and fan-out inside a flow) and update results.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
@@ -261,6 +262,16 @@ def main() -> None:
         print(f"   hang detected -> the caller has the error: {r['hang_detected_to_error_s']:.2f}")
         if args.only:
             return update_results(out, recovery=r)
+
+    if args.only is None or args.only == "preemption":
+        from preemption import preemption
+
+        results["preemption"] = p = preemption(repeats)
+        print("\n7. a preemption notice on an elastic local pool, 2 nodes x 2 ranks (median seconds after the notice)")
+        print(f"   every rank knows {p['every_rank_s']:.3f}   the head's checkpoint on disk "
+              f"{p['checkpoint_on_disk_s']:.3f}   the retry running on the node left {p['retry_running_s']:.2f}")
+        if args.only:
+            return update_results(out, preemption=p)
 
     if args.only == "flow":
         from prefect.testing.utilities import prefect_test_harness

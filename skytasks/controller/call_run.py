@@ -165,7 +165,10 @@ class CallRun:
         if self.phase is Phase.RUNNING:
             if self.failures:
                 first = self.failures[0]
-                self._ask_stacks(f"stopped because rank {first.rank} failed", STACKS_WAIT_SECONDS, now)
+                if first.kind == EndReason.PREEMPTED:  # saved and ended on purpose: nobody's stack is news
+                    self._stop(f"rank {first.rank} ended the attempt for a preemption", now)
+                else:
+                    self._ask_stacks(f"stopped because rank {first.rank} failed", STACKS_WAIT_SECONDS, now)
             elif all(o.status is RankState.COMPLETED for o in self.outcomes.values()):
                 self.phase = Phase.DONE
 
