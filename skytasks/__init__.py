@@ -26,6 +26,9 @@ _EXPORTS = {
     "ScriptResult": "skytasks.script",
     "run_script": "skytasks.script",
     "RankInfo": "skytasks.rank",
+    "Preempted": "skytasks.preemption",
+    "PreemptionNotice": "skytasks.preemption",
+    "on_preemption": "skytasks.preemption",
     "rank_info": "skytasks.rank",
     "shard": "skytasks.sharding",
     "report": "skytasks.metrics",
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from skytasks.script import ScriptResult, run_script
     from skytasks.output import silent, stderr, stdout
     from skytasks.rank import RankInfo, rank_info
+    from skytasks.preemption import Preempted, PreemptionNotice, on_preemption
     from skytasks.metrics import report
     from skytasks.sharding import shard
     from skytasks.task import DistributedTask, distributed_task

@@ -18,7 +18,9 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
         description="Like `torchrun SCRIPT ARGS...`: every rank runs the script unchanged, with torchrun's "
                     "environment. Without --pool, a local pool of --nodes x --procs-per-node ranks.")
     run.add_argument("--pool", help="name of a saved GPUPool block (default: a local pool)")
-    run.add_argument("--nodes", type=int, default=None, help="nodes (default: the pool's, or 1 locally)")
+    run.add_argument("--nodes", "--nnodes", default=None,
+                     help="nodes, or MIN:MAX for an elastic local pool as torchrun writes it (default: the pool's, "
+                          "or 1 locally)")
     run.add_argument("--procs-per-node", "--nproc-per-node", dest="procs_per_node", type=int, default=None,
                      help="rank processes per node (default: the pool's, or 1 locally)")
     run.add_argument("--workdir", default=None, help="directory every rank starts in (default: the current one)")

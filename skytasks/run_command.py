@@ -52,7 +52,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         if args.pool and early is not None:
             early.wait_until_up(_server_timeout())  # the block is loaded through it
-        call, payload = _on_saved_pool(args, options, call_args) if args.pool else _on_local_pool(options, call_args)
+        call, payload = _on_saved_pool(args, options, call_args) if args.pool else _on_local_pool(options, call_args, args.min_nodes)
     except (PoolConfigError, ValueError) as exc:  # the saved pool's own checks
         print(f"skytasks run: {exc}", file=sys.stderr)
         return 2
@@ -80,14 +80,35 @@ def _checked(args: argparse.Namespace) -> tuple[Any, tuple]:
     from skytasks.script import script_options
 
     local = not args.pool
-    nodes = 1 if local and args.nodes is None else args.nodes
+    fewest, nodes = _node_count(args.nodes, local)
+    args.min_nodes = fewest
+    nodes = 1 if local and nodes is None else nodes
     procs_per_node = 1 if local and args.procs_per_node is None else args.procs_per_node
     return script_options(args.script, args.args, pool=args.pool, module=args.module, workdir=args.workdir,
                           nodes=nodes, procs_per_node=procs_per_node, timeout_seconds=args.timeout,
                           retries=args.retries)
 
 
-def _on_local_pool(options: Any, call_args: tuple) -> tuple[Any, Any]:
+def _node_count(text: str | None, local: bool) -> tuple[int | None, int | None]:
+    """--nodes N, or torchrun's MIN:MAX (an elastic local pool): (min_nodes or None, nodes)."""
+    from skytasks.errors import PoolConfigError
+
+    if text is None:
+        return None, None
+    low, colon, high = text.partition(":")
+    try:
+        fewest, most = (int(low), int(high)) if colon else (None, int(text))
+    except ValueError:
+        raise PoolConfigError(f"--nodes: {text!r} is not a count (N) or a range (MIN:MAX)") from None
+    if colon and not local:
+        raise PoolConfigError(f"--nodes: {text} (a range) is for a local pool; a saved pool's range is its own "
+                              "min_nodes and nodes")
+    if fewest is not None and not 1 <= fewest <= most:
+        raise PoolConfigError(f"--nodes: {text}: MIN must be at least 1 and at most MAX")
+    return fewest, most
+
+
+def _on_local_pool(options: Any, call_args: tuple, min_nodes: int | None = None) -> tuple[Any, Any]:
     """The call on a local pool, made without Prefect: its ranks start while Prefect is imported
     (a second or so) on the recording thread. The pool is what `GPUPool()` of this shape gives."""
     from skytasks.controller.packing import pack_call
@@ -97,7 +118,7 @@ def _on_local_pool(options: Any, call_args: tuple) -> tuple[Any, Any]:
     from skytasks.script import run_on_rank
 
     spec = PoolSpec(name="local-pool", provider="local", nodes=options.nodes, procs_per_node=options.procs_per_node,
-                    accelerators_per_node=None)
+                    accelerators_per_node=None, min_nodes=min_nodes)
     return PreparedCall(run_on_rank, PoolRuntime(spec, owner=None), options), pack_call(run_on_rank, call_args, {})
 
 

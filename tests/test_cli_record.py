@@ -206,12 +206,14 @@ def test_bad_shape_on_the_command_line_is_refused_naming_it_before_anything_star
     home = tmp_path / "prefect-home"  # no API configured: Prefect's own server would make its database here
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    for flag, value in (("--nodes", "0"), ("--procs-per-node", "-1")):
+    for flag, value, said in (("--nodes", "0", "nodes: must be an integer ≥ 1, got 0"),
+                              ("--procs-per-node", "-1", "procs_per_node: must be an integer ≥ 1, got -1"),
+                              ("--nodes", "2:1", "--nodes: 2:1: MIN must be at least 1 and at most MAX"),
+                              ("--nodes", "two", "--nodes: 'two' is not a count (N) or a range (MIN:MAX)")):
         done = subprocess.run([sys.executable, "-m", "skytasks.cli", "run", flag, value, "never.py"], cwd=tmp_path,
                               env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr[-2000:]
-        name = flag.lstrip("-").replace("-", "_")
-        assert f"skytasks run: {name}: must be an integer ≥ 1, got {value}" in done.stderr
+        assert f"skytasks run: {said}" in done.stderr, done.stderr
         assert "never run" not in done.stdout + done.stderr
     assert skytasks_processes() == []
     assert not (home / "prefect.db").exists()  # not even Prefect's server was started
