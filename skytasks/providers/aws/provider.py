@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import asyncio
 import contextvars
 import threading
 import time
@@ -26,9 +25,10 @@ from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink
 from skytasks.providers.reporting import PoolReporter, flow_run_id
 from skytasks.providers.aws.capacity import launch_what_can_be_had
+from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
-from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, NOTICE_FILE, STATE_DIR, VENV_PYTHON, render_user_data
+from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, NOTICE_FILE, VENV_PYTHON, render_user_data
 from skytasks.providers.ssh import SSHLogin, SSHNodes
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class AWSProvider:
             plan, login_key, host_key = self.launch()
             addresses, private = self._wait_until_ready(plan, login_key, host_key)
             self._nodes = SSHNodes(SSHLogin(
-                targets=[(plan.login, a, 22) for a in addresses], known_hosts=_known_hosts(addresses, host_key),
+                targets=[(plan.login, a, 22) for a in addresses], known_hosts=known_hosts_text(addresses, host_key),
                 peer_addresses=private,
                 private_key=login_key.export_private_key().decode(), python=self._python(),
                 env=dict(spec.env), heartbeat_file=HEARTBEAT_FILE, timeout=spec.aws.ready_timeout_seconds,
@@ -128,7 +128,7 @@ class AWSProvider:
         assert self._nodes is not None
         links = []
         for i, (iid, address, peer) in enumerate(zip(ids, addresses, private)):
-            target, known = (self._plan.login, address, 22), _known_hosts([address], self._host_key)
+            target, known = (self._plan.login, address, 22), known_hosts_text([address], self._host_key)
             if node_ids is None:
                 node_id = self._nodes.add_target(target, peer, known)
             else:
@@ -239,7 +239,7 @@ class AWSProvider:
                     state.setdefault(iid, "running")
             waiting = [i for i in ids if i in addresses and i not in ready]
             if waiting:
-                answers = _run_async(_probe_all([addresses[i] for i in waiting], plan.login, login_key, host_key))
+                answers = run_async(probe_all([addresses[i] for i in waiting], plan.login, login_key, host_key))
                 for iid, answer in zip(waiting, answers):
                     if answer.startswith("failed"):
                         raise PoolStartError(f"aws node {iid} ({addresses[iid]}): bootstrap {answer}")
@@ -307,46 +307,3 @@ class AWSProvider:
             if errors:
                 # Raised from stop(), after every step was tried: the pool's exit raises it.
                 self._teardown_error = self.reporter.teardown_failed(left, "; ".join(errors))
-
-
-async def _probe_all(addresses: list[str], login: str, login_key: Any, host_key: Any) -> list[str]:
-    return list(await asyncio.gather(*(_probe(a, login, login_key, host_key) for a in addresses)))
-
-
-async def _probe(address: str, login: str, login_key: Any, host_key: Any) -> str:
-    """One look at a node: "ready", "failed: ...", or what it is still doing."""
-    import asyncssh
-
-    try:
-        async with asyncssh.connect(address, port=22, username=login, client_keys=[login_key], agent_path=None,
-                                    known_hosts=asyncssh.import_known_hosts(_known_hosts([address], host_key)),
-                                    connect_timeout=5) as conn:
-            result = await conn.run(f"cat {STATE_DIR}/status 2>/dev/null || echo bootstrapping", timeout=10)
-            return str(result.stdout).strip() or "bootstrapping"
-    except asyncssh.HostKeyNotVerifiable:
-        return "ssh up, host key not yet the pinned one"
-    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
-        return f"waiting for ssh ({type(exc).__name__})"
-
-
-def _known_hosts(addresses: list[str], host_key: Any) -> str:
-    public = host_key.export_public_key().decode().strip()
-    return "".join(f"{a} {public}\n" for a in addresses)
-
-
-def _run_async(coro: Any) -> Any:
-    """Run a coroutine to the end from sync code, even when this thread already has a loop."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
