@@ -225,7 +225,12 @@ def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_t
             "torch==2.5.1 'torchvision>=0.20' torchaudio") in script
     assert "uv venv --python 3.11 /opt/skytasks/venv" in script
     assert "transformers==4.46.0" in script and "cloudpickle==" in script
-    assert "--idle-seconds 600 --max-lifetime-seconds 3600" in files["/etc/systemd/system/skytasks-watchdog.service"]
+    unit = files["/etc/systemd/system/skytasks-watchdog.service"]
+    assert "--idle-seconds 600 --max-lifetime-seconds 3600" in unit
+    assert "--notice-file" not in unit  # on-demand: EC2 gives no interruption notice to watch for
+    spot = yaml.safe_load(render_user_data(GPUPool(provider="aws", spot=True).spec(), False, "k", "ssh-ed25519 A h"))
+    spot_unit = {f["path"]: f["content"] for f in spot["write_files"]}["/etc/systemd/system/skytasks-watchdog.service"]
+    assert "--notice-file /var/lib/skytasks/preemption-notice" in spot_unit  # what the node agent reads
     assert "def verdict(" in files["/opt/skytasks/watchdog.py"]
     # The watchdog starts before the bootstrap, so a controller lost during installs still ends the node.
     assert config["runcmd"].index(["systemctl", "enable", "--now", "skytasks-watchdog.service"]) < \

@@ -35,20 +35,20 @@ def kill_node_1_once(marker: str) -> dict:
 
 
 def test_an_elastic_pool_goes_on_with_the_nodes_left_then_grows_back_before_the_next_call(capsys, tmp_path):
-    pool = GPUPool(nodes=3, min_nodes=2, procs_per_node=2)
+    pool = GPUPool(nodes=3, min_nodes=2)
     task = distributed_task(kill_node_1_once, pool=pool, retries=1)
     with pool:
         shrunk = task(str(tmp_path / "killed"))
         err = capsys.readouterr().err
         grown = task(str(tmp_path / "killed"))
         err_after = capsys.readouterr().err
-    # The retry: 2 nodes x 2 ranks, node ranks 0 and 1 again (the old node 2 is node 1 now).
-    assert [(r["attempt"], r["world"], r["node"]) for r in shrunk] == [(2, 4, 0), (2, 4, 0), (2, 4, 1), (2, 4, 1)]
+    # The retry: 2 nodes, node ranks 0 and 1 again (the old node 2 is node 1 now).
+    assert [(r["attempt"], r["world"], r["node"]) for r in shrunk] == [(2, 2, 0), (2, 2, 1)]
     killed_agent = int((tmp_path / "killed").read_text())
     assert killed_agent not in {r["agent"] for r in shrunk}
-    assert "node 1 (127.0.0.1) was lost" in err and "goes on with the 2 nodes left, 4 ranks" in err, err
-    # The next call starts on the full pool again, a fresh group of 6 ranks.
-    assert [(r["attempt"], r["world"]) for r in grown] == [(1, 6)] * 6
+    assert "node 1 (127.0.0.1) was lost" in err and "goes on with the 2 nodes left, 2 ranks" in err, err
+    # The next call starts on the full pool again, a fresh group of 3 ranks.
+    assert [(r["attempt"], r["world"]) for r in grown] == [(1, 3)] * 3
     assert "the pool grew back to 3 of 3 nodes" in err_after, err_after
 
 
