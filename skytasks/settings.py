@@ -30,6 +30,8 @@ class SkytasksSettings(BaseSettings):
         5.0, gt=0, description="How often each node agent samples its ranks' CPU, memory and GPU.")
     teardown_wait_seconds: float = Field(
         60.0, gt=0, description="How long a teardown waits for SLURM jobs to leave the queue before it reports them.")
+    grow_retry_seconds: float = Field(
+        60.0, ge=0, description="After an elastic pool could not grow back, how long before a call tries again.")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
 
     @property

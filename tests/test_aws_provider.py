@@ -564,7 +564,8 @@ def world_and_peers() -> dict:
     return {"world": rank_info().world_size, "sum": t.item(), "peers": rank_info().peers}
 
 
-def test_an_elastic_launch_takes_what_ec2_has_and_grows_back_when_capacity_returns(moto, ec2_capacity, tmp_path):
+def test_an_elastic_launch_takes_what_ec2_has_and_grows_back_when_capacity_returns(moto, ec2_capacity, tmp_path,
+                                                                                 monkeypatch):
     """nodes=3, min_nodes=2 in a region with room for 2: EC2 refuses 3 (InsufficientInstanceCapacity),
     the pool launches 2, says why and what the 2 cost, and runs. When capacity returns, the next
     call inside `with pool:` launches the third alike, and every instance ends terminated."""
@@ -577,15 +578,20 @@ def test_an_elastic_launch_takes_what_ec2_has_and_grows_back_when_capacity_retur
             session = pool.runtime().session
             said = "\n".join(session.provider.reporter.lines)
             assert len(instances_of_latest_pool(moto["ec2"])) == 2  # what moto holds: 2, not 3
-            first = distributed_task(world_and_peers, pool=pool)()
+            first = distributed_task(world_and_peers, pool=pool)()  # tried to grow: no capacity
             ec2_capacity["instances"] = 5  # capacity came back
+            held_off = distributed_task(world_and_peers, pool=pool)()  # within a minute: not tried again
+            monkeypatch.setenv("SKYTASKS_GROW_RETRY_SECONDS", "0")
             second = distributed_task(world_and_peers, pool=pool)()
             grown = instances_of_latest_pool(moto["ec2"])
+            said_later = "\n".join(session.provider.reporter.lines)
     finally:
         stand_in.stop()
     assert "launched 2 of 3 nodes (InsufficientInstanceCapacity for 3" in said, said
     assert "provisioning 2 x t3.micro" in said.split("launched 2 of 3 nodes")[1], said  # the cost of 2
     assert [r["world"] for r in first] == [2, 2] and [r["sum"] for r in first] == [2.0, 2.0]
+    assert [r["world"] for r in held_off] == [2, 2]
+    assert "could not grow: nodes: EC2 has no capacity for 1 t3.micro instance now" in said_later, said_later
     assert [r["world"] for r in second] == [3, 3, 3] and [r["sum"] for r in second] == [3.0] * 3
     assert len(grown) == 3 and set(second[0]["peers"]) == {i["PrivateIpAddress"] for i in grown}
     tags = lambda i: {t["Key"]: t["Value"] for t in i["Tags"]}  # noqa: E731

@@ -60,6 +60,7 @@ class PoolSession:
         self.bus = ChannelBus(self.nodes)
         self._closed = threading.Event()
         self._members: tuple[int, ...] = ()  # the channels the group was placed on
+        self._short_since = -float("inf")  # when an elastic pool last tried to grow and could not
 
     @property
     def world_size(self) -> int:
@@ -185,9 +186,9 @@ class PoolSession:
         never raised: the pool still has at least min_nodes."""
         assert self.counts is not None
         missing = self.counts[1] - len(self.nodes)
-        if missing <= 0:
-            return
-        started = time.monotonic()
+        if missing <= 0 or time.monotonic() < self._short_since + settings().grow_retry_seconds:
+            return  # full, or it just tried: a call does not pay for the same shortfall twice a minute
+        started = self._short_since = time.monotonic()  # cleared below when it grew back
         fresh: list[NodeChannel] = []
         try:
             links = self.provider.grow(missing)
@@ -201,7 +202,8 @@ class PoolSession:
                 node.link.close()
                 self.provider.release(node.link.node_id)
             observer.on_notice(f"the pool could not grow back toward {self.counts[1]} nodes and stays at "
-                               f"{len(self.nodes)}: {exc}")
+                               f"{len(self.nodes)}: {exc}; it tries again before a call "
+                               f"{settings().grow_retry_seconds:g}s from now or later")
             return
         self.nodes.extend(fresh)
         keep_heartbeats(fresh, self._closed)
@@ -211,7 +213,10 @@ class PoolSession:
                                f"this call runs on {self.world_size} ranks")
         if len(self.nodes) < self.counts[1]:
             observer.on_notice(f"the pool has {len(self.nodes)} of {self.counts[1]} nodes: no more could be had now "
-                               f"(see the pool's log for why); it tries again before the next call")
+                               f"(see the pool's log for why); it tries again before a call "
+                               f"{settings().grow_retry_seconds:g}s from now or later")
+        else:
+            self._short_since = -float("inf")
 
     def _renumber(self) -> None:
         for position, node in enumerate(self.nodes):
