@@ -28,6 +28,7 @@ from skytasks.providers.ssh_bridge import bridge_process
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
+GROW_CONNECT_SECONDS = 15.0  # growing an elastic pool: how long one host may take to answer
 
 
 def parse_host(spec: str, default_user: str | None) -> tuple[str | None, str, int]:
@@ -120,7 +121,8 @@ class SSHNodes:
     def _known_hosts(self) -> Any:
         return load_known_hosts(self._login.known_hosts, "ssh")
 
-    async def _connect(self, node_rank: int, user: str | None, host: str, port: int) -> Any:
+    async def _connect(self, node_rank: int, user: str | None, host: str, port: int,
+                       connect_timeout: float | None = None) -> Any:
         import asyncssh
 
         keys = None
@@ -129,7 +131,7 @@ class SSHNodes:
         try:
             return await asyncssh.connect(host, port=port, username=user, known_hosts=self._known_hosts(),
                                           client_keys=keys, agent_path=None, keepalive_interval=10,
-                                          keepalive_count_max=3)
+                                          keepalive_count_max=3, connect_timeout=connect_timeout)
         except asyncssh.HostKeyNotVerifiable as exc:
             raise PoolStartError(
                 f"node {node_rank} ({host}:{port}): host key of {host}:{port} does not match known_hosts (or the "
@@ -213,7 +215,8 @@ class SSHNodes:
         self._login.known_hosts += known_hosts
         return len(self._login.targets) - 1
 
-    def replace(self, node_id: int, what: str = "was lost and cannot be reached again") -> NodeLink:
+    def replace(self, node_id: int, what: str = "was lost and cannot be reached again",
+                connect_timeout: float | None = None) -> NodeLink:
         """A lost node again: a new connection and agent, or an error naming the host."""
         from skytasks.errors import PoolStartError
 
@@ -224,7 +227,7 @@ class SSHNodes:
             if old is not None:
                 old.close()
             try:
-                conn = await self._connect(node_id, user, host, port)
+                conn = await self._connect(node_id, user, host, port, connect_timeout)
             except Exception as exc:  # noqa: BLE001
                 raise PoolStartError(f"node {node_id} ({host}:{port}) {what}: {exc}") from exc
             self._conns[node_id] = conn
@@ -243,7 +246,8 @@ class SSHNodes:
             if node_id in self._conns:
                 continue
             try:
-                links.append(self.replace(node_id, what="cannot be reached"))
+                # Bounded: a host that drops packets must not hold the call for the OS's TCP timeout.
+                links.append(self.replace(node_id, what="cannot be reached", connect_timeout=GROW_CONNECT_SECONDS))
             except Exception as exc:  # noqa: BLE001 - said, and the pool stays as it is
                 self._reporter.notice(f"{self._reporter.key}: {exc}")
         return links
