@@ -45,7 +45,7 @@ class Checkpointer:
         if not text:
             raise ValueError("path: give a directory or s3://bucket/prefix")
         self.path, self.keep = text, keep
-        self._saved: dict[int, str] = {}  # the last step this object saved, and where
+        self._last_saved: tuple[int, str] | None = None  # (step, where) of this object's last save
         if text.startswith("s3://"):
             bucket, _, prefix = text[len("s3://"):].partition("/")
             if not bucket:
@@ -65,7 +65,7 @@ class Checkpointer:
         buf = io.BytesIO()
         torch.save(state, buf)
         where = self._store.put(_name(step), buf.getbuffer())
-        self._saved = {step: where}
+        self._last_saved = (step, where)
         for old in sorted(self.steps())[:-self.keep]:
             self._store.delete(_name(old))
         return where
@@ -85,7 +85,8 @@ class Checkpointer:
         if notice is None or not _is_head():
             return
         # Saved already by `save` just before (a per-epoch checkpoint): not written twice.
-        where = self._saved.get(step) or self.save(state, step)
+        last = self._last_saved
+        where = last[1] if last is not None and last[0] == step else self.save(state, step)
         raise Preempted(f"{notice.describe()}; checkpoint of step {step} saved at {where} "
                         f"{time.time() - notice.at:.2f}s after the notice; the retry resumes from it")
 

@@ -35,9 +35,14 @@ class PreemptionNotice:
     at: float  # epoch seconds when its agent heard it
 
     def describe(self) -> str:
-        node = f"node {self.node_rank} ({self.address})"
-        when = "" if self.deadline is None else f", going at {time.strftime('%H:%M:%S', time.localtime(self.deadline))}"
-        return f"{node} is being preempted ({self.reason}{when})"
+        return f"node {self.node_rank} ({self.address}) is being preempted ({self.reason}{going_at(self.deadline)})"
+
+
+def going_at(deadline: float | None) -> str:
+    """", going at HH:MM:SS, in Ns" for a notice that says when its node goes; "" otherwise."""
+    if deadline is None:
+        return ""
+    return f", going at {time.strftime('%H:%M:%S', time.localtime(deadline))}, in {max(0.0, deadline - time.time()):.0f}s"
 
 
 class Preempted(Exception):

@@ -29,12 +29,13 @@ from skytasks.controller.failures import failure_error, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.errors import HangError, RankFailure, RankProcessDied
+from skytasks.preemption import Preempted, going_at
 from skytasks.protocol import SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
 from skytasks.stacks import where
 
 _call_ids = itertools.count(1)
-PREEMPTED_TYPE = "skytasks.preemption.Preempted"
+PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"  # as a rank describes its exception
 _OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL)  # how a rank ends when our stop reaches it
 STACKS_WAIT_SECONDS = 1.0  # after a failure: the other ranks' stacks, before they are stopped
 HANG_STACKS_WAIT_SECONDS = 2.0
@@ -209,13 +210,10 @@ class CallRun:
             return
         self.notices[node_rank] = msg
         address = self.group.addresses.get(node_rank, "")
-        deadline = msg["deadline"]
-        when = "" if deadline is None else (f", going at {time.strftime('%H:%M:%S', time.localtime(deadline))} "
-                                            f"(in {max(0.0, deadline - time.time()):.0f}s)")
-        self.observer.on_notice(f"node {node_rank} ({address}) will be taken away: {msg['reason']}{when}; every rank "
-                                f"is told (rank_info().preempted)")
+        self.observer.on_notice(f"node {node_rank} ({address}) will be taken away: {msg['reason']}"
+                                f"{going_at(msg['deadline'])}; every rank is told (rank_info().preempted)")
         self.bus.broadcast(message(Op.PREEMPTION, node_rank=node_rank, address=address, reason=msg["reason"],
-                                   deadline=deadline, at=msg["at"]))
+                                   deadline=msg["deadline"], at=msg["at"]))
 
     def _on_exited(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         rank = msg["rank"]

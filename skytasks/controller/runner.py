@@ -82,17 +82,11 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
                 try:
                     # Timed from here: the attempt's deadline covers starting a call-scoped pool.
                     deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
-                    try:
-                        session = sessions.get()
-                        session.prepare(observer, first_attempt=attempt == 1)
-                    except PoolStartError as exc:  # the pool, or a lost node's replacement, did not come up
-                        observer.on_attempt_start(attempt, world)
-                        started = True
-                        outcome = CallOutcome(EndReason.POOL_START, error=exc)
-                    else:
-                        world = session.world_size  # an elastic pool runs on what it has
-                        observer.on_attempt_start(attempt, world)
-                        started = True
+                    session, outcome = _nodes(sessions, observer, attempt)
+                    world = world if session is None else session.world_size  # an elastic pool runs on what it has
+                    observer.on_attempt_start(attempt, world)
+                    started = True
+                    if outcome is None:
                         outcome = _attempt(session, payload, group_spec, options, observer, attempt, deadline)
                 except BaseException as interrupted:  # Ctrl-C, SIGTERM, cancellation: never retried
                     if not started:
@@ -112,6 +106,18 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
         raise
     finally:
         observer.on_call_end(error)
+
+
+def _nodes(sessions: Any, observer: RunObserver, attempt: int) -> tuple[Any, CallOutcome | None]:
+    """The session this attempt runs on, its lost or going nodes dealt with (and, on a call's
+    first attempt, an elastic pool grown back); or None and the attempt's outcome already, when
+    the pool or a node's replacement did not come up."""
+    try:
+        session = sessions.get()
+        session.prepare(observer, first_attempt=attempt == 1)
+        return session, None
+    except PoolStartError as exc:
+        return None, CallOutcome(EndReason.POOL_START, error=exc)
 
 
 def _attempt(session: Any, payload: PackedCall, group_spec: GroupSpec, options: CallOptions,

@@ -46,13 +46,11 @@ class ChannelBus:
 class PoolSession:
     """The nodes of a pool that is up, and the rank group that lives on them."""
 
-    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str],
-                 nodes: tuple[int, int] | None = None):
+    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str], nodes: tuple[int, int]):
         self.provider = provider
         self.procs_per_node = procs_per_node
         self.env = dict(env)
-        # (min, max): an elastic pool runs on what it has between the two; None: exactly what it started with
-        self.counts = nodes
+        self.counts = nodes  # (min, max): an elastic pool runs on what it has between the two
         self.events: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.group: RankGroup | None = None
@@ -68,7 +66,7 @@ class PoolSession:
 
     @property
     def elastic(self) -> bool:
-        return self.counts is not None and self.counts[0] < self.counts[1]
+        return self.counts[0] < self.counts[1]
 
     def start(self) -> PoolSession:
         """Bring the nodes up, and wait for every agent's hello; all or nothing."""
@@ -76,8 +74,6 @@ class PoolSession:
             for position, link in enumerate(self.provider.start()):
                 link.node_rank = position
                 self.nodes.append(NodeChannel(link, self.events).start())
-            if self.counts is None:
-                self.counts = (len(self.nodes), len(self.nodes))
             keep_heartbeats(self.nodes, self._closed)
             self._await_agents()
         except BaseException:
@@ -151,13 +147,13 @@ class PoolSession:
         if not gone:
             return
         left = len(self.nodes) - len(gone)
-        wanted = len(gone) if not self.elastic else max(0, self.counts[0] - left)  # type: ignore[index]
+        wanted = len(gone) if not self.elastic else max(0, self.counts[0] - left)
         for old in gone[wanted:]:
             self._drop(old)
             why = old.why_gone() + (f": {old.lost_reason}" if old.notice is None and old.lost_reason else "")
             observer.on_notice(f"node {old.link.node_rank} ({old.link.address}) {why}; "
                                f"the elastic pool goes on with the {left} node{'s' * (left != 1)} left, "
-                               f"{left * self.procs_per_node} rank{'s' * (left * self.procs_per_node != 1)}, and grows back toward {self.counts[1]} "  # type: ignore[index]
+                               f"{left * self.procs_per_node} rank{'s' * (left * self.procs_per_node != 1)}, and grows back toward {self.counts[1]} "
                                f"nodes before a later call")
         fresh = []
         for old in gone[:wanted]:
@@ -176,15 +172,18 @@ class PoolSession:
         self._renumber()
 
     def _drop(self, node: NodeChannel) -> None:
-        node.retire()
         self.nodes.remove(node)
+        self._let_go(node)
+
+    def _let_go(self, node: NodeChannel) -> None:
+        """The pool no longer uses this node: its stream closing is no news, and what holds it ends."""
+        node.retire()
         node.link.close()
         self.provider.release(node.link.node_id)
 
     def _grow(self, observer: CallObserver) -> None:
         """Back toward the most nodes, with what the provider can get now; a shortfall is said,
         never raised: the pool still has at least min_nodes."""
-        assert self.counts is not None
         missing = self.counts[1] - len(self.nodes)
         if missing <= 0 or time.monotonic() < self._short_since + settings().grow_retry_seconds:
             return  # full, or it just tried: a call does not pay for the same shortfall twice a minute
@@ -198,9 +197,7 @@ class PoolSession:
             self._await_agents(fresh)
         except PoolStartError as exc:
             for node in fresh:
-                node.retire()
-                node.link.close()
-                self.provider.release(node.link.node_id)
+                self._let_go(node)
             observer.on_notice(f"the pool could not grow back toward {self.counts[1]} nodes and stays at "
                                f"{len(self.nodes)}: {exc}; it tries again before a call "
                                f"{settings().grow_retry_seconds:g}s from now or later")

@@ -54,15 +54,13 @@ class PrefectObserver:
         self._lock = threading.Lock()
         self.runs: RankRuns | None = None
         self.outcomes: list[RankOutcome] = []
-        self._world = 0
-        self._attempts: list[tuple[int, int, list[RankOutcome]]] = []  # (attempt, world size, its ranks)
+        self._attempts: list[tuple[int, list[RankOutcome]]] = []  # (attempt, one outcome per rank of it)
         self._usage: dict[int, RankUsage] = {}  # over the whole call, every attempt
         self._resources_written_at = 0.0
 
     # -- the runner's steps ------------------------------------------------------------------
 
     def on_attempt_start(self, attempt: int, world_size: int) -> None:
-        self._world = world_size
         self.runs = RankRuns(self.label, world_size, attempt, self.run_tags, self._parent.flow_run_id,
                              self._parent.id)
 
@@ -70,17 +68,18 @@ class PrefectObserver:
         if self.runs is not None:
             reason = f"attempt {attempt} ended" + (f": {type(error).__name__}" if error else "")
             self.outcomes = self.runs.close(reason)
-            self._attempts.append((attempt, self._world, self.outcomes))
+            self._attempts.append((attempt, self.outcomes))
 
     def on_call_end(self, error: BaseException | None) -> None:
         self._write_metrics()
         self._write_resources()
         # Every attempt's ranks, with its world size: an elastic pool's retry may have fewer (the
         # parent run's log says why), and a call's history reads top to bottom.
-        rows = [{"rank": o.rank, "attempt": attempt, "world size": world, "node": o.node_rank, "address": o.node_addr,
-                 "outcome": o.status, "seconds": round(o.ended - o.started, 3) if o.started and o.ended else None,
+        rows = [{"rank": o.rank, "attempt": attempt, "world size": len(outcomes), "node": o.node_rank,
+                 "address": o.node_addr, "outcome": o.status,
+                 "seconds": round(o.ended - o.started, 3) if o.started and o.ended else None,
                  "summary": outcome_summary(o), **self._usage_columns(o.rank)}
-                for attempt, world, outcomes in self._attempts for o in outcomes]
+                for attempt, outcomes in self._attempts for o in outcomes]
         self._writes.append(write_table(rows, artifact_key(self.label, "ranks"),
                                         f"{self.label}: one row per rank of each attempt", **self._ids))
         if error is None and self._progress.exists:
