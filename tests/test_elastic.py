@@ -52,6 +52,34 @@ def test_an_elastic_pool_goes_on_with_the_nodes_left_then_grows_back_before_the_
     assert "the pool grew back to 3 of 3 nodes" in err_after, err_after
 
 
+def checkpoint_every_step(ckpt_dir: str, marker: str, steps: int = 30) -> dict:
+    """A loop that saves every step; node 1's agent is killed at step 5 of attempt 1, no notice."""
+    import torch
+    import torch.distributed as dist
+
+    info = rank_info()
+    ckpt = Checkpointer(ckpt_dir)
+    found = ckpt.load_latest()
+    start = 0 if found is None else found[0] + 1
+    for step in range(start, steps):
+        dist.all_reduce(torch.ones(1))
+        ckpt.save({"step": step, "world": info.world_size}, step)
+        dist.barrier()
+        if step == 5 and info.node_rank == 1 and not os.path.exists(marker):
+            Path(marker).write_text("killed")
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(60)
+    return {"attempt": info.attempt, "world": info.world_size, "start": start,
+            "saved_by": None if found is None else found[1]["world"]}
+
+
+def test_a_node_killed_without_notice_the_retry_resumes_from_the_checkpoint_on_fewer_ranks(tmp_path):
+    out = distributed_task(checkpoint_every_step, pool=GPUPool(nodes=2, min_nodes=1), retries=1)(
+        str(tmp_path / "ckpt"), str(tmp_path / "killed"))
+    # Saved by 2 ranks up to step 5, loaded by the 1 rank left, which goes on from step 6.
+    assert out == [{"attempt": 2, "world": 1, "start": 6, "saved_by": 2}]
+
+
 def test_below_min_nodes_a_lost_node_is_replaced_and_a_fixed_pool_never_shrinks(capsys, tmp_path):
     """At the floor (2 of 2-3 here, and any fixed pool) a lost node is replaced, not dropped."""
     pool = GPUPool(nodes=2, min_nodes=2)

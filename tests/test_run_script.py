@@ -43,11 +43,12 @@ os.makedirs(args.out, exist_ok=True)
 with open(os.path.join(args.out, f"{dist.get_rank()}.json"), "w") as f:
     json.dump({"env": dict(os.environ), "cwd": os.getcwd(), "sum": t.item()}, f)
 if dist.get_rank() == args.exit_rank:
-    print("giving up on purpose", file=sys.stderr)
-    # Leaving with the group alive can end in SIGABRT from gloo's threads at interpreter exit
-    # (under torchrun too), which would hide the 3 this test is about.
-    dist.destroy_process_group()
-    sys.exit(3)
+    print("giving up on purpose", file=sys.stderr, flush=True)
+    # Gone at once, group and all: its peer, waiting in the barrier below, only fails once this
+    # process is dead, so the 3 is the first failure. (`destroy_process_group(); sys.exit(3)` lets
+    # the peer fail first while this interpreter is still tearing torch down, and `sys.exit(3)`
+    # with the group alive can end in SIGABRT from gloo's threads, under torchrun too.)
+    os._exit(3)
 dist.barrier()
 dist.destroy_process_group()
 """

@@ -395,10 +395,12 @@ def test_a_job_that_cannot_be_cancelled_is_an_error_naming_it_not_a_silent_leak(
             cluster.wait_idle()
 
 
-def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_then_shrinks(cluster, tmp_path, capsys):
+def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_then_shrinks(cluster, tmp_path, capsys,
+                                                                                           monkeypatch):
     """`min_nodes=2, nodes=3` with one node held by someone else: SLURM's own `--nodes=2-3` gives
-    two, and the pool says why not three. Once that node is free, the next call grows to three
-    (a job of its own, `--immediate`). `scancel --signal=USR2` on one node's step is the
+    two, and the pool says why not three. A call while the node is still held tries to grow with
+    a job of its own, which stays pending and is cancelled after 10 s: the call runs on two and no
+    job is left behind. Once the node is free, the next call grows to three. `scancel --signal=USR2` on one node's step is the
     preemption notice: every rank is told, the head saves, and the retry resumes from that
     checkpoint on the two nodes that are left."""
     from skytasks import Checkpointer
@@ -437,9 +439,16 @@ def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_
         [step] = [s for s, node in steps if node == host and ".batch" not in s and "extern" not in s]
         cluster.run("scancel", "--signal=USR2", step, check=False)
 
+    monkeypatch.setenv("SKYTASKS_GROW_RETRY_SECONDS", "0")  # each call here may try to grow
     with pool:
         session = pool.runtime().session
         said = "\n".join(session.provider.reporter.lines)
+        jobs_at_start = list(session.provider.jobs)
+        assert distributed_task(lambda: rank_info().world_size, pool=pool)() == [2, 2]  # n2 still held
+        [pending_grow] = [j for j in session.provider.jobs if j not in jobs_at_start]
+        cluster.wait_queue_empty_of(pending_grow)
+        assert pending_grow not in {line.split()[0] for line in cluster.queue()}  # cancelled, not left queued
+        assert "could not grow by 1 node now" in "\n".join(session.provider.reporter.lines)
         cluster.run("scancel", blocker)
         assert len(session.nodes) == 2
         assert "got 2 of 3 nodes (--nodes=2-3)" in said and "n2 is allocated" in said, said
