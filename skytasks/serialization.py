@@ -1,4 +1,5 @@
-"""cloudpickle with out-of-band buffers (pickle protocol 5), for arguments and results.
+"""cloudpickle with out-of-band buffers (pickle protocol 5), for arguments and results, and a
+pickler that keeps the user's file names and source lines in the functions it ships.
 
 A numpy array (or anything else exposing PickleBuffer) is pickled as a small `meta` plus views
 of its own memory: no copy on the way out, and the receiver builds the array straight on the
@@ -7,9 +8,14 @@ bytes that arrived. Used for large arguments (blobs) and for every return value.
 
 from __future__ import annotations
 
+import io
+import linecache
+import marshal
 import mmap
 import os
 import pickle
+import types
+from collections import ChainMap
 from typing import Any
 
 import cloudpickle
@@ -77,8 +83,45 @@ def release(blob: Blob) -> None:
 
 def dumps_out_of_band(value: Any) -> Blob:
     buffers: list[pickle.PickleBuffer] = []
-    meta = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    meta = dumps(value, buffer_callback=buffers.append)
     return meta, [b.raw() for b in buffers]
+
+
+def dumps(value: Any, buffer_callback: Any = None) -> bytes:
+    """cloudpickle, except that code shipped by value keeps its file name and brings its source.
+
+    cloudpickle 3.1 writes `co_filename = "<dynamic-code>"` into every function it ships by value
+    (for deterministic payloads), so a rank's traceback, its faulthandler stack and the `was in`
+    lines lost the user's file and line. Here a code object travels as marshal's bytes (the same
+    bytecode, its own file name and line table intact) with the lines of its file as the caller's
+    `linecache` has them: a file, a notebook cell IPython registered, or nothing for `exec` code
+    ("<string>"), which Python itself shows without a source line too. The rank registers those
+    lines, so `traceback` prints the source even where the file does not exist on the node."""
+    out = io.BytesIO()
+    _SourcePickler(out, protocol=5, buffer_callback=buffer_callback).dump(value)
+    return out.getvalue()
+
+
+def _reduce_code(code: types.CodeType) -> tuple[Any, tuple]:
+    return _load_code, (marshal.dumps(code), code.co_filename, _source_lines(code.co_filename))
+
+
+def _source_lines(filename: str) -> list[str] | None:
+    lines = linecache.getlines(filename)
+    return lines or None  # the same list object for every function of one file: pickled once
+
+
+def _load_code(marshalled: bytes, filename: str, lines: list[str] | None) -> types.CodeType:
+    """On the rank: the code object as the caller had it, and its source for tracebacks."""
+    if lines:
+        # mtime None: linecache.checkcache never drops it, and no file on the node replaces it.
+        # Set on every call: a notebook user may have edited the module since the last one.
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return marshal.loads(marshalled)
+
+
+class _SourcePickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
 
 def blob_size(blob: Blob) -> int:

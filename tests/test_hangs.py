@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -37,6 +38,9 @@ def test_a_hang_fails_the_call_naming_where_each_rank_is(capsys):
                                              for e in members.values())
     assert "in `barrier`" in str(members[0]) and "one_waits_in_barrier_the_other_sleeps" in str(members[0])
     assert "in `one_waits_in_barrier_the_other_sleeps`" in str(members[1])  # asleep in the user's own frame
+    # The user's own file and line, as on the caller's machine (never cloudpickle's "<dynamic-code>")
+    assert re.search(r"called from test_hangs\.py:\d+ in `one_waits_in_barrier_the_other_sleeps`", str(members[0]))
+    assert re.search(r"\(test_hangs\.py:\d+\)", str(members[1])) and "dynamic-code" not in members[1].stack
     assert "barrier" in members[0].stack and "Thread 0x" in members[0].stack
     assert "the call hung" in str(caught.value)
     err = capsys.readouterr().err

@@ -7,7 +7,6 @@ their own, so a warm rank group that still holds the same bytes is not sent them
 from __future__ import annotations
 
 import os
-import pickle
 import site
 import sys
 import sysconfig
@@ -18,7 +17,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from skytasks.serialization import Blob, blob_size, dumps_out_of_band
+from skytasks.serialization import Blob, blob_size, dumps, dumps_out_of_band
 from skytasks.wire import BlobRef
 
 
@@ -133,14 +132,14 @@ def _as_blob(value: Any, blobs: list[Blob]) -> Any:
 
 def _dumps_or_explain(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     try:
-        return cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        return dumps((fn, args, kwargs))
     except Exception as whole:  # noqa: BLE001 - find the culprit for the message
         parts: list[tuple[str, Any]] = [(f"the function {getattr(fn, '__qualname__', fn)!r}", fn)]
         parts += [(f"positional argument {i}", a) for i, a in enumerate(args)]
         parts += [(f"argument {k!r}", v) for k, v in kwargs.items()]
         for what, obj in parts:
             try:
-                cloudpickle.dumps(obj)
+                dumps(obj)
             except Exception as exc:  # noqa: BLE001
                 raise TypeError(
                     f"cannot send {what} (a {type(obj).__qualname__}) to the ranks: it cannot be "
