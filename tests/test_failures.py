@@ -298,3 +298,21 @@ def test_a_rank_silent_for_a_while_still_returns_its_result(monkeypatch):
     monkeypatch.setenv("SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS", "1")
     task = distributed_task(silent_for_a_while, pool=GPUPool(nodes=2), init_torch=False, timeout_seconds=60)
     assert task() == [100, 101]
+
+
+def raise_on_head_return_elsewhere() -> int:
+    if rank_info().rank == 0:
+        raise ValueError("rank 0 gives up at once")
+    return rank_info().rank
+
+
+def test_a_rank_that_returned_or_was_still_starting_is_never_counted_failed():
+    """Rank 0 raises at once while rank 1 returns at once (or is still starting): the stack
+    request that follows the failure must not turn rank 1 into a second failure."""
+    task = distributed_task(raise_on_head_return_elsewhere, init_torch=False)
+    with GPUPool(nodes=2):
+        for _ in range(6):  # each call starts a new group: each one races the stack request
+            with pytest.raises(DistributedTaskError) as caught:
+                task()
+            assert [type(e) for e in caught.value.exceptions] == [ValueError], caught.value.exceptions
+            assert not any(isinstance(f.exception, RankProcessDied) for f in caught.value.failures)

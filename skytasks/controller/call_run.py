@@ -36,7 +36,9 @@ from skytasks.stacks import where
 
 _call_ids = itertools.count(1)
 PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"  # as a rank describes its exception
-_OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL)  # how a rank ends when our stop reaches it
+# How a rank ends when our stop reaches it (SIGUSR1: our own stack request, to a rank whose
+# faulthandler was not set up yet): the stop's doing, never the rank's failure.
+_OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGUSR1)
 STACKS_WAIT_SECONDS = 1.0  # after a failure: the other ranks' stacks, before they are stopped
 HANG_STACKS_WAIT_SECONDS = 2.0
 
@@ -218,6 +220,9 @@ class CallRun:
     def _on_exited(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         rank = msg["rank"]
         self.group.broken = True  # whatever the reason, a group missing a rank can serve no more
+        if self.phase is Phase.STACKS and msg["returncode"] in _OUR_STOP_CODES:
+            self._stacks_wanted.discard(rank)  # our stack request ended it: `_stop` says so
+            return
         if self.outcomes[rank].status is RankState.PENDING:
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
 

@@ -309,6 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     # decides when ranks stop. It does end on SIGTERM, taking its ranks with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _end_on_sigterm)
+    # A stack request (SIGUSR1) can reach a rank that is still starting, before its faulthandler
+    # is set up: SIGUSR1's default action would kill it, and a rank that never failed would be
+    # reported as "killed by signal SIGUSR1". Ignored here, the rank inherits SIG_IGN until the
+    # worker registers faulthandler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     agent = NodeAgent(inbound, outbound, args.heartbeat_seconds, args.heartbeat_timeout, args.sample_seconds,
                       args.heartbeat_file, args.notice_file)
 
