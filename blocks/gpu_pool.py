@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
+from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import AWSSpec, PoolSpec, SlurmSpec, SSHSpec
 
 if TYPE_CHECKING:
@@ -87,6 +88,14 @@ def train(epochs: int = 3) -> dict:
     max_lifetime_minutes: float = Field(720, gt=0)
 
     _runtime: Any = PrivateAttr(default=None)
+
+    def __init__(self, **fields: Any) -> None:
+        # pydantic's ValidationError is not the PoolConfigError the contract promises: a caller's
+        # `except PoolConfigError` must catch every bad pool field, naming it.
+        try:
+            super().__init__(**fields)
+        except ValidationError as exc:
+            raise PoolConfigError(pool_field_errors(exc)) from None
 
     @field_validator("slurm_login")
     @classmethod
@@ -223,6 +232,19 @@ def train(epochs: int = 3) -> dict:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.runtime().aexit()
+
+
+def pool_field_errors(exc: ValidationError) -> str:
+    """pydantic's errors as `field: what is wrong (got value)`, one per line, the field first."""
+    lines = []
+    for e in exc.errors():
+        field = ".".join(str(part) for part in e["loc"])
+        text = e["msg"].removeprefix("Value error, ")
+        if field and not text.startswith(field + ":"):
+            got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+            text = f"{field}: {text}{got}"
+        lines.append(text)
+    return "; ".join(lines)
 
 
 def _host(field: str, text: str) -> str:
