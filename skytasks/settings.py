@@ -32,6 +32,9 @@ class SkytasksSettings(BaseSettings):
         60.0, gt=0, description="How long a teardown waits for SLURM jobs to leave the queue before it reports them.")
     grow_retry_seconds: float = Field(
         60.0, ge=0, description="After an elastic pool could not grow back, how long before a call tries again.")
+    straggler_warn_seconds: float = Field(
+        60.0, ge=0, description="Ranks still running this long after another returned get one WARNING naming "
+                                "where each is (0: never).")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
 
     @property

@@ -256,3 +256,57 @@ def test_a_result_from_another_call_on_the_same_group_is_not_this_calls():
     stale["call"] = call.id - 1
     call.handle(node, stale, now=1.0)
     assert not call.done and call.outcomes[0].status == "pending"
+
+
+def stack(rank, call, text):
+    return rank, {"op": Op.STACK, "group": call.group.id, "rank": rank, "stack": text}
+
+
+STACK_IN_TRAIN = ('Current thread 0x1 (most recent call first):\n'
+                  '  File "/usr/lib/python3/site-packages/torch/distributed/c10d.py", line 9 in all_reduce\n'
+                  '  File "/home/me/train.py", line 42 in train_loop\n'
+                  '  File "/x/skytasks/node/worker.py", line 1 in _run_call\n')
+
+
+def make_straggling_call(after):
+    call, group, bus, heard = make_call()
+    call.stragglers.after = after
+    return call, bus, heard
+
+
+def test_ranks_still_running_after_another_returned_get_one_warning_naming_where_they_are():
+    call, bus, heard = make_straggling_call(after=60.0)
+    call.handle(*result(call, 0, "done"), now=10.0)
+    assert call.wake_at() == 70.0 and heard.notices == []
+    call.tick(70.0)  # the running rank's stack is read, the rank is not stopped
+    assert bus.ops()[-1] == "stacks" and call.phase is Phase.RUNNING
+    call.handle(*stack(1, call, STACK_IN_TRAIN), now=70.1)
+    [warning] = heard.notices
+    assert "rank 1 in train.py:42 in train_loop" in warning and "after rank 0 returned" in warning
+    assert "hang_timeout_seconds" in warning
+    assert call.wake_at() is None  # once per call
+    call.handle(*result(call, 1, "late"), now=500.0)
+    assert call.done and call.result() == ["done", "late"]  # a warning, never a failure
+
+
+def test_a_straggler_whose_stack_never_comes_is_still_named_when_the_probe_ends():
+    call, bus, heard = make_straggling_call(after=5.0)
+    call.handle(*result(call, 1, "done"), now=1.0)
+    call.tick(6.0)
+    call.tick(8.5)
+    [warning] = heard.notices
+    assert "rank 0 in somewhere unreadable" in warning
+
+
+@pytest.mark.parametrize("after", [None, 0.0])
+def test_no_straggler_warning_when_it_is_turned_off(after):
+    call, bus, heard = make_straggling_call(after=after)
+    call.handle(*result(call, 0, "done"), now=1.0)
+    assert call.wake_at() is None
+
+
+def test_no_straggler_warning_when_every_rank_returns_in_time():
+    call, bus, heard = make_straggling_call(after=60.0)
+    call.handle(*result(call, 0, "a"), now=1.0)
+    call.handle(*result(call, 1, "b"), now=30.0)
+    assert call.done and heard.notices == [] and "stacks" not in bus.ops()

@@ -28,6 +28,7 @@ from typing import Any
 from skytasks.controller.failures import failure_error, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
+from skytasks.controller.stragglers import StragglerWatch
 from skytasks.errors import HangError, RankFailure, RankProcessDied
 from skytasks.preemption import Preempted, going_at
 from skytasks.protocol import SIGNS_OF_PROGRESS, Op, message
@@ -53,7 +54,7 @@ class Phase(Enum):
 class CallRun:
     def __init__(self, group: RankGroup, bus: NodeBus, observer: CallObserver, *, label: str, attempt: int,
                  deadline: float | None, hang_timeout: float | None, stop_confirm_seconds: float,
-                 stop_grace_seconds: float, now: float):
+                 stop_grace_seconds: float, now: float, straggler_warn_seconds: float | None = None):
         self.group, self.bus, self.observer, self.label = group, bus, observer, label
         self.attempt, self.deadline, self.hang_timeout = attempt, deadline, hang_timeout
         self.stop_confirm_seconds, self.stop_grace_seconds = stop_confirm_seconds, stop_grace_seconds
@@ -77,6 +78,7 @@ class CallRun:
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
         self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
+        self.stragglers = StragglerWatch(straggler_warn_seconds)
 
     # -- the machine's inputs --------------------------------------------------------------
 
@@ -97,7 +99,7 @@ class CallRun:
         if self.phase is Phase.STOPPING:
             return self._stop_until
         hang_at = None if self.hang_timeout is None else self.last_heard + self.hang_timeout
-        times = [t for t in (self.deadline, self.init_deadline, hang_at) if t is not None]
+        times = [t for t in (self.deadline, self.init_deadline, hang_at, self.stragglers.wake_at()) if t is not None]
         return min(times) if times else None
 
     def tick(self, now: float) -> None:
@@ -119,6 +121,11 @@ class CallRun:
                 self._hung = True
                 self._ask_stacks(f"no rank wrote output, reported or finished for {self.hang_timeout:g}s",
                                  HANG_STACKS_WAIT_SECONDS, now)
+            elif self.stragglers.due(now):
+                self.stragglers.probe(self._pending(), now)
+                self.bus.broadcast(message(Op.STACKS, group=self.group.id))
+            elif self.stragglers.probe_over(now):
+                self._warn_stragglers()
 
     def handle(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         op = msg["op"]
@@ -128,6 +135,9 @@ class CallRun:
             self._on_notice(node_rank, msg)
         elif self.phase is Phase.STOPPING:
             self._while_stopping(node_rank, msg, now)
+        elif op == Op.STACK and self.phase is Phase.RUNNING and self.stragglers.probing:
+            if self.stragglers.add_stack(msg["rank"], msg["stack"]):
+                self._warn_stragglers()
         elif op == Op.STACK and self.phase is Phase.STACKS:
             if msg["rank"] in self._stacks_wanted and msg["stack"]:
                 self._stacks[msg["rank"]] = msg["stack"]
@@ -199,6 +209,7 @@ class CallRun:
             o.status, o.started, o.ended = RankState.COMPLETED, msg["started"], msg["ended"]
             o.value = loads_out_of_band(msg["value"], copy=False)
             self.observer.on_rank_done(o.rank, o)
+            self.stragglers.rank_returned(now, self._pending())
 
     def _on_failed(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         if msg["call"] in (self.id, None):
@@ -251,6 +262,15 @@ class CallRun:
         Op.READY: _on_ready, Op.RESULT: _on_result, Op.FAILED: _on_failed, Op.EXITED: _on_exited,
         Op.RESOURCES: _on_resources, Op.LOST: _on_node_failure, Op.AGENT_ERROR: _on_node_failure, Op.LEAVING: _on_node_failure,
     }
+
+    def _pending(self) -> set[int]:
+        return {r for r, o in self.outcomes.items() if o.status is RankState.PENDING}
+
+    def _warn_stragglers(self) -> None:
+        running = self._pending()
+        if running:
+            returned = sorted(r for r, o in self.outcomes.items() if o.status is RankState.COMPLETED)
+            self.observer.on_notice(self.stragglers.warning(returned, running))
 
     def _ask_stacks(self, why: str, wait: float, now: float) -> None:
         """Where every still-running rank is, into its log, before it is stopped."""

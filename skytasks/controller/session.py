@@ -131,7 +131,8 @@ class PoolSession:
             knobs = settings()
             run = CallRun(g, self.bus, observer, label=label, attempt=attempt, deadline=deadline,
                           hang_timeout=hang_timeout, stop_confirm_seconds=knobs.stop_confirm_seconds,
-                          stop_grace_seconds=knobs.stop_grace_seconds, now=time.monotonic())
+                          stop_grace_seconds=knobs.stop_grace_seconds, now=time.monotonic(),
+                          straggler_warn_seconds=knobs.straggler_warn_seconds)
             try:
                 return drive(run, self.events, payload)
             finally:
