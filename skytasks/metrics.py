@@ -41,3 +41,26 @@ def report(*, all_ranks: bool = False, **metrics: Any) -> None:
     if _channel is None:
         raise RuntimeError("report: this rank has no channel to the controller")
     _channel.send(message(Op.REPORT, metrics={k: _plain(v) for k, v in metrics.items()}))
+
+
+# Position and total pairs a `report` may carry; the first pair present drives the call's progress
+# bar in the Prefect UI: report(epoch=3, epochs=10) is 30%. `progress` alone is a fraction (0-1)
+# or a percentage (above 1).
+PROGRESS_PAIRS = (("epoch", "epochs"), ("step", "total_steps"), ("step", "steps"), ("iteration", "iterations"),
+                  ("batch", "batches"))
+
+
+def progress_percent(metrics: dict[str, Any]) -> float | None:
+    """How far the call is, in percent, from one report; None when it does not say."""
+    for position, total in PROGRESS_PAIRS:
+        at, of = metrics.get(position), metrics.get(total)
+        if _number(at) and _number(of) and of > 0:
+            return max(0.0, min(100.0, 100.0 * at / of))
+    progress = metrics.get("progress")
+    if _number(progress):
+        return max(0.0, min(100.0, progress * 100 if progress <= 1 else progress))
+    return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

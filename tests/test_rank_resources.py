@@ -159,3 +159,82 @@ def test_skytasks_run_shows_each_ranks_figures_on_request(tmp_path):
     seen = [int(mb) for mb in re.findall(r"\[rank 0\] uses RSS (\d+) MB", run.stderr)]
     assert seen and max(seen) >= 200, run.stderr[-3000:]
     assert "[rank 1] uses RSS" in run.stderr
+
+
+def report_steps_for(seconds: float) -> str:
+    from skytasks import report
+
+    steps = int(seconds / 0.05)
+    buf = bytearray(64 * MB)  # a figure worth seeing on the rank's page
+    for step in range(1, steps + 1):
+        report(step=step, total_steps=steps, loss=1.0 / step)
+        time.sleep(0.05)
+    return f"{len(buf)}"
+
+
+def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(monkeypatch):
+    """Live tables are rewritten every 0.2 s here (every 5 s normally), so a 6 s call writes
+    them about 30 times each: still one artifact per kind, the newest figures in it."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterTaskRunId
+
+    import skytasks.prefect_records.observer as observer
+
+    monkeypatch.setattr(observer, "METRICS_ARTIFACT_EVERY_SECONDS", 0.2)
+    monkeypatch.setattr(observer, "RESOURCES_ARTIFACT_EVERY_SECONDS", 0.2)
+    monkeypatch.setenv("SKYTASKS_RESOURCE_SAMPLE_SECONDS", "0.3")
+    task = distributed_task(report_steps_for, pool=GPUPool(nodes=2), init_torch=False, name="long")
+
+    @flow
+    def long_flow():
+        return task(6.0)
+
+    state = long_flow(return_state=True)
+    assert state.is_completed()
+    flow_run_id = state.state_details.flow_run_id
+    from tests.prefect_api import settled_task_runs
+
+    runs = {r.name: r for r in settled_task_runs(flow_run_id, expect=3)}
+
+    async def read():
+        async with get_client() as client:
+            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            logs = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(
+                any_=[runs["long[rank 1/2]"].id])))
+            return arts, logs
+
+    arts, logs = asyncio.run(read())
+    keys = sorted(a.key for a in arts)
+    assert len(arts) <= 5 and len(keys) == len(set(keys)), keys  # one artifact per kind, never a version each
+    assert {"long-progress", "long-metrics", "long-resources", "long-ranks"} <= set(keys)
+    by_key = {a.key: a for a in arts}
+    assert by_key["long-progress"].type == "progress" and float(by_key["long-progress"].data) == 100.0
+    import json
+
+    metrics = json.loads(by_key["long-metrics"].data)
+    assert metrics[-1]["step"] == metrics[-1]["total_steps"] == 120  # the newest report, in place
+    # What the rank used, on its own task-run page (its log), not only in the parent's table.
+    used = [log.message for log in logs if "used over the call" in log.message]
+    assert used and "peak RSS MB" in used[0] and "mean CPU %" in used[0], [log.message for log in logs]
+    columns = list(json.loads(by_key["long-ranks"].data)[0])
+    assert columns.index("mean CPU %") < columns.index("summary") and columns[:3] == ["rank", "outcome", "seconds"]
+
+
+@pytest.mark.parametrize("metrics, percent", [
+    ({"epoch": 3, "epochs": 10}, 30.0),
+    ({"step": 50, "total_steps": 200, "loss": 0.1}, 25.0),
+    ({"step": 5, "steps": 10}, 50.0),
+    ({"iteration": 1, "iterations": 4}, 25.0),
+    ({"batch": 9, "batches": 10}, 90.0),
+    ({"progress": 0.4}, 40.0),
+    ({"progress": 55}, 55.0),
+    ({"epoch": 12, "epochs": 10}, 100.0),  # never past the end
+    ({"epoch": 3}, None),  # a position with no total says nothing
+    ({"step": 3, "total_steps": 0}, None),
+    ({"step": True, "total_steps": 2}, None),
+    ({"loss": 0.3}, None),
+])
+def test_a_report_with_a_position_and_its_total_drives_the_progress_bar(metrics, percent):
+    from skytasks.metrics import progress_percent
+
+    assert progress_percent(metrics) == percent

@@ -93,38 +93,65 @@ def _clean(item: Any) -> Any:
     return None if isinstance(item, float) and math.isnan(item) else item
 
 
+def table_data(rows: list[dict[str, Any]]) -> str:
+    return json.dumps(_clean(rows), default=str)  # as prefect's TableArtifact.format, NaN as null
+
+
 def write_table(rows: list[dict[str, Any]], key: str, description: str, task_run_id: UUID, flow_run_id: UUID) -> Future:
+    """A table written once (the rank table at the call's end)."""
     from prefect.client.schemas.actions import ArtifactCreate
 
-    data = json.dumps(_clean(rows), default=str)  # as prefect's TableArtifact.format, NaN as null
+    data = table_data(rows)
     return WRITER.submit(lambda client: client.create_artifact(ArtifactCreate(
         type="table", key=key, description=description, data=data, task_run_id=task_run_id,
         flow_run_id=flow_run_id)))
 
 
-class ProgressBar:
-    """A progress artifact, created with the first progress a rank reports and updated after:
-    a call that reports none has none (as it has no metrics table)."""
+class LiveArtifact:
+    """One artifact of a call, created on its first write and updated in place after.
 
-    def __init__(self, key: str, description: str, task_run_id: UUID, flow_run_id: UUID):
-        self.key, self.description = key, description
+    Each `create_artifact` with a key is a new version, and every version is a badge over the
+    run graph and a card in the Artifacts tab: a 10-minute call that re-created its live tables
+    every 5 s left 126 of them. Updated in place (PATCH /artifacts/{id}, which also updates the
+    key's latest version), a call leaves one artifact per kind, whatever its length."""
+
+    def __init__(self, kind: str, key: str, description: str, task_run_id: UUID, flow_run_id: UUID):
+        self.kind, self.key, self.description = kind, key, description
         self.task_run_id, self.flow_run_id = task_run_id, flow_run_id
         self._created: Future | None = None
         self.writes: list[Future] = []
 
-    def set(self, percent: float) -> None:
+    def write(self, data: Any) -> None:
         from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 
-        percent = max(0.0, min(100.0, percent))
         if self._created is None:
             self._created = fut = WRITER.submit(lambda client: client.create_artifact(ArtifactCreate(
-                type="progress", key=self.key, description=self.description, data=percent,
+                type=self.kind, key=self.key, description=self.description, data=data,
                 task_run_id=self.task_run_id, flow_run_id=self.flow_run_id)).id)
         else:
             created = self._created
-            fut = WRITER.submit(lambda client: client.update_artifact(created.result(), ArtifactUpdate(data=percent)))
-        self.writes.append(fut)
+            fut = WRITER.submit(lambda client: client.update_artifact(created.result(), ArtifactUpdate(data=data)))
+        self.writes = [w for w in self.writes if not w.done()] + [fut]
 
     @property
     def exists(self) -> bool:
         return self._created is not None
+
+
+class ProgressBar(LiveArtifact):
+    """A progress artifact, created with the first progress a rank reports and updated after:
+    a call that reports none has none (as it has no metrics table)."""
+
+    def __init__(self, key: str, description: str, task_run_id: UUID, flow_run_id: UUID):
+        super().__init__("progress", key, description, task_run_id, flow_run_id)
+
+    def set(self, percent: float) -> None:
+        self.write(max(0.0, min(100.0, percent)))
+
+
+class LiveTable(LiveArtifact):
+    def __init__(self, key: str, description: str, task_run_id: UUID, flow_run_id: UUID):
+        super().__init__("table", key, description, task_run_id, flow_run_id)
+
+    def set(self, rows: list[dict[str, Any]]) -> None:
+        self.write(table_data(rows))

@@ -19,7 +19,8 @@ from typing import Any
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
-from skytasks.prefect_records.artifacts import ProgressBar, wait_for, write_table
+from skytasks.metrics import progress_percent
+from skytasks.prefect_records.artifacts import LiveTable, ProgressBar, wait_for, write_table
 from skytasks.prefect_records.events import emit, pool_resource, rank_resource
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
@@ -28,8 +29,9 @@ from skytasks.controller.runner import outcome_summary
 from skytasks.controller.usage import RankUsage
 from skytasks.stacks import user_frame, where
 
-METRICS_ARTIFACT_EVERY_SECONDS = 5.0  # each write is a new artifact version: keep the graph readable
+METRICS_ARTIFACT_EVERY_SECONDS = 5.0  # the live metrics table is rewritten in place at most this often
 RESOURCES_ARTIFACT_EVERY_SECONDS = 5.0  # the live resources table and events: at most this often
+METRICS_ROWS_KEPT = 500  # the live metrics table shows the newest reports (an hour at 2 a second would be 7,200)
 
 
 def artifact_key(label: str, suffix: str) -> str:
@@ -48,6 +50,16 @@ class PrefectObserver:
         self._ids = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
         self._progress = ProgressBar(artifact_key(label, "progress"), f"{label}: progress of the distributed call",
                                      **self._ids)
+        # At most 5 artifacts per call, whatever its length: progress, metrics, resources and stacks
+        # are updated in place; the rank table is written once, at the end.
+        self._metrics_table = LiveTable(artifact_key(label, "metrics"),
+                                        f"{label}: metrics reported by the ranks (skytasks.report), newest last",
+                                        **self._ids)
+        self._resources_table = LiveTable(artifact_key(label, "resources"),
+                                          f"{label}: what each rank uses (latest, peak and mean)", **self._ids)
+        self._stacks_table = LiveTable(artifact_key(label, "stacks"), f"{label}: where each stopped rank was",
+                                       **self._ids)
+        self._stack_rows: list[dict[str, Any]] = []
         self._writes: list[Any] = []  # artifact writes of this call, waited for at its end
         self._metrics: list[dict[str, Any]] = []
         self._metrics_written_at = 0.0
@@ -75,10 +87,11 @@ class PrefectObserver:
         self._write_resources()
         # Every attempt's ranks, with its world size: an elastic pool's retry may have fewer (the
         # parent run's log says why), and a call's history reads top to bottom.
-        rows = [{"rank": o.rank, "attempt": attempt, "world size": len(outcomes), "node": o.node_rank,
-                 "address": o.node_addr, "outcome": o.status,
+        # The columns a person scans first come first (they fit 1,400 px); the long summary last.
+        rows = [{"rank": o.rank, "outcome": o.status,
                  "seconds": round(o.ended - o.started, 3) if o.started and o.ended else None,
-                 "summary": outcome_summary(o), **self._usage_columns(o.rank)}
+                 **self._usage_columns(o.rank), "attempt": attempt, "world size": len(outcomes),
+                 "node": o.node_rank, "address": o.node_addr, "summary": outcome_summary(o)}
                 for attempt, outcomes in self._attempts for o in outcomes]
         self._writes.append(write_table(rows, artifact_key(self.label, "ranks"),
                                         f"{self.label}: one row per rank of each attempt", **self._ids))
@@ -90,7 +103,8 @@ class PrefectObserver:
              payload={"task": self.label, "ranks": len(self.outcomes),
                       "seconds": round(time.monotonic() - self._started, 3),
                       "error": repr(error)[:500] if error else None})
-        wait_for(self._writes + self._progress.writes)
+        wait_for(self._writes + [w for live in (self._progress, self._metrics_table, self._resources_table,
+                                                self._stacks_table) for w in live.writes])
 
     # -- what the ranks do -------------------------------------------------------------------
 
@@ -101,6 +115,10 @@ class PrefectObserver:
         self.runs.on_log(rank, level, line)  # type: ignore[union-attr]
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
+        usage = self._usage.get(rank)
+        if usage is not None and usage.samples:  # what it used, on the rank's own task-run page
+            used = ", ".join(f"{name} {value}" for name, value in usage.columns().items())
+            self.runs.on_log(rank, logging.INFO, f"used over the call: {used}")  # type: ignore[union-attr]
         self.runs.on_rank_done(rank, outcome)  # type: ignore[union-attr]
         if outcome.status is RankState.FAILED:
             exc = outcome.failure.exception if outcome.failure else None
@@ -113,11 +131,11 @@ class PrefectObserver:
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
         with self._lock:
             self._metrics.append({"rank": rank, **metrics})
-        progress = metrics.get("progress")
-        if progress is None and "epoch" in metrics and metrics.get("epochs"):
-            progress = metrics["epoch"] / metrics["epochs"]
-        if isinstance(progress, (int, float)):
-            self._progress.set(progress * 100 if progress <= 1 else progress)
+            if len(self._metrics) > 2 * METRICS_ROWS_KEPT:
+                del self._metrics[:-METRICS_ROWS_KEPT]
+        percent = progress_percent(metrics)
+        if percent is not None:
+            self._progress.set(percent)
         if time.monotonic() - self._metrics_written_at >= METRICS_ARTIFACT_EVERY_SECONDS:
             self._write_metrics()
 
@@ -145,8 +163,7 @@ class PrefectObserver:
         if not usages:
             return
         rows = [{"rank": u.rank, "latest": u.line(), **u.columns()} for u in usages]
-        self._writes.append(write_table(rows, artifact_key(self.label, "resources"),
-                                        f"{self.label}: what each rank uses (latest, peak and mean)", **self._ids))
+        self._resources_table.set(rows)
         for u in usages:
             emit("skytasks.rank.resources", rank_resource(self.label, u.rank), related=[pool_resource(self.pool_name)],
                  payload={"task": self.label, "rank": u.rank, "latest": u.latest, "summary": u.columns()})
@@ -162,10 +179,11 @@ class PrefectObserver:
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         """Each rank's whole stack into its own run's log; a row per rank in one artifact."""
         self.runs.on_stacks(stacks, why)  # type: ignore[union-attr]
-        rows = [{"rank": r, "where": where(st), "user frame": user_frame(st)} for r, st in sorted(stacks.items())]
+        rows = [{"rank": r, "where": where(st), "user frame": user_frame(st), "why": why}
+                for r, st in sorted(stacks.items())]
         if rows:
-            self._writes.append(write_table(rows, artifact_key(self.label, "stacks"),
-                                            f"{self.label}: where each rank was ({why})", **self._ids))
+            self._stack_rows += rows
+            self._stacks_table.set(self._stack_rows)
 
     # -- artifacts ---------------------------------------------------------------------------
 
@@ -174,5 +192,4 @@ class PrefectObserver:
             rows = list(self._metrics)
         if rows:
             self._metrics_written_at = time.monotonic()
-            self._writes.append(write_table(rows, artifact_key(self.label, "metrics"),
-                                            f"{self.label}: metrics reported by the ranks (skytasks.report)", **self._ids))
+            self._metrics_table.set(rows[-METRICS_ROWS_KEPT:])
