@@ -88,7 +88,8 @@ class Checkpointer:
         last = self._last_saved
         where = last[1] if last is not None and last[0] == step else self.save(state, step)
         raise Preempted(f"{notice.describe()}; checkpoint of step {step} saved at {where} "
-                        f"{time.time() - notice.at:.2f}s after the notice; the retry resumes from it")
+                        f"{time.time() - notice.at:.2f}s after the notice; Checkpointer.load_latest() resumes "
+                        f"from it")
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints there, oldest first."""

@@ -52,6 +52,9 @@ class Preempted(Exception):
 
 _notice: PreemptionNotice | None = None
 _hooks: list[Callable[[PreemptionNotice], object]] = []
+# Set by the rank worker: passes a notice this rank got itself (SIGUSR2) to its node agent, which
+# makes it the node's notice for every rank of every node and for the controller.
+tell_node: Callable[[str], None] | None = None
 _lock = threading.Lock()
 
 
@@ -96,6 +99,15 @@ def _call_hooks(hooks: list[Callable[[PreemptionNotice], object]], notice: Preem
         threading.Thread(target=run, daemon=True, name="skytasks-preemption-hooks").start()
 
 
+def _heard_here(notice: PreemptionNotice) -> None:
+    receive(notice)
+    if tell_node is not None:
+        try:
+            tell_node(notice.reason)
+        except Exception:  # noqa: BLE001 - the agent is gone: its own end is the news then
+            pass
+
+
 def take_signal() -> None:
     """SIGUSR2 straight from a scheduler: a notice for this rank's own node (main thread only)."""
     import json
@@ -107,7 +119,8 @@ def take_signal() -> None:
 
     def on_signal(signum: int, frame: object) -> None:
         # A thread: the hooks must not run inside the signal handler, on the training loop's stack.
-        notice = PreemptionNotice(node_rank, address, f"{signal.Signals(signum).name} reached the rank", None, time.time())
-        threading.Thread(target=receive, args=(notice,), daemon=True).start()
+        reason = f"{signal.Signals(signum).name} reached rank {os.environ.get('RANK', '?')}"
+        notice = PreemptionNotice(node_rank, address, reason, None, time.time())
+        threading.Thread(target=_heard_here, args=(notice,), daemon=True).start()
 
     signal.signal(NOTICE_SIGNAL, on_signal)

@@ -37,6 +37,8 @@ Rank -> controller (relayed by the agent, which adds `group` and `rank`):
   REPORT  metrics                               skytasks.report(...)
   RESULT  call, value, started, ended           the call's return value (out-of-band buffers)
   FAILED  call, type, message, traceback, exception, started, ended
+Rank -> agent (not relayed): NOTICE reason, deadline, at: SIGUSR2 reached the rank itself; the agent
+  makes it the node's NOTICE, so every rank of every node and the controller hear it.
 Controller -> rank (through the agent): CALL, CLOSE, PREEMPTION.
 Made on the controller, never sent:
   LOST    reason                                a stream closed or fell silent

@@ -130,7 +130,7 @@ def test_a_notice_reaches_every_rank_the_head_saves_and_the_retry_resumes_on_the
     assert "node 1 (127.0.0.1) was preempted (SIGUSR2" in err and "goes on with the 1 node left, 2 ranks" in err, err
 
 
-def report_the_notice(marker: str) -> dict:
+def report_the_notice(marker: str, target: str = "agent") -> dict:
     """Every rank waits for the notice node 1 asks for: the flag, the hook, and how long it took."""
     from skytasks.preemption import on_preemption, preemption
 
@@ -139,7 +139,7 @@ def report_the_notice(marker: str) -> dict:
     on_preemption(heard.append)
     if info.rank == 3:
         Path(marker).write_text(f"{time.time()!r}")
-        os.kill(os.getppid(), signal.SIGUSR2)
+        os.kill(os.getppid() if target == "agent" else os.getpid(), signal.SIGUSR2)
     deadline = time.time() + 20
     while not rank_info().preempted and time.time() < deadline:
         time.sleep(0.001)
@@ -150,11 +150,14 @@ def report_the_notice(marker: str) -> dict:
     return {"preempted": rank_info().preempted, "node": notice.node_rank, "hooks": len(heard), "at": got}
 
 
-def test_every_rank_of_every_node_hears_a_notice_at_once_with_its_hook_called_once(tmp_path):
+@pytest.mark.parametrize("target", ["agent", "rank"])
+def test_every_rank_of_every_node_hears_a_notice_at_once_with_its_hook_called_once(tmp_path, target):
+    """SIGUSR2 to a node's agent, or to one rank of it (SLURM signals every process of a step):
+    either way it is that node's notice, for every rank of every node."""
     marker = tmp_path / "sent"
     pool = GPUPool(nodes=2, procs_per_node=2)
     with pool:
-        out = distributed_task(report_the_notice, pool=pool)(str(marker))
+        out = distributed_task(report_the_notice, pool=pool)(str(marker), target)
     sent = float(marker.read_text())
     assert [(r["preempted"], r["node"], r["hooks"]) for r in out] == [(True, 1, 1)] * 4
     slowest = max(r["at"] for r in out) - sent
@@ -215,4 +218,7 @@ def test_without_retries_a_preempted_attempt_is_the_callers_error_naming_the_nod
         distributed_task(train_steps, pool=GPUPool(nodes=2, min_nodes=1))(str(tmp_path / "c"), str(tmp_path / "m"))
     [exc] = caught.value.exceptions
     assert type(exc).__name__ == "Preempted" and "node 1 (127.0.0.1) is being preempted" in str(exc)
+    # No retry is left: nothing promises one; the note says how to resume.
+    assert "the retry resumes" not in str(exc)
+    assert any("no retries are left" in n and "load_latest()" in n for n in caught.value.__notes__)
 

@@ -78,7 +78,8 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
 
     import psutil
     from prefect import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
+                                                LogFilterTaskRunId)
 
     from flows.ddp_train import pool
 
@@ -122,4 +123,21 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
     assert "node 1 (127.0.0.1) was preempted" in text and "goes on with the 1 node left, 1 rank" in text, text
     rows = json.loads(max(tables, key=lambda t: t.created).data)
     assert [(row["attempt"], row["world size"]) for row in rows] == [(1, 2), (1, 2), (2, 1)], rows
-    assert any(row["attempt"] == 1 and row["outcome"] == "failed" and "Preempted" in row["summary"] for row in rows), rows
+    assert any(row["attempt"] == 1 and row["outcome"] == "preempted" and "Preempted" in row["summary"] for row in rows), rows
+    # The Task Runs tab: the first attempt's ranks end Preempted (Cancelled-type), never Failed;
+    # the retry's rank run says its attempt; the head's log says it at WARNING, with no traceback.
+    from tests.prefect_api import settled_task_runs
+
+    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, expect=4)}
+    assert {n: (r.state.type.value, r.state.name) for n, r in runs.items() if "[rank" in n} == {
+        "train[rank 0/2]": ("CANCELLED", "Preempted"), "train[rank 1/2]": ("CANCELLED", "Preempted"),
+        "train[rank 0/1, attempt 2]": ("COMPLETED", "Completed")}, runs
+    assert not any(r.state.is_failed() for r in runs.values())
+
+    async def head_log():
+        async with get_client() as client:
+            return await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[runs["train[rank 0/2]"].id])))
+
+    head = asyncio.run(head_log())
+    assert any(log.level == 30 and "the attempt ended for a preemption" in log.message for log in head), head
+    assert not any(log.level >= 40 or "Traceback" in log.message for log in head), head

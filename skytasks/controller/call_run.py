@@ -300,9 +300,12 @@ class CallRun:
         self.group.broken = True
         self.aborted_at = time.time()
         self.bus.broadcast(message(Op.STOP, group=self.group.id, grace=self.stop_grace_seconds))
+        preempted = bool(self.failures) and self.failures[0].rank >= 0 and \
+            self.outcomes[self.failures[0].rank].preempted
         for o in self.outcomes.values():
             if o.status is RankState.PENDING:
                 o.status, o.stop_reason, o.ended = RankState.STOPPED, f"stopped because {reason}", time.time()
+                o.preempted = preempted
                 self.observer.on_rank_done(o.rank, o)
         self._stop_waiting = set(self.bus.alive())
         self._stop_until = now + self.stop_confirm_seconds
@@ -335,6 +338,7 @@ class CallRun:
         self.group.broken = True
         now = time.time()
         o.status, o.ended = RankState.FAILED, ended or now
+        o.preempted = kind == EndReason.PREEMPTED or (kind == EndReason.NODE_LOST and o.node_rank in self.notices)
         exc.add_note(f"[skytasks] rank {o.rank} failed (node {o.node_rank}, {o.node_addr}, device {o.device})")
         exc.skytasks_rank = o.rank  # type: ignore[attr-defined]
         exc.skytasks_node = o.node_rank  # type: ignore[attr-defined]

@@ -81,6 +81,7 @@ class RankOutcome:
     started: float | None = None
     ended: float | None = None
     stop_reason: str = ""
+    preempted: bool = False  # its attempt was ended by a preemption (not by a failure of the code)
 
 
 class RankGroup:

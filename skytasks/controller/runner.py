@@ -96,6 +96,11 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
                 observer.on_attempt_end(attempt, outcome.error)
                 decision = policy.decide(outcome, attempt)
                 if not decision.retry:
+                    if outcome.reason is EndReason.PREEMPTED and outcome.error is not None:
+                        outcome.error.add_note(
+                            f"[skytasks] the attempt ended for a preemption and no retries are left "
+                            f"(retries={options.retries}): call it again, and Checkpointer.load_latest() resumes "
+                            f"from the checkpoint the head saved")
                     return outcome.unwrap()
                 # A collective cannot survive a partial restart: the next attempt is a fresh group.
                 observer.on_notice(f"{options.label}: attempt {attempt} failed ({outcome.cause!r}); {decision.why}; "

@@ -22,6 +22,7 @@ class RankHost(Protocol):
     leaving_known: threading.Event  # set once the node is going away
 
     def emit(self, msg: dict[str, Any]) -> None: ...
+    def give_notice(self, reason: str, deadline: float | None = None) -> None: ...
 
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
@@ -69,6 +70,9 @@ class RankProcess:
         try:
             while True:
                 msg = read_frame(stream)
+                if msg["op"] == Op.NOTICE:  # SIGUSR2 reached this rank: it is the node's notice
+                    self._agent.give_notice(msg["reason"], msg.get("deadline"))
+                    continue
                 msg["rank"] = self.rank
                 msg["group"] = self.group
                 self._agent.emit(msg)

@@ -272,6 +272,7 @@ def main() -> None:
     from skytasks import metrics
 
     metrics._channel = out
+    preemption.tell_node = lambda reason: out.send(message(Op.NOTICE, reason=reason, deadline=None, at=time.time()))
     sys.stdout = _RankStream(out, "stdout")
     sys.stderr = _RankStream(out, "stderr")
     root = logging.getLogger()

@@ -88,7 +88,7 @@ class PrefectObserver:
         # Every attempt's ranks, with its world size: an elastic pool's retry may have fewer (the
         # parent run's log says why), and a call's history reads top to bottom.
         # The columns a person scans first come first (they fit 1,400 px); the long summary last.
-        rows = [{"rank": o.rank, "outcome": o.status,
+        rows = [{"rank": o.rank, "outcome": "preempted" if o.preempted else o.status,
                  "seconds": round(o.ended - o.started, 3) if o.started and o.ended else None,
                  **self._usage_columns(o.rank), "attempt": attempt, "world size": len(outcomes),
                  "node": o.node_rank, "address": o.node_addr, "summary": outcome_summary(o)}
@@ -120,7 +120,7 @@ class PrefectObserver:
             used = ", ".join(f"{name} {value}" for name, value in usage.columns().items())
             self.runs.on_log(rank, logging.INFO, f"used over the call: {used}")  # type: ignore[union-attr]
         self.runs.on_rank_done(rank, outcome)  # type: ignore[union-attr]
-        if outcome.status is RankState.FAILED:
+        if outcome.status is RankState.FAILED and not outcome.preempted:
             exc = outcome.failure.exception if outcome.failure else None
             emit("skytasks.rank.failed", rank_resource(self.label, outcome.rank),
                  related=[pool_resource(self.pool_name)],

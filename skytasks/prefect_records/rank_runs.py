@@ -65,9 +65,15 @@ def log_at_its_time(logger: Any, level: int, msg: str, *args: Any, exc_info: Any
         base.handle(record)
 
 
+PREEMPTED_STATE = "Preempted"  # a Cancelled-type state: the cloud's or the scheduler's doing, not the code's
+
+
 def final_state(rank: int, outcome: RankOutcome) -> State:
     if outcome.status is RankState.COMPLETED:
         return Completed()
+    if outcome.preempted:
+        why = str(outcome.failure.exception) if outcome.failure is not None else outcome.stop_reason
+        return Cancelled(name=PREEMPTED_STATE, message=f"rank {rank}: the attempt ended for a preemption: {why}")
     if outcome.status is RankState.FAILED and outcome.failure is not None:
         exc = outcome.failure.exception
         return Failed(message=f"rank {rank} failed: {type(exc).__name__}: {exc}")
@@ -81,8 +87,10 @@ class RankRun:
                  tags: list[str]) -> None:
         self.rank = rank
         running = stamped(Running())
+        # A later attempt says so in its name: attempts of one rank are told apart at a glance.
+        name = f"{label}[rank {rank}/{world}]" if attempt == 1 else f"{label}[rank {rank}/{world}, attempt {attempt}]"
         self.task_run = TaskRun(
-            id=_new_id(), name=f"{label}[rank {rank}/{world}]", flow_run_id=flow_run_id,
+            id=_new_id(), name=name, flow_run_id=flow_run_id,
             task_key=RANK_TASK.task_key, dynamic_key=f"{parent_id}-{attempt}-{rank}",
             empirical_policy=TaskRunPolicy(), tags=tags, run_count=1,
             task_inputs={"__parents__": [TaskRunResult(id=parent_id)]},
@@ -103,7 +111,11 @@ class RankRun:
         if self.outcome is not None and not (outcome.status is RankState.FAILED and self.outcome.status is not RankState.FAILED):
             return
         self.outcome = outcome
-        if outcome.status is RankState.FAILED and outcome.failure is not None:
+        if outcome.preempted:  # said as what it is: a warning, with no traceback
+            why = str(outcome.failure.exception) if outcome.failure is not None else outcome.stop_reason
+            log_at_its_time(self.logger, logging.WARNING, "[rank %d] the attempt ended for a preemption: %s",
+                            self.rank, why)
+        elif outcome.status is RankState.FAILED and outcome.failure is not None:
             exc = outcome.failure.exception
             log_at_its_time(self.logger, logging.ERROR, "[rank %d] failed", self.rank,
                             exc_info=(type(exc), exc, exc.__traceback__))
@@ -111,8 +123,8 @@ class RankRun:
         if after.timestamp <= before.timestamp:
             after.timestamp = before.timestamp + timedelta(microseconds=1)
         after.state_details.task_run_id, after.state_details.flow_run_id = self.task_run.id, self.task_run.flow_run_id
-        log_at_its_time(self.logger, logging.ERROR if after.is_failed() else logging.INFO, "Finished in state %s",
-                        after.name)
+        level = logging.ERROR if after.is_failed() else logging.WARNING if outcome.preempted else logging.INFO
+        log_at_its_time(self.logger, level, "Finished in state %s", after.name)
         run = self.task_run
         if before.is_running():
             run.total_run_time += after.timestamp - before.timestamp
