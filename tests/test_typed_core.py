@@ -154,3 +154,26 @@ def test_bad_pool_fields_name_the_field_before_anything_starts():
         from skytasks import distributed_task
 
         distributed_task(helper_value, nodes=0)
+
+
+@pytest.mark.parametrize("env, expected", [
+    # Outside SLURM nothing is added.
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1"}, {}),
+    # Rank 3 of 2 nodes x 2: what `srun --ntasks-per-node=2` would give its fourth task.
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "3", "WORLD_SIZE": "4",
+      "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1", "SKYTASKS_NUM_NODES": "2"},
+     {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
+      "SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NNODES": "2",
+      "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+      "SLURM_GTIDS": "2,3"}),
+    # One node of 8: the step's shape is the pool's.
+    ({"SLURM_JOB_ID": "7", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
+      "NODE_RANK": "0", "SKYTASKS_NUM_NODES": "1"},
+     {"SLURM_PROCID": "5", "SLURM_LOCALID": "5", "SLURM_NODEID": "0", "SLURM_NTASKS": "8", "SLURM_NPROCS": "8",
+      "SLURM_NTASKS_PER_NODE": "8", "SLURM_TASKS_PER_NODE": "8", "SLURM_NNODES": "1", "SLURM_STEP_NUM_TASKS": "8",
+      "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "8", "SLURM_GTIDS": "0,1,2,3,4,5,6,7"}),
+])
+def test_each_rank_in_a_slurm_step_gets_the_task_variables_of_its_own_place(env, expected):
+    from skytasks.node.slurm_env import slurm_task_environment
+
+    assert slurm_task_environment(env) == expected

@@ -12,6 +12,7 @@ import time
 from typing import Any, BinaryIO, Protocol
 
 from skytasks.wire import ChannelClosed, FrameWriter, read_frame, widen_pipe
+from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
 
 
@@ -38,6 +39,7 @@ class RankProcess:
         self.stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
         full_env = {**os.environ, **env, "SKYTASKS_CTRL_FD": str(ctrl_write), "PYTHONUNBUFFERED": "1",
                     "SKYTASKS_STACK_FILE": self.stack_file}
+        full_env.update(slurm_task_environment(full_env))  # inside a SLURM step: this rank's task variables
         # A session of its own, so stopping a rank also stops its DataLoader workers and any
         # other children it made (killpg).
         self.proc = subprocess.Popen(
