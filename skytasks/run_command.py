@@ -72,7 +72,11 @@ def run_command(args: argparse.Namespace) -> int:
         held.close()
         SHOW_RESOURCES.reset(shown)
         EVENT_SINK.reset(sink)
-    return _report(name, outcome, recorder, recorded)
+    code = _report(name, outcome, recorder, recorded)
+    from skytasks.prefect_records.early_server import flush_records
+
+    flush_records()  # while the server still runs, and without Prefect's at-exit warning
+    return code
 
 
 def _checked(args: argparse.Namespace) -> tuple[Any, tuple]:

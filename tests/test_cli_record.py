@@ -164,6 +164,7 @@ def test_with_no_api_configured_the_run_is_in_prefects_own_database_and_no_serve
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "View at" not in done.stdout + done.stderr  # no link to a server that is gone
+    assert "items remaining" not in done.stderr and "WARNING" not in done.stderr, done.stderr  # nothing reads as an error
     servers = [p for p in psutil.process_iter(["cmdline", "environ"])
                if "prefect.server.api.server:create_app" in " ".join(p.info["cmdline"] or [])
                and (p.info["environ"] or {}).get("PREFECT_HOME") == str(home)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -127,3 +128,27 @@ def start_early_server() -> EarlyServer | None:
     os.environ["PREFECT_API_URL"] = server.api_url
     os.environ["PREFECT_UI_URL"] = ""  # no "View at" link: this server serves no UI and stops with the command
     return server
+
+
+def flush_records(timeout: float = 30.0) -> None:
+    """Send what Prefect's log and event workers still hold, before the command's exit.
+
+    Left to Prefect's own at-exit drain, a worker stopped with items queued logs "Still processing
+    items: N items remaining..." at WARNING, which a newcomer reads as an error although every item
+    is then sent. Drained here, while the server still runs, with that one progress line quiet."""
+
+    if "prefect" not in sys.modules:
+        return  # nothing was recorded (bad arguments): nothing to send
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    quiet = [logging.getLogger(name) for name in ("EventsWorker", "APILogWorker")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        EventsWorker.drain_all(timeout=timeout, at_exit=False)  # task-run events first: logs name their runs
+        APILogWorker.drain_all(timeout=timeout, at_exit=False)
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
