@@ -6,7 +6,8 @@ protocol so that each picture waits for what it shows:
 - `flow-run-graph.png`: its graph with the parent task run expanded to its rank runs;
 - `rank0-task-run.png`: rank 0's task run page, once its logs have loaded (the UI first says
   "This run didn't generate Logs" and fills them in a moment later);
-- `artifacts.png`: the flow run's artifacts tab.
+- `artifacts.png`: the flow run's artifacts tab (a call leaves at most five);
+- `rank-table.png`: the `train-ranks` table at 1,400 px wide, where its useful columns must fit.
 
     .venv/bin/python scripts/screenshot_flow_run.py OUT_DIR
 """
@@ -95,7 +96,8 @@ class Page:
         print(path)
 
 
-async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], out_dir: Path) -> None:
+async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], artifacts: list[dict],
+                 out_dir: Path) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -115,13 +117,18 @@ async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], out_
         await page.open(flow_url, shows=run["name"])
         await page.screenshot(out_dir / "flow-run.png")
         await page.open(f"{ui}/runs/task-run/{rank0['id']}", shows="[rank 0]")
-        await page.screenshot(out_dir / "rank0-task-run.png")
+        await page.wait_for("used over the call")  # what the rank used, on its own page
+        await page.screenshot(out_dir / "rank-task-run.png")
         await _graph_expanded(page, flow_url, out_dir)
         await page.open(flow_url, shows=run["name"])
         await page.send("Runtime.evaluate", expression="""[...document.querySelectorAll('*')]
             .filter(e => e.children.length === 0 && e.textContent.trim() === 'Artifacts').pop().click()""")
         await page.wait_for("train-ranks")
         await page.screenshot(out_dir / "artifacts.png")
+        ranks = next(a for a in artifacts if a["key"] == "train-ranks")
+        await page.send("Emulation.setDeviceMetricsOverride", width=1400, height=700, deviceScaleFactor=1, mobile=False)
+        await page.open(f"{ui}/artifacts/artifact/{ranks['id']}", shows="mean CPU")
+        await page.screenshot(out_dir / "rank-table.png")
 
 
 async def _graph_expanded(page: Page, flow_url: str, out_dir: Path) -> None:
@@ -212,7 +219,9 @@ def main(out_dir: Path) -> None:
         browser = subprocess.Popen(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
                                     f"--remote-debugging-port={devtools_port}", "--remote-debugging-address=127.0.0.1",
                                     "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        asyncio.run(_shoot(devtools_port, ui, run, tasks, out_dir))
+        artifacts = httpx.post(f"{api}/artifacts/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
+        print(f"artifacts of the flow run: {sorted(a['key'] for a in artifacts)}")
+        asyncio.run(_shoot(devtools_port, ui, run, tasks, artifacts, out_dir))
     finally:
         for proc in (browser, server):
             if proc is not None:

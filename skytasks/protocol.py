@@ -199,6 +199,9 @@ class Result(_Relayed):
     value: Any
     started: float
     ended: float
+    # The rank's own figures for the call (getrusage): peak RSS bytes and CPU seconds, so a call
+    # shorter than the agent's sampling interval still says what it used.
+    used: NotRequired[dict[str, float]]
 
 
 class Failed(_Relayed):
@@ -209,6 +212,7 @@ class Failed(_Relayed):
     exception: bytes | None
     started: float
     ended: float
+    used: NotRequired[dict[str, float]]
 
 
 class Lost(TypedDict):

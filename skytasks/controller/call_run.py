@@ -207,6 +207,7 @@ class CallRun:
         o = self.outcomes[msg["rank"]]
         if msg["call"] == self.id and o.status is RankState.PENDING:
             o.status, o.started, o.ended = RankState.COMPLETED, msg["started"], msg["ended"]
+            o.used = msg.get("used")
             o.value = loads_out_of_band(msg["value"], copy=False)
             self.observer.on_rank_done(o.rank, o)
             self.stragglers.rank_returned(now, self._pending())
@@ -214,6 +215,7 @@ class CallRun:
     def _on_failed(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         if msg["call"] in (self.id, None):
             kind = EndReason.PREEMPTED if msg["type"] == PREEMPTED_TYPE else EndReason.RANK_FAILED
+            self.outcomes[msg["rank"]].used = msg.get("used")
             self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"), kind)
 
     def _on_notice(self, node_rank: int, msg: dict[str, Any]) -> None:

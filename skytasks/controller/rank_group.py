@@ -82,6 +82,7 @@ class RankOutcome:
     ended: float | None = None
     stop_reason: str = ""
     preempted: bool = False  # its attempt was ended by a preemption (not by a failure of the code)
+    used: dict[str, float] | None = None  # the rank's own figures for the call: peak_rss, cpu_seconds
 
 
 class RankGroup:

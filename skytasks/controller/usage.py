@@ -25,6 +25,7 @@ class RankUsage:
     gpu_util_sum: float = 0.0
     gpu_util_samples: int = 0
     latest: dict[str, float] = field(default_factory=dict)
+    own_cpu_percent: float | None = None  # from the rank's own getrusage at the call's end (`add_own`)
     _idle_since: float | None = None
     _warned: set[str] = field(default_factory=set)
 
@@ -41,6 +42,13 @@ class RankUsage:
         if "gpu_util" in figures:
             self.gpu_util_sum, self.gpu_util_samples = self.gpu_util_sum + figures["gpu_util"], self.gpu_util_samples + 1
         return self._warnings(figures, now)
+
+    def add_own(self, used: dict[str, float], seconds: float) -> None:
+        """The rank's own figures for a call (peak RSS, CPU seconds): a call shorter than the
+        sampling interval has no samples, and still says what it used."""
+        self.rss_peak = max(self.rss_peak, used.get("peak_rss", 0.0))
+        if seconds > 0 and "cpu_seconds" in used:
+            self.own_cpu_percent = 100.0 * used["cpu_seconds"] / seconds
 
     def _warnings(self, f: dict[str, float], now: float) -> list[str]:
         said = []
@@ -72,15 +80,25 @@ class RankUsage:
 
     def columns(self) -> dict[str, str]:
         """The rank table's columns; GPU columns only where the rank had a GPU (absent, not zero)."""
-        if not self.samples:
+        if not self.samples and not self.rss_peak:
             return {}
-        cols = {"peak RSS MB": f"{self.rss_peak / MB:.0f}", "mean RSS MB": f"{self.rss_sum / self.samples / MB:.0f}",
-                "mean CPU %": f"{self.cpu_sum / self.cpu_samples:.0f}" if self.cpu_samples else "-"}
+        if self.cpu_samples:
+            cpu = f"{self.cpu_sum / self.cpu_samples:.0f}"
+        else:
+            cpu = f"{self.own_cpu_percent:.0f}" if self.own_cpu_percent is not None else "n/a"
+        cols = {"peak RSS MB": f"{self.rss_peak / MB:.0f}",
+                "mean RSS MB": f"{self.rss_sum / self.samples / MB:.0f}" if self.samples else "n/a", "mean CPU %": cpu}
         if self.gpu_memory_peak is not None:
             cols["peak GPU MB"] = f"{self.gpu_memory_peak / MB:.0f}"
         if self.gpu_util_samples:
             cols["mean GPU %"] = f"{self.gpu_util_sum / self.gpu_util_samples:.0f}"
         return cols
+
+    def summary(self) -> str:
+        """What the rank used over the call, in words ("peak RSS 345 MB, mean CPU 89%"), or ''."""
+        units = {"peak RSS MB": ("peak RSS", " MB"), "mean RSS MB": ("mean RSS", " MB"), "mean CPU %": ("mean CPU", "%"),
+                 "peak GPU MB": ("peak GPU memory", " MB"), "mean GPU %": ("mean GPU", "%")}
+        return ", ".join(f"{units[k][0]} {v}{units[k][1]}" for k, v in self.columns().items() if v != "n/a")
 
     def line(self) -> str:
         """The latest figures in one line (console, the live resources table)."""

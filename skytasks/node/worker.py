@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import queue
+import resource
 import signal
 import sys
 import threading
@@ -190,15 +191,28 @@ def _unpack(msg: dict[str, Any]) -> tuple[Any, tuple, dict]:
     return fn, tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
 
+def _cpu_seconds() -> float:
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _used(cpu_before: float) -> dict[str, float]:
+    """Peak RSS (this process or its largest waited-for child, a script's) and CPU seconds of the call."""
+    peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    return {"peak_rss": float(peak_kb * 1024), "cpu_seconds": _cpu_seconds() - cpu_before}
+
+
 def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
     rank = int(os.environ["RANK"])
     os.environ[ENV_ATTEMPT] = str(msg["attempt"])
-    started = time.time()
+    started, cpu_before = time.time(), _cpu_seconds()
     try:
         fn, args, kwargs = _unpack(msg)
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything, KeyboardInterrupt included, goes back
-        out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), **_describe_exception(exc)))
+        out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), used=_used(cpu_before),
+                         **_describe_exception(exc)))
         return False
     try:
         blob = dumps_out_of_band(value)
@@ -209,7 +223,8 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
         )
         out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), **_describe_exception(err)))
         return False
-    out.send(message(Op.RESULT, call=msg["call"], value=blob, started=started, ended=time.time()))
+    out.send(message(Op.RESULT, call=msg["call"], value=blob, started=started, ended=time.time(),
+                     used=_used(cpu_before)))
     return True
 
 

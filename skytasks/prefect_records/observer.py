@@ -115,9 +115,11 @@ class PrefectObserver:
         self.runs.on_log(rank, level, line)  # type: ignore[union-attr]
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
-        usage = self._usage.get(rank)
-        if usage is not None and usage.samples:  # what it used, on the rank's own task-run page
-            used = ", ".join(f"{name} {value}" for name, value in usage.columns().items())
+        with self._lock:
+            usage = self._usage.setdefault(rank, RankUsage(rank))
+            if outcome.used and outcome.started and outcome.ended:
+                usage.add_own(outcome.used, outcome.ended - outcome.started)
+        if used := usage.summary():  # what it used, on the rank's own task-run page
             self.runs.on_log(rank, logging.INFO, f"used over the call: {used}")  # type: ignore[union-attr]
         self.runs.on_rank_done(rank, outcome)  # type: ignore[union-attr]
         if outcome.status is RankState.FAILED and not outcome.preempted:
