@@ -15,6 +15,7 @@ from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
+import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
 from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import AWSSpec, PoolSpec, SlurmSpec, SSHSpec
 

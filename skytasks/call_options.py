@@ -27,8 +27,9 @@ class CallOptions:
     init_torch: bool = True
     timeout_seconds: float | None = None  # per attempt, as a Prefect task's
     hang_timeout_seconds: float | None = None
-    retries: int = 0
+    retries: int = 0  # the code's own failures (a rank raising or dying, a hang, a timeout)
     retry_delay_seconds: float = 0
+    node_recoveries: int = 3  # restarts after a node lost or preempted: never charged to retries
     workdir: str | os.PathLike | None = None
     tags: tuple[str, ...] = field(default_factory=tuple)
 
@@ -41,8 +42,10 @@ class CallOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or not value > 0):
                 raise PoolConfigError(f"{name}: must be > 0 or None, got {value!r}")
-        if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
-            raise PoolConfigError(f"retries: must be an integer ≥ 0, got {self.retries!r}")
+        for name in ("retries", "node_recoveries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PoolConfigError(f"{name}: must be an integer ≥ 0, got {value!r}")
         if not isinstance(self.retry_delay_seconds, (int, float)) or self.retry_delay_seconds < 0:
             raise PoolConfigError(f"retry_delay_seconds: must be ≥ 0, got {self.retry_delay_seconds!r}")
         if self.backend is not None and self.backend not in BACKENDS:

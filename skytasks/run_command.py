@@ -45,9 +45,9 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     early = start_early_server()  # then at once: with no API configured, Prefect's server takes seconds
     from skytasks.controller.console import ConsoleObserver
-    from skytasks.controller.held_observer import HeldObserver
+    from skytasks.prefect_records.held_observer import HeldObserver
     from skytasks.controller.runner import SHOW_RESOURCES, run_call
-    from skytasks.prefect_records.events import EVENT_SINK
+    from skytasks.providers.reporting import EVENT_HOLDER
 
     try:
         if args.pool and early is not None:
@@ -63,7 +63,7 @@ def run_command(args: argparse.Namespace) -> int:
     recorder = threading.Thread(target=_record, args=(call, held, outcome, recorded, early), daemon=True,
                                 name="skytasks-record")
     recorder.start()
-    shown, sink = SHOW_RESOURCES.set(bool(args.resources)), EVENT_SINK.set(held.on_event)
+    shown, sink = SHOW_RESOURCES.set(bool(args.resources)), EVENT_HOLDER.set(held.on_pool_event)
     try:
         outcome.set_result(run_call(call.runtime, payload, call.options, held))
     except BaseException as err:  # noqa: BLE001 - the record hears it, then the user does
@@ -71,7 +71,7 @@ def run_command(args: argparse.Namespace) -> int:
     finally:
         held.close()
         SHOW_RESOURCES.reset(shown)
-        EVENT_SINK.reset(sink)
+        EVENT_HOLDER.reset(sink)
     code = _report(name, outcome, recorder, recorded)
     from skytasks.prefect_records.early_server import flush_records
 

@@ -131,12 +131,13 @@ def say_default_pool(pool: Any) -> None:
     line = f"no pool given: a local pool of {pool.nodes} nodes{per} on this machine"
     from skytasks.providers.reporting import PoolReporter
 
-    PoolReporter(pool.display_name, "local").notice(line)
+    PoolReporter(pool.display_name, "local").note(line)
 
 
 def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs_per_node=None, backend=None,
                      init_torch=True, timeout_seconds=None, hang_timeout_seconds=None, retries=0,
-                     retry_delay_seconds=0, workdir=None, name=None, tags: Iterable[str] = ()) -> Any:
+                     retry_delay_seconds=0, node_recoveries=3, workdir=None, name=None,
+                     tags: Iterable[str] = ()) -> Any:
     """Fan a function out to every rank of a pool; returns every rank's result in rank order."""
     def make(f: Callable) -> DistributedTask:
         if not callable(f):
@@ -145,6 +146,6 @@ def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs
             name=name or getattr(f, "__name__", "distributed_task"), pool=pool, nodes=nodes,
             procs_per_node=procs_per_node, backend=backend, init_torch=init_torch, timeout_seconds=timeout_seconds,
             hang_timeout_seconds=hang_timeout_seconds, retries=retries, retry_delay_seconds=retry_delay_seconds,
-            workdir=workdir, tags=tuple(tags)))
+            node_recoveries=node_recoveries, workdir=workdir, tags=tuple(tags)))
 
     return make if fn is None else make(fn)

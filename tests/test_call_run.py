@@ -45,7 +45,7 @@ class FakeBus:
 
 class Heard:
     def __init__(self):
-        self.lines, self.done, self.notices, self.stacks = [], {}, [], []
+        self.lines, self.done, self.events, self.stacks = [], {}, [], []
 
     def on_output(self, rank, stream, line):
         self.lines.append((rank, line))
@@ -59,8 +59,12 @@ class Heard:
     def on_report(self, rank, metrics):
         pass
 
-    def on_notice(self, text):
-        self.notices.append(text)
+    def on_event(self, event):
+        self.events.append(event)
+
+    @property
+    def notices(self):
+        return [e.text() for e in self.events]
 
     def on_stacks(self, stacks, why):
         self.stacks.append((dict(stacks), why))

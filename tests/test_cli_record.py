@@ -14,7 +14,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId, LogFilter,
                                             LogFilterTaskRunId)
 
-from skytasks.controller.held_observer import RECORDED_AT, HeldObserver
+from skytasks.prefect_records.held_observer import RECORDED_AT, HeldObserver
 
 SCRIPT = """
 import os, sys, time

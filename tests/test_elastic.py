@@ -19,6 +19,12 @@ import pytest
 
 from skytasks import Checkpointer, GPUPool, distributed_task, rank_info
 from skytasks.errors import DistributedTaskError
+from skytasks.events import (AttemptRestarted, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank,
+                             listen)
+
+
+def of(kind, heard):
+    return [e for e in heard if isinstance(e, kind)]
 
 
 def kill_node_1_once(marker: str) -> dict:
@@ -34,22 +40,33 @@ def kill_node_1_once(marker: str) -> dict:
     return {"attempt": info.attempt, "world": info.world_size, "node": info.node_rank, "agent": os.getppid()}
 
 
-def test_an_elastic_pool_goes_on_with_the_nodes_left_then_grows_back_before_the_next_call(capsys, tmp_path):
+def test_an_elastic_pool_with_no_retries_goes_on_with_the_nodes_left_then_grows_back_before_the_next_call(
+        capsys, tmp_path):
+    """retries=0 (the default): a node killed mid-call is the pool's loss, not the code's failure,
+    so the call finishes on the nodes left, from `node_recoveries`."""
     pool = GPUPool(nodes=3, min_nodes=2)
-    task = distributed_task(kill_node_1_once, pool=pool, retries=1)
+    task = distributed_task(kill_node_1_once, pool=pool)
     with pool:
-        shrunk = task(str(tmp_path / "killed"))
-        err = capsys.readouterr().err
-        grown = task(str(tmp_path / "killed"))
-        err_after = capsys.readouterr().err
-    # The retry: 2 nodes, node ranks 0 and 1 again (the old node 2 is node 1 now).
+        with listen() as during:
+            shrunk = task(str(tmp_path / "killed"))
+        with listen() as after:
+            grown = task(str(tmp_path / "killed"))
+    # The next attempt: 2 nodes, node ranks 0 and 1 again (the old node 2 is node 1 now).
     assert [(r["attempt"], r["world"], r["node"]) for r in shrunk] == [(2, 2, 0), (2, 2, 1)]
     killed_agent = int((tmp_path / "killed").read_text())
     assert killed_agent not in {r["agent"] for r in shrunk}
-    assert "node 1 (127.0.0.1) was lost" in err and "goes on with the 2 nodes left, 2 ranks" in err, err
+    [lost] = of(NodeLost, during)
+    assert (lost.node, lost.address) == (1, "127.0.0.1")
+    [restarted] = of(AttemptRestarted, during)
+    assert (restarted.attempt, restarted.reason, restarted.charged) == (1, "node lost", "node_recoveries")
+    assert (restarted.retries_left, restarted.node_recoveries_left) == (0, 2)
+    [shrank] = of(PoolShrank, during)
+    assert (shrank.from_nodes, shrank.to_nodes) == (3, 2) and "node 1 (127.0.0.1) was lost" in shrank.reason
+    assert "goes on with the 2 nodes left, 2 ranks" in capsys.readouterr().err  # the console renders it
     # The next call starts on the full pool again, a fresh group of 3 ranks.
     assert [(r["attempt"], r["world"]) for r in grown] == [(1, 3)] * 3
-    assert "the pool grew back to 3 of 3 nodes" in err_after, err_after
+    [grew] = of(PoolGrew, after)
+    assert (grew.from_nodes, grew.to_nodes, grew.ranks) == (2, 3, 3)
 
 
 def checkpoint_every_step(ckpt_dir: str, marker: str, steps: int = 30) -> dict:
@@ -74,7 +91,7 @@ def checkpoint_every_step(ckpt_dir: str, marker: str, steps: int = 30) -> dict:
 
 
 def test_a_node_killed_without_notice_the_retry_resumes_from_the_checkpoint_on_fewer_ranks(tmp_path):
-    out = distributed_task(checkpoint_every_step, pool=GPUPool(nodes=2, min_nodes=1), retries=1)(
+    out = distributed_task(checkpoint_every_step, pool=GPUPool(nodes=2, min_nodes=1))(
         str(tmp_path / "ckpt"), str(tmp_path / "killed"))
     # Saved by 2 ranks up to step 5, loaded by the 1 rank left, which goes on from step 6.
     assert out == [{"attempt": 2, "world": 1, "start": 6, "saved_by": 2}]
@@ -83,8 +100,11 @@ def test_a_node_killed_without_notice_the_retry_resumes_from_the_checkpoint_on_f
 def test_below_min_nodes_a_lost_node_is_replaced_and_a_fixed_pool_never_shrinks(capsys, tmp_path):
     """At the floor (2 of 2-3 here, and any fixed pool) a lost node is replaced, not dropped."""
     pool = GPUPool(nodes=2, min_nodes=2)
-    out = distributed_task(kill_node_1_once, pool=pool, retries=1)(str(tmp_path / "killed"))
+    with listen() as heard:
+        out = distributed_task(kill_node_1_once, pool=pool)(str(tmp_path / "killed"))
     assert [(r["attempt"], r["world"]) for r in out] == [(2, 2), (2, 2)]
+    [replaced] = of(NodeReplaced, heard)
+    assert replaced.node == 1 and replaced.why == "was lost" and not of(PoolShrank, heard)
     assert "replaced by a new node" in capsys.readouterr().err
 
 
@@ -115,7 +135,8 @@ def train_steps(ckpt_dir: str, marker: str, steps: int = 60) -> dict:
 def test_a_notice_reaches_every_rank_the_head_saves_and_the_retry_resumes_on_the_nodes_left(capsys, tmp_path):
     ckpt_dir, marker = tmp_path / "ckpt", tmp_path / "noticed"
     pool = GPUPool(nodes=2, min_nodes=1, procs_per_node=2)
-    out = distributed_task(train_steps, pool=pool, retries=1)(str(ckpt_dir), str(marker))
+    with listen() as heard:
+        out = distributed_task(train_steps, pool=pool)(str(ckpt_dir), str(marker))
     err = capsys.readouterr().err
     # Attempt 1 ended at the head's save; attempt 2 ran on node 0's 2 ranks from the step after it.
     [saved] = Checkpointer(ckpt_dir).steps()  # the head's save at the notice, the only one
@@ -125,9 +146,14 @@ def test_a_notice_reaches_every_rank_the_head_saves_and_the_retry_resumes_on_the
     on_disk = os.stat(ckpt_dir / f"step-{saved:012d}.pt").st_mtime
     print(f"notice to checkpoint on disk: {(on_disk - noticed_at) * 1000:.0f} ms")
     assert 0 < on_disk - noticed_at < 5.0  # at the next step, not when the node goes
-    assert "node 1 (127.0.0.1) will be taken away: SIGUSR2 reached the node agent" in err, err
-    assert "Preempted" in err and "checkpoint of step" in err and "after the notice" in err, err
-    assert "node 1 (127.0.0.1) was preempted (SIGUSR2" in err and "goes on with the 1 node left, 2 ranks" in err, err
+    [notice] = of(NodePreempted, heard)
+    assert (notice.node, notice.address, notice.source) == (1, "127.0.0.1", "SIGUSR2 reached the node agent")
+    [restarted] = of(AttemptRestarted, heard)
+    assert (restarted.reason, restarted.charged, restarted.retries_left) == ("preempted", "node_recoveries", 0)
+    assert "Preempted" in restarted.cause and "checkpoint of step" in restarted.cause
+    [shrank] = of(PoolShrank, heard)
+    assert (shrank.from_nodes, shrank.to_nodes) == (2, 1) and "was preempted (SIGUSR2" in shrank.reason
+    assert "goes on with the 1 node left, 2 ranks" in err and "after the notice" in err, err
 
 
 def report_the_notice(marker: str, target: str = "agent") -> dict:
@@ -199,7 +225,7 @@ def test_an_elastic_ssh_pool_starts_with_the_hosts_that_answer_and_says_why_not_
 def test_a_notice_between_calls_keeps_the_going_node_out_of_the_next_group(tmp_path, capsys):
     pool = GPUPool(nodes=2, min_nodes=1)
     task = distributed_task(lambda: (rank_info().world_size, os.getppid()), pool=pool)
-    with pool:
+    with pool, listen() as heard:
         first = task()
         os.kill(first[1][1], signal.SIGUSR2)  # node 1's agent
         deadline = time.monotonic() + 10
@@ -209,16 +235,19 @@ def test_a_notice_between_calls_keeps_the_going_node_out_of_the_next_group(tmp_p
     assert [w for w, _ in first] == [2, 2]
     # The going node is left out; the pool grows back with a fresh node in its place at once.
     assert [w for w, _ in second] == [2, 2] and first[1][1] not in {a for _, a in second}
-    err = capsys.readouterr().err
-    assert "node 1 (127.0.0.1) was preempted" in err and "grew back to 2 of 2 nodes" in err, err
+    [notice] = of(NodePreempted, heard)  # said once, by the session, though no call was running
+    assert notice.node == 1
+    [shrank], [grew] = of(PoolShrank, heard), of(PoolGrew, heard)
+    assert (shrank.from_nodes, shrank.to_nodes, grew.from_nodes, grew.to_nodes) == (2, 1, 1, 2)
 
 
-def test_without_retries_a_preempted_attempt_is_the_callers_error_naming_the_node(tmp_path):
+def test_with_no_node_recovery_left_a_preempted_attempt_is_the_callers_error_naming_the_node(tmp_path):
     with pytest.raises(DistributedTaskError) as caught:
-        distributed_task(train_steps, pool=GPUPool(nodes=2, min_nodes=1))(str(tmp_path / "c"), str(tmp_path / "m"))
+        distributed_task(train_steps, pool=GPUPool(nodes=2, min_nodes=1), node_recoveries=0)(
+            str(tmp_path / "c"), str(tmp_path / "m"))
     [exc] = caught.value.exceptions
     assert type(exc).__name__ == "Preempted" and "node 1 (127.0.0.1) is being preempted" in str(exc)
     # No retry is left: nothing promises one; the note says how to resume.
     assert "the retry resumes" not in str(exc)
-    assert any("no retries are left" in n and "load_latest()" in n for n in caught.value.__notes__)
+    assert any("no node recoveries are left" in n and "load_latest()" in n for n in caught.value.__notes__)
 

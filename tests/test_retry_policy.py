@@ -16,25 +16,46 @@ from pathlib import Path
 import pytest
 
 from skytasks import DistributedTaskError, GPUPool, HangError, distributed_task, rank_info
-from skytasks.controller.outcome import CallOutcome, EndReason, FailurePolicy
+from skytasks.controller.outcome import MEMBERSHIP_ENDS, CallOutcome, EndReason, FailurePolicy, Spent
 from skytasks.errors import PoolStartError, RankProcessDied
 
-FAILURES = [r for r in EndReason if r is not EndReason.COMPLETED]
+CODE_FAILURES = [r for r in EndReason if r not in (EndReason.COMPLETED, *MEMBERSHIP_ENDS)]
 
 
-@pytest.mark.parametrize("reason", FAILURES)
-def test_every_kind_of_failure_is_retried_while_retries_are_left_and_raised_after(reason):
+@pytest.mark.parametrize("reason", CODE_FAILURES)
+def test_every_failure_of_the_code_is_retried_while_retries_are_left_and_raised_after(reason):
     failed = CallOutcome(reason, error=RuntimeError(str(reason)))
     policy = FailurePolicy(retries=2)
-    assert policy.decide(failed, attempt=1).retry and policy.decide(failed, attempt=2).retry
-    last = policy.decide(failed, attempt=3)
+    first = policy.decide(failed, Spent())
+    assert first.retry and first.charged == "retries" and first.spent(Spent()) == Spent(retries=1)
+    assert policy.decide(failed, Spent(retries=1)).retry
+    last = policy.decide(failed, Spent(retries=2, node_recoveries=0))
     assert not last.retry and "no retries left" in last.why
-    assert not FailurePolicy(retries=0).decide(failed, attempt=1).retry
+    assert not FailurePolicy(retries=0).decide(failed, Spent()).retry
+    # node recoveries never pay for the code's failures
+    assert not FailurePolicy(retries=0, node_recoveries=5).decide(failed, Spent()).retry
+
+
+@pytest.mark.parametrize("reason", sorted(MEMBERSHIP_ENDS))
+def test_a_node_lost_or_preempted_is_a_node_recovery_never_a_retry(reason):
+    failed = CallOutcome(reason, error=ConnectionError(str(reason)))
+    policy = FailurePolicy(retries=0, node_recoveries=2)
+    first = policy.decide(failed, Spent())
+    assert first.retry and first.charged == "node_recoveries" and first.spent(Spent()) == Spent(node_recoveries=1)
+    assert policy.decide(failed, Spent(node_recoveries=1)).retry
+    last = policy.decide(failed, Spent(retries=0, node_recoveries=2))
+    assert not last.retry and "no node recoveries left" in last.why
+    # retries never pay for the pool's losses
+    assert not FailurePolicy(retries=9, node_recoveries=0).decide(failed, Spent()).retry
+
+
+def test_the_default_is_three_node_recoveries_per_call():
+    assert FailurePolicy(retries=0).node_recoveries == 3
 
 
 def test_a_completed_attempt_is_never_retried_and_unwraps_to_its_values():
     done = CallOutcome(EndReason.COMPLETED, values=[1, 2])
-    assert not FailurePolicy(retries=3).decide(done, attempt=1).retry
+    assert not FailurePolicy(retries=3).decide(done, Spent()).retry
     assert done.unwrap() == [1, 2]
     with pytest.raises(PoolStartError):
         CallOutcome(EndReason.POOL_START, error=PoolStartError("node 0 (h): cannot connect")).unwrap()
@@ -74,18 +95,19 @@ def pool():
 
 
 @pytest.mark.parametrize("kind", list(CASES))
-def test_each_failure_kind_with_a_retry_left_runs_again_and_succeeds(pool, kind, tmp_path):
+def test_each_failure_kind_with_a_retry_or_node_recovery_left_runs_again_and_succeeds(pool, kind, tmp_path):
     options, _ = CASES[kind]
-    task = distributed_task(fail_once, pool=pool, init_torch=False, retries=1, **options)
+    # A node lost is the pool's doing: it is recovered from node_recoveries (default 3), with no retry.
+    task = distributed_task(fail_once, pool=pool, init_torch=False, retries=0 if kind == "node" else 1, **options)
     started = time.monotonic()
     assert task(kind, str(tmp_path / "m")) == ["attempt 2", "attempt 2"]
     assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("kind", list(CASES))
-def test_each_failure_kind_with_no_retry_left_reaches_the_caller(pool, kind, tmp_path):
+def test_each_failure_kind_with_nothing_left_reaches_the_caller(pool, kind, tmp_path):
     options, expected = CASES[kind]
-    task = distributed_task(fail_once, pool=pool, init_torch=False, retries=0, **options)
+    task = distributed_task(fail_once, pool=pool, init_torch=False, retries=0, node_recoveries=0, **options)
     with pytest.raises(DistributedTaskError) as caught:
         task(kind, str(tmp_path / "m"))
     assert isinstance(caught.value.exceptions[0], expected), caught.value.exceptions

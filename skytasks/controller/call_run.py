@@ -30,7 +30,8 @@ from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.controller.stragglers import StragglerWatch
 from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.preemption import Preempted, going_at
+from skytasks.events import BackendChosen, NodeLost, NodePreempted, RanksStillRunning
+from skytasks.preemption import Preempted
 from skytasks.protocol import SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
 from skytasks.stacks import where
@@ -78,13 +79,14 @@ class CallRun:
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
         self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
+        self.lost: set[int] = set()  # node ranks whose loss this call reported (NodeLost)
         self.stragglers = StragglerWatch(straggler_warn_seconds)
 
     # -- the machine's inputs --------------------------------------------------------------
 
     def start(self, payload: Any) -> None:
         if self.group.notice is not None and self.group.calls == 0:
-            self.observer.on_notice(self.group.notice)
+            self.observer.on_event(BackendChosen(self.group.notice))
         self.group.calls += 1
         self.bus.broadcast(self.group.call_message(self.id, payload, self.attempt), relay=True)
 
@@ -225,8 +227,7 @@ class CallRun:
             return
         self.notices[node_rank] = msg
         address = self.group.addresses.get(node_rank, "")
-        self.observer.on_notice(f"node {node_rank} ({address}) will be taken away: {msg['reason']}"
-                                f"{going_at(msg['deadline'])}; every rank is told (rank_info().preempted)")
+        self.observer.on_event(NodePreempted(node_rank, address, msg["reason"], msg["deadline"]))
         self.bus.broadcast(message(Op.PREEMPTION, node_rank=node_rank, address=address, reason=msg["reason"],
                                    deadline=msg["deadline"], at=msg["at"]))
 
@@ -246,6 +247,10 @@ class CallRun:
         detail = msg.get("reason") or msg.get("error", "")
         if node_rank in self.notices:
             detail += f" (after its preemption notice: {self.notices[node_rank]['reason']})"
+        if node_rank not in self.lost:
+            self.lost.add(node_rank)
+            reason = {Op.LOST: detail, Op.LEAVING: f"it is going away: {detail}"}.get(op, f"its agent failed: {detail}")
+            self.observer.on_event(NodeLost(node_rank, self.group.addresses.get(node_rank, ""), reason))
         if op == Op.LEAVING:
             stacks = {int(r): s for r, s in (msg.get("stacks") or {}).items() if s}
             self.observer.on_stacks(stacks, f"stopped because node {node_rank} is going away")
@@ -272,7 +277,7 @@ class CallRun:
         running = self._pending()
         if running:
             returned = sorted(r for r, o in self.outcomes.items() if o.status is RankState.COMPLETED)
-            self.observer.on_notice(self.stragglers.warning(returned, running))
+            self.observer.on_event(RanksStillRunning(self.stragglers.warning(returned, running)))
 
     def _ask_stacks(self, why: str, wait: float, now: float) -> None:
         """Where every still-running rank is, into its log, before it is stopped."""

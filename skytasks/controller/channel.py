@@ -36,6 +36,7 @@ class NodeChannel:
         self.gpus: list[str] = []  # what the agent reported in its hello
         self.notice: dict[str, Any] | None = None  # its preemption notice: it runs, but not for long
         self.lost_reason = ""
+        self.said = False  # its loss or notice was reported (NodeLost / NodePreempted): not twice
 
     def start(self) -> NodeChannel:
         """Start reading the agent's frames into the event queue."""

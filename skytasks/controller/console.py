@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from skytasks.controller.rank_group import RankOutcome
 from skytasks.controller.runner import SHOW_RESOURCES
 from skytasks.controller.usage import RankUsage
+from skytasks.events import Event, announce, level_of
 from skytasks.stacks import where
 
 
@@ -37,8 +39,10 @@ class ConsoleObserver:
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         pass
 
-    def on_notice(self, text: str) -> None:
-        print(f"[skytasks] {text}", file=sys.stderr, flush=True)
+    def on_event(self, event: Event) -> None:
+        announce(event)
+        if level_of(event) >= logging.INFO:
+            print(f"[skytasks] {event.text()}", file=sys.stderr, flush=True)
 
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         for rank, stack in sorted(stacks.items()):

@@ -4,7 +4,10 @@ the `FailurePolicy` that decides from it whether the runner tries again.
 After torch.distributed.elastic's `WorkerState`/`RunResult` and Ray Train's `FailurePolicy` →
 `FailureDecision`: the state machine (`call_run`) reports what happened, a small pure policy
 decides, and the runner applies the decision. The policy is Prefect's own for tasks:
-`timeout_seconds` bounds each attempt, and every failure is retried while retries are left.
+`timeout_seconds` bounds each attempt, and every failure of the code is retried while retries are
+left. A node lost or preempted is not the code's failure: like torch elastic's membership changes
+and SkyPilot's preemption recovery (kept apart from `max_restarts_on_errors`), it restarts the
+attempt from a budget of its own, `node_recoveries`, and never uses up a retry.
 """
 
 from __future__ import annotations
@@ -60,23 +63,51 @@ class CallOutcome:
         return self.error
 
 
+# Ends that are the pool's doing (the cloud's, the scheduler's, the network's), not the code's.
+MEMBERSHIP_ENDS = frozenset({EndReason.NODE_LOST, EndReason.PREEMPTED})
+
+
+@dataclass(frozen=True)
+class Spent:
+    """What a call's attempts so far have used of each budget."""
+
+    retries: int = 0
+    node_recoveries: int = 0
+
+
 @dataclass(frozen=True)
 class Decision:
     retry: bool
     why: str
+    charged: str | None = None  # the budget the next attempt uses: "retries" or "node_recoveries"
+
+    def spent(self, before: Spent) -> Spent:
+        if self.charged == "retries":
+            return Spent(before.retries + 1, before.node_recoveries)
+        if self.charged == "node_recoveries":
+            return Spent(before.retries, before.node_recoveries + 1)
+        return before
 
 
 @dataclass(frozen=True)
 class FailurePolicy:
-    """Retry any failed attempt while retries are left (as Prefect retries a task, timeouts
-    included). Interrupts never reach the policy: they are raised, not outcomes."""
+    """Retry an attempt the code failed while retries are left (as Prefect retries a task,
+    timeouts included); recover from a node lost or preempted while node recoveries are left.
+    Interrupts never reach the policy: they are raised, not outcomes."""
 
     retries: int
+    node_recoveries: int = 3
 
-    def decide(self, outcome: CallOutcome, attempt: int) -> Decision:
+    def decide(self, outcome: CallOutcome, spent: Spent = Spent()) -> Decision:
         if outcome.ok:
             return Decision(False, "completed")
-        left = self.retries - (attempt - 1)
+        if outcome.reason in MEMBERSHIP_ENDS:
+            left = self.node_recoveries - spent.node_recoveries
+            if left <= 0:
+                return Decision(False, f"{outcome.reason}; no node recoveries left ({self.node_recoveries} allowed)")
+            return Decision(True, f"{outcome.reason}; {left} node recover{'y' if left == 1 else 'ies'} left",
+                            "node_recoveries")
+        left = self.retries - spent.retries
         if left <= 0:
             return Decision(False, f"{outcome.reason}; no retries left ({self.retries} allowed)")
-        return Decision(True, f"{outcome.reason}; {left} retr{'y' if left == 1 else 'ies'} left")
+        return Decision(True, f"{outcome.reason}; {left} retr{'y' if left == 1 else 'ies'} left", "retries")

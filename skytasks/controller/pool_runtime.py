@@ -12,10 +12,11 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from skytasks.prefect_records.events import emit, pool_resource
 from skytasks.controller.session import PoolSession
+from skytasks.events import PoolDown, PoolUp
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import provider_for
+from skytasks.providers.reporting import PoolReporter
 
 # The pools entered with `with pool:` in this context, innermost last. A contextvar follows async
 # tasks, Prefect's task threads and `asyncio.to_thread` (they copy the context); a thread started
@@ -61,16 +62,16 @@ class PoolRuntime:
             starting["provider"] = provider
         session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
                               nodes=(self.spec.min_nodes, self.spec.nodes)).start()  # type: ignore[arg-type]
-        emit("skytasks.pool.up", pool_resource(self.spec.name),
-             payload={"provider": self.spec.provider, "nodes": len(session.nodes), "asked": self.spec.node_count,
-                      "procs_per_node": self.spec.procs_per_node, "addresses": [n.link.address for n in session.nodes]})
+        PoolReporter(self.spec.name, self.spec.provider).event(PoolUp(
+            self.spec.provider, len(session.nodes), self.spec.node_count, self.spec.procs_per_node,
+            tuple(n.link.address for n in session.nodes)))
         return session
 
     def close_session(self, session: PoolSession) -> None:
         try:
             session.close()
         finally:
-            emit("skytasks.pool.down", pool_resource(self.spec.name), payload={"provider": self.spec.provider})
+            PoolReporter(self.spec.name, self.spec.provider).event(PoolDown(self.spec.provider))
 
     @contextmanager
     def calls(self) -> Iterator[CallSessions]:

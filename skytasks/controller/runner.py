@@ -13,10 +13,11 @@ from typing import Any, Callable, Protocol
 
 from skytasks.call_options import CallOptions
 from skytasks.controller.packing import PackedCall
-from skytasks.controller.outcome import CallOutcome, EndReason, FailurePolicy, RankState
+from skytasks.controller.outcome import CallOutcome, EndReason, FailurePolicy, RankState, Spent
 from skytasks.controller.rank_group import CallObserver, GroupSpec, RankOutcome
 from skytasks.devices import check_backend_before_launch
 from skytasks.errors import PoolStartError
+from skytasks.events import AttemptRestarted
 from skytasks.providers import provider_class
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest, read_workdir
@@ -56,9 +57,10 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
     group on failure up to `retries` times. Starting a call-scoped pool happens inside the
     attempt, so a pool that fails to start is retried like a failed attempt.
 
-    As for a Prefect task: `timeout_seconds` bounds each attempt, and every failure of an attempt
-    (a rank raising, a node lost, a hang, the init timeout, the attempt's deadline, a pool that
-    did not start) is retried while retries are left. Interrupts never are."""
+    As for a Prefect task: `timeout_seconds` bounds each attempt, and every failure of the code
+    (a rank raising or dying, a hang, the init timeout, the attempt's deadline, a pool that did not
+    start) is retried while retries are left. A node lost or preempted restarts the attempt from
+    `node_recoveries` instead. Interrupts never are retried."""
     spec = runtime.spec
     world = spec.nodes * spec.procs_per_node  # what it asks for, until a session says what it has
     provider = provider_class(spec.provider)  # what it can do, never its name, decides
@@ -71,7 +73,8 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
         workdir = WorkdirRequest(options.workdir,
                                  None if provider.runs_on_this_machine else read_workdir(options.workdir))
     group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
-    policy = FailurePolicy(options.retries)
+    policy = FailurePolicy(options.retries, options.node_recoveries)
+    spent = Spent()
     error: BaseException | None = None
     try:
         with runtime.calls() as sessions:
@@ -94,17 +97,21 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
                     observer.on_attempt_end(attempt, interrupted)
                     raise
                 observer.on_attempt_end(attempt, outcome.error)
-                decision = policy.decide(outcome, attempt)
+                decision = policy.decide(outcome, spent)
                 if not decision.retry:
                     if outcome.reason is EndReason.PREEMPTED and outcome.error is not None:
                         outcome.error.add_note(
-                            f"[skytasks] the attempt ended for a preemption and no retries are left "
-                            f"(retries={options.retries}): call it again, and Checkpointer.load_latest() resumes "
-                            f"from the checkpoint the head saved")
+                            f"[skytasks] the attempt ended for a preemption and no node recoveries are left "
+                            f"(node_recoveries={options.node_recoveries}): call it again, and "
+                            f"Checkpointer.load_latest() resumes from the checkpoint the head saved")
                     return outcome.unwrap()
                 # A collective cannot survive a partial restart: the next attempt is a fresh group.
-                observer.on_notice(f"{options.label}: attempt {attempt} failed ({outcome.cause!r}); {decision.why}; "
-                                   f"restarting the ranks in {options.retry_delay_seconds:g}s")
+                spent = decision.spent(spent)
+                observer.on_event(AttemptRestarted(
+                    task=options.label, attempt=attempt, reason=str(outcome.reason), cause=repr(outcome.cause),
+                    charged=decision.charged or "retries", retries_left=options.retries - spent.retries,
+                    node_recoveries_left=options.node_recoveries - spent.node_recoveries,
+                    delay=options.retry_delay_seconds))
                 time.sleep(options.retry_delay_seconds)
     except BaseException as err:
         error = err

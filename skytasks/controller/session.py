@@ -15,8 +15,10 @@ from typing import Any
 from skytasks.controller.call_run import CallRun, drive
 from skytasks.controller.outcome import CallOutcome
 from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats
+from skytasks.controller.membership import Drop, GoneNode, Grow, MembershipPolicy, PoolStatus, Replace, policy_for
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
+from skytasks.events import GrowFailed, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank, WorkdirSynced
 from skytasks.protocol import NODE_FAILURES, Op
 from skytasks.providers import NodeProvider
 from skytasks.settings import settings
@@ -58,15 +60,12 @@ class PoolSession:
         self.bus = ChannelBus(self.nodes)
         self._closed = threading.Event()
         self._members: tuple[int, ...] = ()  # the channels the group was placed on
-        self._short_since = -float("inf")  # when an elastic pool last tried to grow and could not
+        self._grow_failed_at: float | None = None  # when an elastic pool last tried to grow and came up short
+        self.policy: MembershipPolicy = policy_for(nodes)
 
     @property
     def world_size(self) -> int:
         return len(self.nodes) * self.procs_per_node
-
-    @property
-    def elastic(self) -> bool:
-        return self.counts[0] < self.counts[1]
 
     def start(self) -> PoolSession:
         """Bring the nodes up, and wait for every agent's hello; all or nothing."""
@@ -103,13 +102,19 @@ class PoolSession:
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
 
     def prepare(self, observer: CallObserver, *, first_attempt: bool) -> None:
-        """The nodes the next attempt runs on. Lost and going nodes leave (replaced, or on an
-        elastic pool dropped while at least min_nodes are left); before each call, never between
-        the attempts of one, an elastic pool short of its most tries to grow back."""
+        """The nodes the next attempt runs on: the pool's policy decides from its status (lost and
+        going nodes replaced or dropped; before a call, never between the attempts of one, an
+        elastic pool short of its most grows back), and the session carries that out."""
         with self._lock:
-            self._mend(observer)
-            if first_attempt:
-                self._grow(observer)
+            self._mend(observer, before_call=first_attempt)
+
+    def status(self, before_call: bool = False) -> PoolStatus:
+        """The pool's members as a value, for its membership policy."""
+        gone = tuple(GoneNode(n.link.node_id, n.link.node_rank, n.link.address, _why_gone(n), n.notice is not None)
+                     for n in self.nodes if not n.usable)
+        return PoolStatus(live=tuple(n.link.node_id for n in self.nodes if n.usable), gone=gone, counts=self.counts,
+                          now=time.monotonic(), grow_failed_at=self._grow_failed_at,
+                          grow_retry_seconds=settings().grow_retry_seconds, before_call=before_call)
 
     def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
              observer: CallObserver, label: str, hang_timeout: float | None = None) -> CallOutcome:
@@ -120,7 +125,7 @@ class PoolSession:
             if g is None or g.broken or g.spec != spec or self._members != members or not all(n.usable for n in self.nodes):
                 if g is not None and not g.broken:
                     g.close(self.bus)
-                self._mend(observer)
+                self._mend(observer, before_call=False)
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
                 shapes = [NodeShape(n.link.node_rank, n.link.address, n.link.machine, tuple(n.gpus),
                                     tuple(n.link.env.items())) for n in self.nodes]
@@ -136,28 +141,52 @@ class PoolSession:
             try:
                 return drive(run, self.events, payload)
             finally:
+                for node_rank in run.lost | set(run.notices):  # said during the call: not again
+                    if node_rank < len(self.nodes):
+                        self.nodes[node_rank].said = True
                 if g.broken:
                     self.group = None
 
-    def _mend(self, observer: CallObserver) -> None:
-        """Lost nodes (the agent stream closed or fell silent) and going ones (a preemption
-        notice) leave before the next group starts. Each is replaced, except on an elastic pool,
-        where they are dropped while at least min_nodes are left: torchrun's elastic agent too
-        restarts on the members it has rather than wait for new ones."""
-        gone = [n for n in self.nodes if not n.usable]
-        if not gone:
-            return
-        left = len(self.nodes) - len(gone)
-        wanted = len(gone) if not self.elastic else max(0, self.counts[0] - left)
-        for old in gone[wanted:]:
-            self._drop(old)
-            why = old.why_gone() + (f": {old.lost_reason}" if old.notice is None and old.lost_reason else "")
-            observer.on_notice(f"node {old.link.node_rank} ({old.link.address}) {why}; "
-                               f"the elastic pool goes on with the {left} node{'s' * (left != 1)} left, "
-                               f"{left * self.procs_per_node} rank{'s' * (left * self.procs_per_node != 1)}, and grows back toward {self.counts[1]} "
-                               f"nodes before a later call")
+    # -- carrying out the policy's decisions ---------------------------------------------------
+
+    def _mend(self, observer: CallObserver, *, before_call: bool) -> None:
+        status = self.status(before_call)
+        for node in self.nodes:  # what happened to each gone node, once (a call may have said it)
+            if not node.usable and not node.said:
+                node.said = True
+                if node.notice is not None:
+                    observer.on_event(NodePreempted(node.link.node_rank, node.link.address, node.notice["reason"],
+                                                    node.notice.get("deadline")))
+                else:
+                    observer.on_event(NodeLost(node.link.node_rank, node.link.address, node.lost_reason))
+        for decision in self.policy.decide(status):
+            if isinstance(decision, Drop):
+                self._drop(decision.node_ids, status, observer)
+            elif isinstance(decision, Replace):
+                self._replace(decision.node_ids, observer)
+            elif isinstance(decision, Grow):
+                self._grow(decision.count, observer)
+        self._renumber()
+
+    def _by_id(self, node_id: int) -> NodeChannel:
+        return next(n for n in self.nodes if n.link.node_id == node_id)
+
+    def _drop(self, node_ids: tuple[int, ...], status: PoolStatus, observer: CallObserver) -> None:
+        """An elastic pool goes on without these: torchrun's elastic agent too restarts on the
+        members it has rather than wait for new ones."""
+        gone = {g.node_id: g for g in status.gone}
+        before = len(self.nodes)
+        for node_id in node_ids:
+            node = self._by_id(node_id)
+            self.nodes.remove(node)
+            self._let_go(node)
+        reason = "; ".join(f"node {gone[i].node_rank} ({gone[i].address}) {gone[i].reason}" for i in node_ids)
+        observer.on_event(PoolShrank(before, len(self.nodes), reason, self.counts[1], self.procs_per_node))
+
+    def _replace(self, node_ids: tuple[int, ...], observer: CallObserver) -> None:
         fresh = []
-        for old in gone[:wanted]:
+        for node_id in node_ids:
+            old = self._by_id(node_id)
             started = time.monotonic()
             old.link.close()
             link = self.provider.replace(old.link.node_id)
@@ -168,13 +197,8 @@ class PoolSession:
             fresh.append((old, new, started))
         self._await_agents([new for _, new, _ in fresh])
         for old, new, started in fresh:
-            observer.on_notice(f"node {old.link.node_rank} ({old.link.address}) {old.why_gone()}; replaced by a new "
-                               f"node ({new.link.address}) in {time.monotonic() - started:.2f}s")
-        self._renumber()
-
-    def _drop(self, node: NodeChannel) -> None:
-        self.nodes.remove(node)
-        self._let_go(node)
+            observer.on_event(NodeReplaced(old.link.node_rank, old.link.address, new.link.address, old.why_gone(),
+                                           time.monotonic() - started))
 
     def _let_go(self, node: NodeChannel) -> None:
         """The pool no longer uses this node: its stream closing is no news, and what holds it ends."""
@@ -182,13 +206,12 @@ class PoolSession:
         node.link.close()
         self.provider.release(node.link.node_id)
 
-    def _grow(self, observer: CallObserver) -> None:
+    def _grow(self, missing: int, observer: CallObserver) -> None:
         """Back toward the most nodes, with what the provider can get now; a shortfall is said,
         never raised: the pool still has at least min_nodes."""
-        missing = self.counts[1] - len(self.nodes)
-        if missing <= 0 or time.monotonic() < self._short_since + settings().grow_retry_seconds:
-            return  # full, or it just tried: a call does not pay for the same shortfall twice a minute
-        started = self._short_since = time.monotonic()  # cleared below when it grew back
+        started = self._grow_failed_at = time.monotonic()  # cleared below when it grew back
+        retry = settings().grow_retry_seconds
+        before = len(self.nodes)
         fresh: list[NodeChannel] = []
         try:
             links = self.provider.grow(missing)
@@ -199,22 +222,18 @@ class PoolSession:
         except PoolStartError as exc:
             for node in fresh:
                 self._let_go(node)
-            observer.on_notice(f"the pool could not grow back toward {self.counts[1]} nodes and stays at "
-                               f"{len(self.nodes)}: {exc}; it tries again before a call "
-                               f"{settings().grow_retry_seconds:g}s from now or later")
+            observer.on_event(GrowFailed(self.counts[1], len(self.nodes), str(exc), retry))
             return
         self.nodes.extend(fresh)
         keep_heartbeats(fresh, self._closed)
         if fresh:
-            observer.on_notice(f"the pool grew back to {len(self.nodes)} of {self.counts[1]} nodes "
-                               f"({', '.join(n.link.address for n in fresh)}) in {time.monotonic() - started:.2f}s; "
-                               f"this call runs on {self.world_size} ranks")
+            observer.on_event(PoolGrew(before, len(self.nodes), self.counts[1], tuple(n.link.address for n in fresh),
+                                       time.monotonic() - started, self.world_size))
         if len(self.nodes) < self.counts[1]:
-            observer.on_notice(f"the pool has {len(self.nodes)} of {self.counts[1]} nodes: no more could be had now "
-                               f"(see the pool's log for why); it tries again before a call "
-                               f"{settings().grow_retry_seconds:g}s from now or later")
+            observer.on_event(GrowFailed(self.counts[1], len(self.nodes),
+                                         "no more could be had now (the pool's log says why)", retry))
         else:
-            self._short_since = -float("inf")
+            self._grow_failed_at = None
 
     def _renumber(self) -> None:
         for position, node in enumerate(self.nodes):
@@ -224,7 +243,7 @@ class PoolSession:
         """Where the workdir is on every node, sent there first if it must travel."""
         path, note = self.provider.prepare_workdir(request)
         if note:
-            observer.on_notice(note)
+            observer.on_event(WorkdirSynced(note))
         return path
 
     def close(self) -> None:
@@ -238,3 +257,8 @@ class PoolSession:
             finally:
                 for n in self.nodes:
                     n.link.close()
+
+
+def _why_gone(node: NodeChannel) -> str:
+    why = node.why_gone()
+    return why + (f": {node.lost_reason}" if node.notice is None and node.lost_reason else "")

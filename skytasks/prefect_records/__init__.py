@@ -1,4 +1,14 @@
 """A distributed call as Prefect records it: `parent_task` (the call as a Prefect task run:
 plain calls, `.submit`, `await`), `observer` (what the engine tells Prefect), `rank_runs` (one task
 run per rank, recorded as state events like Prefect's own engine), `artifacts` (tables and
-progress, written beside the call) and `events` (what an Automation can act on)."""
+progress, written beside the call), `events` and `pool_events` (typed events as Prefect events an
+Automation can act on), and `held_observer` (a call that starts before its record exists).
+
+The only side of skytasks that imports Prefect. Importing it registers the Prefect sink for pool
+events (`skytasks.providers.reporting.add_sink`); nothing here imports Prefect at import time.
+"""
+
+from skytasks.prefect_records.pool_events import record_pool_event
+from skytasks.providers.reporting import add_sink
+
+add_sink(record_pool_event)

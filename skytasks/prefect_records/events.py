@@ -1,19 +1,13 @@
 """Prefect events for automations: skytasks.pool.up / .down, skytasks.rank.failed,
 skytasks.call.completed (and .failed), with the pool and rank as related resources.
 
-Emitted only inside a Prefect run, where an API is configured; a plain script stays offline. A
-call whose run is recorded later (`skytasks run`) sets `EVENT_SINK`, which holds its events for
-the record.
+Emitted only inside a Prefect run, where an API is configured; a plain script stays offline.
 """
 
 from __future__ import annotations
 
-import contextvars
 import sys
-from typing import Any, Callable
-
-EVENT_SINK: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("skytasks_event_sink",
-                                                                                         default=None)
+from typing import Any
 
 
 def _run_resources() -> list[dict[str, str]] | None:
@@ -45,9 +39,6 @@ def rank_resource(task: str, rank: int) -> dict[str, str]:
 
 
 def emit(event: str, resource: dict[str, str], related: list[dict[str, str]] = (), payload: dict[str, Any] | None = None) -> None:
-    sink = EVENT_SINK.get()
-    if sink is not None:
-        return sink(event, resource, list(related), payload)
     run_related = _run_resources()
     if run_related is None:
         return

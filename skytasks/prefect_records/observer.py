@@ -19,7 +19,9 @@ from typing import Any
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
+from skytasks.events import Event, announce, level_of
 from skytasks.metrics import progress_percent
+from skytasks.prefect_records.pool_events import emit_event, record_pool_event
 from skytasks.prefect_records.artifacts import LiveTable, ProgressBar, wait_for, write_table
 from skytasks.prefect_records.events import emit, pool_resource, rank_resource
 from skytasks.controller.outcome import RankState
@@ -170,13 +172,17 @@ class PrefectObserver:
             emit("skytasks.rank.resources", rank_resource(self.label, u.rank), related=[pool_resource(self.pool_name)],
                  payload={"task": self.label, "rank": u.rank, "latest": u.latest, "summary": u.columns()})
 
-    def on_event(self, event: str, resource: dict, related: list, payload: dict | None) -> None:
-        """An event of the call's pool, said before the run existed (`skytasks run`): emitted now,
-        from the parent task run, so it is related to the run like any other."""
-        emit(event, resource, related, payload)
+    def on_pool_event(self, event: Event, pool_name: str) -> None:
+        """An event of the call's pool, said before the run existed (`skytasks run`): recorded
+        now, from the parent task run, so it is related to the run like any other."""
+        record_pool_event(event, pool_name)
 
-    def on_notice(self, text: str) -> None:
-        log_at_its_time(self._parent_logger, logging.WARNING, "[skytasks] %s", text)
+    def on_event(self, event: Event) -> None:
+        """What happened (a node lost, an attempt restarted, ...): a line in the call's log at the
+        event's level, and its Prefect event, related to the pool, the flow run and this task run."""
+        announce(event)
+        log_at_its_time(self._parent_logger, level_of(event), "[skytasks] %s", event.text())
+        emit_event(event, self.pool_name)
 
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         """Each rank's whole stack into its own run's log; a row per rank in one artifact."""

@@ -26,7 +26,7 @@ from prefect.logging.loggers import task_run_logger
 from prefect.states import Cancelled, Completed, Failed, Running, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
-from skytasks.controller.held_observer import RECORDED_AT
+from skytasks.prefect_records.held_observer import RECORDED_AT
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 

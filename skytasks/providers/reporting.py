@@ -1,23 +1,24 @@
 """What providers tell people while nodes come and go: the observer behind every provider.
 
-Providers never print. Each one is given a `PoolReporter` and calls it: `progress` while nodes come
-up (an allocation pending with SLURM's reason, instances booting), `notice` for what happened to a
-node (lost, replaced, going away), and `teardown_failed` when something it made cannot be
-confirmed gone. The reporter writes every line to the `skytasks` logger (which prints to stderr
-unless the application configured it), and inside a flow run also to the flow run's own log, a
-progress artifact, and Prefect events an Automation can act on:
-
-    skytasks.pool.teardown-failed   payload: resources (ids), detail    ERROR in the flow run's log
+Providers never print. Each one is given a `PoolReporter` and tells it typed events
+(`skytasks.events`): `progress` while nodes come up (an allocation pending with SLURM's reason,
+instances booting), `note` for what happened to a node, `teardown_failed` when something it made
+cannot be confirmed gone. The reporter writes each to the `skytasks` logger (which prints to
+stderr unless the application configured it) and hands it to the sinks someone registered:
+`skytasks.prefect_records` adds the flow run's log, a progress artifact and Prefect events. No
+Prefect here.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from skytasks.errors import PoolTeardownError
+from skytasks.events import Event, ProviderNote, ProviderProgress, TeardownFailed, announce, level_of
 
 logger = logging.getLogger("skytasks")
 _handler_lock = threading.Lock()
@@ -37,76 +38,79 @@ def console_logger() -> logging.Logger:
 
 
 def flow_run_id() -> str | None:
-    """The flow run this process is in, if any (tags on what a pool makes)."""
-    if "prefect.context" not in sys.modules:
-        return None  # no Prefect, no run (and no import of Prefect just to find that out)
+    """The flow run this process is in, if any (tags on what a pool makes). Read from Prefect's
+    context only when Prefect is already imported: a provider never imports it."""
+    context = sys.modules.get("prefect.context")
+    if context is None:
+        return None
     try:
-        from prefect.context import FlowRunContext
-
-        ctx = FlowRunContext.get()
+        ctx = context.FlowRunContext.get()
         return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     except Exception:  # noqa: BLE001
         return None
 
 
+# `skytasks run`: the call starts before its Prefect record exists; the record's holder takes
+# every pool event for it (skytasks.prefect_records.held_observer).
+EVENT_HOLDER: contextvars.ContextVar[Callable[[Event, str], None] | None] = contextvars.ContextVar(
+    "skytasks_event_holder", default=None)
+_SINKS: list[Callable[[Event, str], None]] = []
+
+
+def add_sink(sink: Callable[[Event, str], None]) -> None:
+    """Someone else hears every pool's events too (`skytasks.prefect_records` registers the
+    Prefect side: the flow run's log, progress artifacts, Prefect events)."""
+    if sink not in _SINKS:
+        _SINKS.append(sink)
+
+
+def publish(event: Event, pool_name: str) -> None:
+    holder = EVENT_HOLDER.get()
+    if holder is not None:
+        holder(event, pool_name)
+        return
+    for sink in list(_SINKS):
+        try:
+            sink(event, pool_name)
+        except Exception:  # noqa: BLE001 - a display problem never fails the pool
+            pass
+
+
 class PoolReporter:
-    """One pool's reporter. `key` names its progress artifact (the pool's own id)."""
+    """One pool's reporter. `key` names its progress artifact (the pool's own id). Everything
+    said is an event (`skytasks.events`): printed through the `skytasks` logger, kept in
+    `events` (tests and post-mortems read them), and published to the registered sinks."""
 
     def __init__(self, pool_name: str, provider: str):
         self.pool_name, self.provider = pool_name, provider
         self.key = pool_name
-        self._artifact = None
         self._last: tuple[int, str] | None = None
-        self.lines: list[str] = []  # everything said, in order (tests and post-mortems read it)
+        self.events: list[Event] = []
+
+    @property
+    def lines(self) -> list[str]:
+        return [e.text() for e in self.events]
+
+    def event(self, event: Event) -> None:
+        self.events.append(event)
+        announce(event)
+        console_logger().log(level_of(event), event.text())
+        publish(event, self.pool_name)
 
     def progress(self, ready: int, total: int, detail: str) -> None:
         """Nodes coming up: `ready` of `total`, and what the rest are doing. Said on change only."""
         if (ready, detail) == self._last:
             return
         self._last = (ready, detail)
-        self._say(logging.INFO, f"{self.key}: {ready}/{total} nodes ready - {detail}")
-        if flow_run_id() is None:
-            return
-        try:
-            from prefect.artifacts import create_progress_artifact, update_progress_artifact
+        self.event(ProviderProgress(self.key, self.provider, ready, total, detail))
 
-            percent = 100.0 * ready / max(total, 1)
-            if self._artifact is None:
-                key = "".join(c if c.isalnum() else "-" for c in f"{self.key}-launch".lower())
-                self._artifact = create_progress_artifact(percent, key=key,
-                                                          description=f"nodes of {self.key} ready")
-            else:
-                update_progress_artifact(self._artifact, percent)
-        except Exception:  # noqa: BLE001 - progress display never fails a launch
-            pass
-
-    def notice(self, line: str, level: int = logging.INFO) -> None:
-        self._say(level, line)
+    def note(self, line: str, level: int = logging.INFO) -> None:
+        """A provider's word on its nodes, as a `ProviderNote`."""
+        self.event(ProviderNote(self.key, self.provider, line, level))
 
     def teardown_failed(self, resources: Sequence[str], detail: str) -> PoolTeardownError:
         """Something the pool made may still exist (and cost money): an ERROR naming every
         resource, an event to page on, and the error the pool's exit raises."""
-        ids = list(resources)
-        text = (f"{self.key}: teardown could not confirm these gone: {', '.join(ids) or '(unknown)'} ({detail}); "
-                f"`skytasks gc` finds them by their tags or job name")
-        self._say(logging.ERROR, text)
-        from skytasks.prefect_records.events import emit, pool_resource
-
-        try:
-            emit("skytasks.pool.teardown-failed", pool_resource(self.pool_name),
-                 payload={"provider": self.provider, "pool_id": self.key, "resources": ids, "detail": detail})
-        except Exception:  # noqa: BLE001 - the error below is raised whatever happens here
-            pass
-        return PoolTeardownError(text)
-
-    def _say(self, level: int, line: str) -> None:
-        self.lines.append(line)
-        console_logger().log(level, line)
-        if flow_run_id() is None:
-            return
-        try:
-            from prefect import get_run_logger
-
-            get_run_logger().log(level, line)
-        except Exception:  # noqa: BLE001 - a display problem never fails the pool
-            pass
+        event = TeardownFailed(self.key, self.provider, self.key, tuple(resources), detail)
+        self.event(event)
+        return PoolTeardownError(event.text())

@@ -110,7 +110,7 @@ class SSHNodes:
         if len(self._conns) < wanted:  # stop() closes the connections that did open
             raise failed[0]
         if failed:  # an elastic pool starts with the hosts that answer
-            self._reporter.notice(f"{self._reporter.key}: starting with {len(self._conns)} of {len(hosts)} hosts; "
+            self._reporter.note(f"{self._reporter.key}: starting with {len(self._conns)} of {len(hosts)} hosts; "
                                   + "; ".join(str(f) for f in failed))
         bundle, digest = package_bundle()
         return list(await asyncio.gather(*(
@@ -249,7 +249,7 @@ class SSHNodes:
                 # Bounded: a host that drops packets must not hold the call for the OS's TCP timeout.
                 links.append(self.replace(node_id, what="cannot be reached", connect_timeout=GROW_CONNECT_SECONDS))
             except Exception as exc:  # noqa: BLE001 - said, and the pool stays as it is
-                self._reporter.notice(f"{self._reporter.key}: {exc}")
+                self._reporter.note(f"{self._reporter.key}: {exc}")
         return links
 
     def release(self, node_id: int) -> None:

@@ -36,7 +36,7 @@ def bridge_process(proc: Any, label: str, reporter: Any) -> tuple[BinaryIO, Bina
     async def agent_stderr() -> None:
         try:
             while line := await proc.stderr.readline():
-                reporter.notice(f"[{label}] {line.decode(errors='replace').rstrip()}")
+                reporter.note(f"[{label}] {line.decode(errors='replace').rstrip()}")
         except (OSError, asyncssh.Error):
             pass
 

@@ -88,7 +88,7 @@ class AWSProvider:
         short = self._launch(plan, host_key)
         if short:  # an elastic pool got fewer: why, and the cost of what it really has
             launched = len(self.owned.instance_ids)
-            self.reporter.notice(f"{self.pool_id}: launched {launched} of {spec.nodes} nodes ({short}); "
+            self.reporter.note(f"{self.pool_id}: launched {launched} of {spec.nodes} nodes ({short}); "
                                  f"{plan.cost_line(launched, hours, spec.aws.spot)}")
         self._plan, self._login_key, self._host_key = plan, login_key, host_key  # for replace()
         self._node_ids = dict(enumerate(self.owned.instance_ids))  # node id -> its instance
@@ -115,10 +115,10 @@ class AWSProvider:
         try:
             instances, short = launch_what_can_be_had(self._ec2, self._request, 1, count)
         except PoolStartError as exc:
-            self.reporter.notice(f"{self.pool_id}: could not grow: {exc}")
+            self.reporter.note(f"{self.pool_id}: could not grow: {exc}")
             return []
         if short:
-            self.reporter.notice(f"{self.pool_id}: grew by {len(instances)} of {count} nodes ({short})")
+            self.reporter.note(f"{self.pool_id}: grew by {len(instances)} of {count} nodes ({short})")
         return self._join([i["InstanceId"] for i in instances])
 
     def _join(self, ids: list[str], node_ids: list[int] | None = None) -> list[NodeLink]:
@@ -291,7 +291,7 @@ class AWSProvider:
                 worker.join()
             except (KeyboardInterrupt, SystemExit) as exc:  # SystemExit: SIGTERM, see GPUPool
                 interrupted = interrupted or exc
-                self.reporter.notice("still terminating the pool's instances; please wait")
+                self.reporter.note("still terminating the pool's instances; please wait")
         if interrupted is not None:
             raise interrupted
         if self._teardown_error is not None:

@@ -75,7 +75,7 @@ class SlurmProvider:
             names = self._wait_running(job_id, spec.nodes)
             self.nodes = dict(enumerate(AllocatedNode(n, a, job_id) for n, a in self._addresses(names).items()))
             if len(names) < spec.nodes:  # an elastic pool: SLURM gave what was free
-                self.reporter.notice(f"{self.pool_id}: job {job_id} got {len(names)} of {spec.nodes} nodes "
+                self.reporter.note(f"{self.pool_id}: job {job_id} got {len(names)} of {spec.nodes} nodes "
                                      f"(--nodes={spec.min_nodes}-{spec.nodes}); {self._why_not_more(names)}")
             self.reporter.progress(0, len(names), f"job {job_id} running on {', '.join(names)}; starting node agents")
             with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
@@ -208,7 +208,7 @@ class SlurmProvider:
             raise PoolStartError(f"node {node_id} ({old.name}) was lost and no replacement could be had: {exc}") \
                 from exc
         self.nodes[node_id] = AllocatedNode(name, self._addresses([name])[name], job_id)
-        self.reporter.notice(f"{self.pool_id}: node {node_id} ({old.name}) replaced by {name} (job {job_id})")
+        self.reporter.note(f"{self.pool_id}: node {node_id} ({old.name}) replaced by {name} (job {job_id})")
         return self._start_node(node_id)
 
     def _taken(self) -> tuple[str, ...]:
@@ -224,12 +224,12 @@ class SlurmProvider:
         except (PoolStartError, PoolConfigError) as exc:
             if job_id is not None:
                 self.shell.run(["scancel", "--quiet", job_id])
-            self.reporter.notice(f"{self.pool_id}: could not grow by {count} node{'s' * (count != 1)} now: {exc}")
+            self.reporter.note(f"{self.pool_id}: could not grow by {count} node{'s' * (count != 1)} now: {exc}")
             return []
         first = max(self.nodes, default=-1) + 1
         for node_id, (name, address) in enumerate(self._addresses(names).items(), start=first):
             self.nodes[node_id] = AllocatedNode(name, address, job_id)
-        self.reporter.notice(f"{self.pool_id}: grew by {', '.join(names)} (job {job_id})")
+        self.reporter.note(f"{self.pool_id}: grew by {', '.join(names)} (job {job_id})")
         return [self._start_node(i) for i in range(first, first + len(names))]
 
     def release(self, node_id: int) -> None:
@@ -261,7 +261,7 @@ class SlurmProvider:
                 worker.join()
             except (KeyboardInterrupt, SystemExit) as exc:
                 interrupted = interrupted or exc
-                self.reporter.notice("still cancelling the pool's SLURM jobs; please wait")
+                self.reporter.note("still cancelling the pool's SLURM jobs; please wait")
         if interrupted is not None:
             raise interrupted
         if box.get("error") is not None:

@@ -121,7 +121,7 @@ class SlurmShell:
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip()
             step.stderr_tail.append(line)
-            self._reporter.notice(f"[{label}] {line}")
+            self._reporter.note(f"[{label}] {line}")
 
     def _close_remote(self, proc: Any, outbound: BinaryIO) -> None:
         try:
@@ -153,4 +153,4 @@ class _TailReporter:
 
     def notice(self, line: str) -> None:
         self._tail.append(line.split("] ", 1)[-1])
-        self._reporter.notice(line)
+        self._reporter.note(line)

@@ -15,6 +15,8 @@ import queue
 import time
 from typing import Any
 
+from skytasks.events import Event
+
 # While an event is handed to the record: the wall time (time.time()) it happened. The record
 # stamps its log lines and rank states with it instead of the time of the hand-over.
 RECORDED_AT: contextvars.ContextVar[float | None] = contextvars.ContextVar("skytasks_recorded_at", default=None)
@@ -72,8 +74,8 @@ class HeldObserver:
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
         self._tell("on_report", rank, metrics)
 
-    def on_notice(self, text: str) -> None:
-        self._tell("on_notice", text)
+    def on_event(self, event: Event) -> None:
+        self._tell("on_event", event)
 
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         self._tell("on_stacks", stacks, why)
@@ -81,6 +83,7 @@ class HeldObserver:
     def on_resources(self, rank: int, figures: dict[str, float]) -> None:
         self._tell("on_resources", rank, figures)
 
-    def on_event(self, event: str, resource: dict, related: list, payload: dict | None) -> None:
-        """A Prefect event of the call's pool (through `EVENT_SINK`): for the record only."""
-        self._events.put((time.time(), "on_event", (event, resource, related, payload)))
+    def on_pool_event(self, event: Event, pool_name: str) -> None:
+        """An event of the call's pool (through `EVENT_HOLDER`), said on the console by its
+        reporter already: for the record only."""
+        self._events.put((time.time(), "on_pool_event", (event, pool_name)))

@@ -1,0 +1,75 @@
+"""A pool's typed events (`skytasks.events`) as Prefect records them.
+
+Registered with the providers' reporter (`skytasks.providers.reporting.add_sink`) when
+`skytasks.prefect_records` is imported, so neither providers nor the controller import Prefect.
+Inside a flow run each event becomes a line in the run's log at its level, a provider's progress
+updates the pool's progress artifact in place, and an event with a Prefect name is emitted with
+its payload, related to the pool, the flow run and the task run:
+
+    skytasks.pool.up / .down / .teardown-failed, skytasks.node.lost / .preempted / .replaced,
+    skytasks.pool.shrank / .grew / .grow-failed, skytasks.attempt.restarted
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from skytasks.events import Event, ProviderProgress, level_of
+from skytasks.prefect_records.events import emit, pool_resource
+
+_progress_artifacts: dict[tuple[str, Any], Any] = {}  # (pool, flow run) -> its progress artifact's id
+_lock = threading.Lock()
+
+
+def in_flow_run() -> bool:
+    if "prefect.context" not in sys.modules:
+        return False  # no Prefect, no run (and no import of Prefect just to find that out)
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return ctx is not None and ctx.flow_run is not None
+
+
+def emit_event(event: Event, pool_name: str) -> None:
+    """The Prefect event of a typed event, if it has one."""
+    if event.PREFECT_EVENT is not None:
+        emit(event.PREFECT_EVENT, pool_resource(pool_name), payload=event.payload())
+
+
+def record_pool_event(event: Event, pool_name: str) -> None:
+    """A provider's or a pool's event, in the flow run this process is in (if any)."""
+    if not in_flow_run():
+        return
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().log(level_of(event), event.text())
+    except Exception:  # noqa: BLE001 - a display problem never fails the pool
+        pass
+    if isinstance(event, ProviderProgress):
+        _show_progress(event)
+    try:
+        emit_event(event, pool_name)
+    except Exception:  # noqa: BLE001 - an event never fails the pool
+        pass
+
+
+def _show_progress(event: ProviderProgress) -> None:
+    try:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+        from prefect.context import FlowRunContext
+
+        run = FlowRunContext.get().flow_run.id  # type: ignore[union-attr]
+        percent = 100.0 * event.ready / max(event.total, 1)
+        with _lock:
+            artifact = _progress_artifacts.get((event.pool, run))
+            if artifact is None:
+                key = "".join(c if c.isalnum() else "-" for c in f"{event.pool}-launch".lower())
+                _progress_artifacts[(event.pool, run)] = create_progress_artifact(
+                    percent, key=key, description=f"nodes of {event.pool} ready")
+            else:
+                update_progress_artifact(artifact, percent)
+    except Exception:  # noqa: BLE001 - progress display never fails a launch
+        pass
