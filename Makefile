@@ -29,6 +29,7 @@ run: setup
 	$(PY) flows/ddp_train.py
 
 test: setup system-deps
+	$(VENV)/bin/ruff check skytasks blocks
 	$(PY) -m pytest
 
 bench: setup

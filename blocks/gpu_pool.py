@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
@@ -18,6 +18,7 @@ from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_valid
 import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
 from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import AWSSpec, PoolSpec, SlurmSpec, SSHSpec
+from skytasks.providers import ProviderName
 
 if TYPE_CHECKING:
     from skytasks.controller.pool_runtime import PoolRuntime
@@ -44,7 +45,7 @@ def train(epochs: int = 3) -> dict:
 ```
 """
 
-    provider: Literal["local", "ssh", "aws", "slurm"] = Field(
+    provider: ProviderName = Field(
         "local", description="local: processes here; ssh: your machines; aws: EC2 it launches; slurm: a SLURM allocation")
     nodes: int = Field(2, ge=1, description="Number of nodes (the most, when min_nodes is set).")
     min_nodes: Optional[int] = Field(
@@ -135,6 +136,10 @@ def train(epochs: int = 3) -> dict:
                                  "slurm_gres", "slurm_extra_args") if getattr(self, f)]
         if self.provider != "slurm" and slurm_set:
             raise ValueError(f"{slurm_set[0]}: only provider='slurm' takes slurm_* fields (provider={self.provider!r})")
+        for field in _AWS_ONLY:
+            if self.provider != "aws" and getattr(self, field) != _default(field):
+                raise ValueError(f"{field}: only provider='aws' takes it (provider={self.provider!r}); a field of "
+                                 "another provider is never ignored silently")
         if self.provider == "slurm" and self.slurm_login and not self.known_hosts:
             raise ValueError("known_hosts: slurm_login needs the login node's host key in known_hosts (text or a "
                              "path); host keys are never trusted blindly")
@@ -233,6 +238,16 @@ def train(epochs: int = 3) -> dict:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.runtime().aexit()
+
+
+# What only an aws pool uses (hosts and slurm_* are checked beside them, above).
+_AWS_ONLY = ("instance_type", "image_id", "subnet_id", "security_group_ids", "key_name", "spot", "root_volume_gb",
+             "iam_instance_profile", "tags", "ssh_ingress_cidr")
+
+
+def _default(field: str) -> Any:
+    info = GPUPool.model_fields[field]
+    return info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
 
 
 def pool_field_errors(exc: ValidationError) -> str:

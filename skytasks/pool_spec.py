@@ -8,7 +8,7 @@ never another provider's fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from pydantic import SecretStr
 
@@ -76,10 +76,13 @@ class SlurmSpec:
     max_lifetime_minutes: float
 
 
+_PARTS = ("ssh", "aws", "slurm")  # the providers with a part of their own
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     name: str  # the saved block's name, or "<provider>-pool": tags and events
-    provider: Literal["local", "ssh", "aws", "slurm"]
+    provider: str  # a name of skytasks.providers.PROVIDERS (the block checks it)
     nodes: int  # the most nodes the pool asks for
     procs_per_node: int
     accelerators_per_node: Optional[int]
@@ -96,8 +99,8 @@ class PoolSpec:
             object.__setattr__(self, "min_nodes", self.nodes)
         if not 1 <= self.min_nodes <= self.nodes:  # type: ignore[operator]
             raise ValueError(f"min_nodes: must be between 1 and nodes={self.nodes}, got {self.min_nodes}")
-        wanted = {"local": None, "ssh": "ssh", "aws": "aws", "slurm": "slurm"}[self.provider]
-        for part in ("ssh", "aws", "slurm"):
+        wanted = self.provider if self.provider in _PARTS else None
+        for part in _PARTS:
             if (getattr(self, part) is not None) != (part == wanted):
                 raise ValueError(f"provider={self.provider!r}: the {part} part must be "
                                  f"{'set' if part == wanted else 'absent'}")

@@ -222,7 +222,8 @@ class Lost(TypedDict):
 MESSAGES: dict[Op, type] = {
     Op.SPAWN: Spawn, Op.CALL: Call, Op.STACKS: Stacks, Op.STOP: Stop, Op.CLOSE: Close, Op.HEARTBEAT: Heartbeat,
     Op.HELLO: Hello, Op.OUTPUT: Output, Op.EXITED: Exited, Op.STACK: Stack, Op.STOPPED: Stopped,
-    Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.NOTICE: Notice, Op.PREEMPTION: Preemption, Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
+    Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.NOTICE: Notice, Op.PREEMPTION: Preemption,
+    Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
     Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})

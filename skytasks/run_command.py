@@ -52,7 +52,10 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         if args.pool and early is not None:
             early.wait_until_up(_server_timeout())  # the block is loaded through it
-        call, payload = _on_saved_pool(args, options, call_args) if args.pool else _on_local_pool(options, call_args, args.min_nodes)
+        if args.pool:
+            call, payload = _on_saved_pool(args, options, call_args)
+        else:
+            call, payload = _on_local_pool(options, call_args, args.min_nodes)
     except (PoolConfigError, ValueError) as exc:  # the saved pool's own checks
         print(f"skytasks run: {exc}", file=sys.stderr)
         return 2

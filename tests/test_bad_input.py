@@ -32,6 +32,8 @@ from tests.conftest import skytasks_processes
         ({"min_nodes": 0}, "min_nodes"),
         ({"provider": "aws", "slurm_partition": "gpu"}, "slurm_partition"),
         ({"nodes": "two"}, "nodes"),
+        ({"provider": "slurm", "instance_type": "p5.48xlarge"}, "instance_type"),
+        ({"spot": True}, "spot"),
     ],
 )
 def test_invalid_pool_fields_are_a_pool_config_error_naming_the_field(fields, named):

@@ -14,6 +14,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId, LogFilter,
                                             LogFilterTaskRunId)
 
+from skytasks.events import PoolUp
 from skytasks.prefect_records.held_observer import RECORDED_AT, HeldObserver
 
 SCRIPT = """
@@ -42,8 +43,9 @@ def test_the_record_hears_everything_in_order_at_the_time_it_happened():
     before = time.time()
     held.on_attempt_start(1, 2)
     held.on_output(0, "stdout", "early")
-    held.on_event("skytasks.pool.up", {"prefect.resource.id": "skytasks.pool.p"}, [], {})
-    assert [h[0] for h in live.heard] == ["on_attempt_start", "on_output"]  # the console at once; events are the record's
+    up = PoolUp("local", 2, 2, 1, ("127.0.0.1", "127.0.0.1"))
+    held.on_pool_event(up, "p")  # its reporter said it on the console already: for the record only
+    assert [h[0] for h in live.heard] == ["on_attempt_start", "on_output"]
     time.sleep(0.2)
     fed = threading.Thread(target=held.feed, args=(record,))
     fed.start()
@@ -54,7 +56,7 @@ def test_the_record_hears_everything_in_order_at_the_time_it_happened():
     assert not fed.is_alive()
     assert [(name, args) for name, args, _ in record.heard] == [
         ("on_attempt_start", (1, 2)), ("on_output", (0, "stdout", "early")),
-        ("on_event", ("skytasks.pool.up", {"prefect.resource.id": "skytasks.pool.p"}, [], {})),
+        ("on_pool_event", (up, "p")),
         ("on_output", (1, "stderr", "late")), ("on_call_end", (None,))]
     stamps = [at for _, _, at in record.heard]
     assert before <= stamps[0] <= stamps[1] < before + 0.2 <= stamps[3]  # when it happened, not when it was fed

@@ -177,3 +177,25 @@ def test_each_rank_in_a_slurm_step_gets_the_task_variables_of_its_own_place(env,
     from skytasks.node.slurm_env import slurm_task_environment
 
     assert slurm_task_environment(env) == expected
+
+
+def test_a_malformed_message_from_a_node_loses_that_node_naming_it_and_the_field():
+    import io
+    import queue
+
+    from skytasks.controller.channel import NodeChannel
+    from skytasks.providers import NodeLink
+    from skytasks.wire import encode
+
+    def frame(msg):
+        return b"".join(bytes(c) for c in encode(msg))
+
+    bad = {"op": "result", "group": 1, "rank": 0, "call": 7, "started": 0.0, "ended": 1.0}  # no value
+    stream = io.BytesIO(frame({"op": "hello", "pid": 1, "python": "python3", "gpus": []}) + frame(bad))
+    events: queue.Queue = queue.Queue()
+    NodeChannel(NodeLink(3, "10.0.0.3", stream, io.BytesIO()), events).start()
+    first, second = events.get(timeout=5), events.get(timeout=5)
+    assert first[1]["op"] == "hello"  # a well-formed message passes
+    node, lost = second
+    assert node == 3 and lost["op"] == "lost"
+    assert "node 3 (10.0.0.3) sent a malformed message: result: missing ['value']" in lost["reason"]

@@ -12,7 +12,7 @@ import queue
 import threading
 from typing import Any
 
-from skytasks.protocol import Op, message
+from skytasks.protocol import Op, check, message
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
 from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
@@ -51,6 +51,11 @@ class NodeChannel:
         try:
             while True:
                 msg = read_frame(self.inbound)
+                try:  # at the boundary: a malformed message is the node's fault, named, never a KeyError later
+                    check(msg)
+                except ValueError as exc:
+                    raise ValueError(f"node {self.link.node_rank} ({self.link.address}) sent a malformed message: "
+                                     f"{exc}") from None
                 if msg["op"] != Op.HEARTBEAT:
                     msg["channel"] = self.serial
                     self._events.put((self.link.node_rank, msg))

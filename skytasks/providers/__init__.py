@@ -8,8 +8,9 @@ it is given (`skytasks.providers.reporting`); the controller asks it, never its 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Callable, Literal, Protocol
 
 from skytasks.settings import settings
 
@@ -97,24 +98,24 @@ class NodeProvider(Protocol):
         PoolTeardownError (after trying every step) when something may be left behind."""
 
 
+# Every provider, by the name a pool's `provider` field takes: "module:class", imported on first
+# use (a local pool never imports boto3 or asyncssh). Adding a provider is one line here.
+PROVIDERS: dict[str, str] = {
+    "local": "skytasks.providers.local:LocalProvider",
+    "ssh": "skytasks.providers.ssh:SSHProvider",
+    "aws": "skytasks.providers.aws.provider:AWSProvider",
+    "slurm": "skytasks.providers.slurm.provider:SlurmProvider",
+}
+# The `provider` field's type, from the table: the names are written once.
+ProviderName = Literal[tuple(PROVIDERS)]  # type: ignore[valid-type]
+
+
 def provider_class(name: str) -> type:
-    if name == "local":
-        from skytasks.providers.local import LocalProvider
-
-        return LocalProvider
-    if name == "ssh":
-        from skytasks.providers.ssh import SSHProvider
-
-        return SSHProvider
-    if name == "aws":
-        from skytasks.providers.aws.provider import AWSProvider
-
-        return AWSProvider
-    if name == "slurm":
-        from skytasks.providers.slurm.provider import SlurmProvider
-
-        return SlurmProvider
-    raise PoolConfigError(f"provider: unknown provider {name!r}")
+    where = PROVIDERS.get(name)
+    if where is None:
+        raise PoolConfigError(f"provider: unknown provider {name!r}; known: {', '.join(PROVIDERS)}")
+    module, _, cls = where.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def provider_for(spec: PoolSpec, reporter: PoolReporter | None = None) -> NodeProvider:

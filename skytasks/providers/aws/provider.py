@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import contextvars
 import threading
 import time
 import uuid
@@ -24,6 +23,7 @@ from typing import Any
 from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink
 from skytasks.providers.reporting import PoolReporter, flow_run_id
+from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.aws.capacity import launch_what_can_be_had
 from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
@@ -193,7 +193,8 @@ class AWSProvider:
             # one-hop SSRF) may read it back on the node.
             MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
             BlockDeviceMappings=[{"DeviceName": plan.root_device,
-                                  "Ebs": {"VolumeSize": spec.aws.root_volume_gb, "VolumeType": "gp3", "DeleteOnTermination": True}}],
+                                  "Ebs": {"VolumeSize": spec.aws.root_volume_gb, "VolumeType": "gp3",
+                                          "DeleteOnTermination": True}}],
             TagSpecifications=self._tags("instance") + self._tags("volume"),
         )
         if plan.efa:  # EFA needs the interface spelled out; the subnet and groups move into it
@@ -280,24 +281,10 @@ class AWSProvider:
         """Tear everything down. Runs in a thread of its own and is waited for through Ctrl-C
         and SIGTERM: an interrupt must not abandon running instances half way; it is raised
         once the teardown is done."""
-        self._teardown_error: BaseException | None = None
-        # The caller's context goes along: inside a flow, what the teardown reports reaches the run.
-        worker = threading.Thread(target=contextvars.copy_context().run, args=(self._teardown,),
-                                  name="skytasks-aws-teardown")
-        worker.start()
-        interrupted: BaseException | None = None
-        while worker.is_alive():
-            try:
-                worker.join()
-            except (KeyboardInterrupt, SystemExit) as exc:  # SystemExit: SIGTERM, see GPUPool
-                interrupted = interrupted or exc
-                self.reporter.note("still terminating the pool's instances; please wait")
-        if interrupted is not None:
-            raise interrupted
-        if self._teardown_error is not None:
-            raise self._teardown_error
+        uninterruptible(self._teardown, lambda: self.reporter.note("still terminating the pool's instances; please wait"),
+                        name="skytasks-aws-teardown")
 
-    def _teardown(self) -> None:
+    def _teardown(self) -> BaseException | None:
         with self._teardown_lock:
             if self._nodes is not None:
                 self._nodes.stop()
@@ -306,4 +293,5 @@ class AWSProvider:
             left = self.owned.leftovers()  # each step clears what it confirmed gone
             if errors:
                 # Raised from stop(), after every step was tried: the pool's exit raises it.
-                self._teardown_error = self.reporter.teardown_failed(left, "; ".join(errors))
+                return self.reporter.teardown_failed(left, "; ".join(errors))
+            return None

@@ -17,7 +17,6 @@ skytasks jobs past their expiry.
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.slurm import job as slurm_job
 from skytasks.providers.slurm.node_steps import NodeSteps
 from skytasks.providers.slurm.shell import SlurmShell
@@ -250,24 +250,10 @@ class SlurmProvider:
     def stop(self) -> None:
         """End the steps and cancel every job, waiting until none is left in the queue. Runs in a
         thread of its own and is waited for through Ctrl-C and SIGTERM."""
-        box: dict = {}
-        # The caller's context goes along: inside a flow, what the teardown reports reaches the run.
-        worker = threading.Thread(target=contextvars.copy_context().run, args=(self._teardown, box),
-                                  name="skytasks-slurm-teardown")
-        worker.start()
-        interrupted: BaseException | None = None
-        while worker.is_alive():
-            try:
-                worker.join()
-            except (KeyboardInterrupt, SystemExit) as exc:
-                interrupted = interrupted or exc
-                self.reporter.note("still cancelling the pool's SLURM jobs; please wait")
-        if interrupted is not None:
-            raise interrupted
-        if box.get("error") is not None:
-            raise box["error"]
+        uninterruptible(self._teardown, lambda: self.reporter.note("still cancelling the pool's SLURM jobs; please wait"),
+                        name="skytasks-slurm-teardown")
 
-    def _teardown(self, box: dict) -> None:
+    def _teardown(self) -> BaseException | None:
         with self._stop_lock:
             self._steps.end_all()
             jobs = list(self.jobs)
@@ -285,8 +271,9 @@ class SlurmProvider:
                 self.shell.close()
             self.jobs = [j for j in self.jobs if j in left]
             if left:
-                box["error"] = self.reporter.teardown_failed(
+                return self.reporter.teardown_failed(
                     [f"slurm job {j}" for j in left], detail or "still in the queue after the teardown's wait")
+            return None
 
     def _wait_gone(self, jobs: list[str]) -> list[str]:
         deadline = time.monotonic() + settings().teardown_wait_seconds
