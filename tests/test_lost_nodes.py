@@ -42,9 +42,9 @@ def test_a_lost_local_node_is_replaced_and_the_retry_succeeds(capsys, tmp_path):
     assert agents_before[1].alive is False
 
 
-def test_without_retries_the_loss_is_the_error(tmp_path):
+def test_with_no_node_recoveries_the_loss_is_the_error(tmp_path):
     with pytest.raises(DistributedTaskError) as caught:
-        distributed_task(kill_my_agent_once, pool=GPUPool(nodes=2))(str(tmp_path / "killed"))
+        distributed_task(kill_my_agent_once, pool=GPUPool(nodes=2), node_recoveries=0)(str(tmp_path / "killed"))
     [exc] = caught.value.exceptions
     assert isinstance(exc, ConnectionError) and "node 1" in str(exc)
 

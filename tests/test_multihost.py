@@ -145,7 +145,7 @@ def test_a_link_going_down_mid_run_fails_the_call_in_bounded_time_and_leaves_not
     puller.start()
     try:
         with pytest.raises(DistributedTaskError) as caught:
-            distributed_task(all_reduce_forever, pool=netns_pool(hosts), timeout_seconds=240)()
+            distributed_task(all_reduce_forever, pool=netns_pool(hosts), timeout_seconds=240, node_recoveries=0)()
         failed_after = time.monotonic() - outcome["down_at"]
     finally:
         puller.join()

@@ -1,0 +1,41 @@
+"""Failure reports grouped by place: the logic at small sizes (the large ones are in the
+benchmark). A failure at 1,024 ranks reads as a few lines, not a thousand stacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from skytasks.controller.places import group_by_place, rank_ranges, stack_lines
+
+
+def stack(func: str, line: int) -> str:
+    return ("Current thread 0x1 (most recent call first):\n"
+            f'  File "/usr/lib/python3/site-packages/torch/distributed/c10d.py", line 9 in {func}\n'
+            f'  File "/home/me/train.py", line {line} in train_loop\n'
+            '  File "/x/skytasks/node/worker.py", line 1 in _run_call\n')
+
+
+@pytest.mark.parametrize("ranks, text", [
+    ([], ""), ([3], "3"), ([0, 1, 2], "0-2"), ([5, 0, 1, 2, 7, 8], "0-2, 5, 7-8"), ([1, 1, 2], "1-2"),
+])
+def test_rank_ranges_read_like_a_person_writes_them(ranks, text):
+    assert rank_ranges(ranks) == text
+
+
+def test_ranks_in_one_place_share_one_line_the_most_crowded_first():
+    places = {r: "in `all_reduce`" for r in range(1024) if r != 17}
+    places[17] = "in `train_loop`"
+    assert group_by_place(places) == [("in `all_reduce`", [r for r in range(1024) if r != 17]),
+                                      ("in `train_loop`", [17])]
+
+
+def test_a_thousand_stopped_ranks_are_one_line_and_a_lone_rank_keeps_its_own():
+    stacks = {r: stack("all_reduce", 42) for r in range(1024) if r != 17}
+    stacks[5] = stack("barrier", 50)
+    lines = stack_lines(stacks, "stopped because rank 17 failed")
+    assert lines == [
+        "[1,022 ranks] were in `all_reduce` (c10d.py:9), called from train.py:42 in `train_loop` "
+        "(stopped because rank 17 failed): ranks 0-4, 6-16, 18-1023",
+        "[rank 5] was in `barrier` (c10d.py:9), called from train.py:50 in `train_loop` "
+        "(stopped because rank 17 failed)",
+    ]
