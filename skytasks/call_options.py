@@ -15,6 +15,15 @@ from typing import Any
 from skytasks.errors import PoolConfigError
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+RANK_RUNS = ("rank", "node", "head")  # what a call records in Prefect: a task run per rank, per node, or the head's
+RANK_RUNS_PER_RANK_UP_TO = 64  # the default: a run per rank up to this many ranks, a run per node above
+
+
+def rank_runs_for(choice: str | None, world_size: int) -> str:
+    """The `rank_runs` a call of `world_size` ranks records."""
+    if choice is not None:
+        return choice
+    return "rank" if world_size <= RANK_RUNS_PER_RANK_UP_TO else "node"
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,7 @@ class CallOptions:
     retries: int = 0  # the code's own failures (a rank raising or dying, a hang, a timeout)
     retry_delay_seconds: float = 0
     node_recoveries: int = 3  # restarts after a node lost or preempted: never charged to retries
+    rank_runs: str | None = None  # "rank", "node" or "head"; None: "rank" up to 64 ranks, "node" above
     workdir: str | os.PathLike | None = None
     tags: tuple[str, ...] = field(default_factory=tuple)
 
@@ -48,6 +58,9 @@ class CallOptions:
                 raise PoolConfigError(f"{name}: must be an integer ≥ 0, got {value!r}")
         if not isinstance(self.retry_delay_seconds, (int, float)) or self.retry_delay_seconds < 0:
             raise PoolConfigError(f"retry_delay_seconds: must be ≥ 0, got {self.retry_delay_seconds!r}")
+        if self.rank_runs is not None and self.rank_runs not in RANK_RUNS:
+            raise PoolConfigError(f"rank_runs: expected one of {', '.join(map(repr, RANK_RUNS))} or None, "
+                                  f"got {self.rank_runs!r}")
         if self.backend is not None and self.backend not in BACKENDS:
             raise PoolConfigError(f"backend: unknown torch.distributed backend {self.backend!r}")
         if self.workdir is not None and not isinstance(self.workdir, (str, os.PathLike)):

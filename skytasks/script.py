@@ -134,8 +134,8 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
                workdir: str | os.PathLike | None = None, nodes: int | None = None, procs_per_node: int | None = None,
                env: Mapping[str, str] | None = None, timeout_seconds: float | None = None,
                hang_timeout_seconds: float | None = None, retries: int = 0,
-               retry_delay_seconds: float = 0, node_recoveries: int = 3, name: str | None = None,
-               tags: Iterable[str] = ()) -> list[ScriptResult]:
+               retry_delay_seconds: float = 0, node_recoveries: int = 3, rank_runs: str | None = None,
+               name: str | None = None, tags: Iterable[str] = ()) -> list[ScriptResult]:
     """Run `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) unchanged on every rank, with
     torchrun's environment; returns a `ScriptResult` per rank, in rank order.
 
@@ -146,7 +146,7 @@ def run_script(script: str | os.PathLike, args: Iterable[Any] = (), *, pool: Any
                                   procs_per_node=procs_per_node, env=env, timeout_seconds=timeout_seconds,
                                   hang_timeout_seconds=hang_timeout_seconds, retries=retries,
                                   retry_delay_seconds=retry_delay_seconds, node_recoveries=node_recoveries,
-                                  name=name, tags=tags)
+                                  rank_runs=rank_runs, name=name, tags=tags)
     return task(*call_args)
 
 
@@ -155,7 +155,8 @@ def script_options(script: str | os.PathLike, args: Iterable[Any] = (), *, pool:
                    procs_per_node: int | None = None, env: Mapping[str, str] | None = None,
                    timeout_seconds: float | None = None, hang_timeout_seconds: float | None = None,
                    retries: int = 0, retry_delay_seconds: float = 0, node_recoveries: int = 3,
-                   name: str | None = None, tags: Iterable[str] = ()) -> tuple[Any, tuple]:
+                   rank_runs: str | None = None, name: str | None = None,
+                   tags: Iterable[str] = ()) -> tuple[Any, tuple]:
     """`run_script`'s checked options (its pool not yet looked up) and `run_on_rank`'s arguments."""
     import uuid
 
@@ -168,7 +169,7 @@ def script_options(script: str | os.PathLike, args: Iterable[Any] = (), *, pool:
     options = CallOptions(name=label, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
                           timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
                           retries=retries, retry_delay_seconds=retry_delay_seconds, node_recoveries=node_recoveries,
-                          workdir=root, tags=tuple(tags))
+                          rank_runs=rank_runs, workdir=root, tags=tuple(tags))
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
         raise PoolConfigError("env: expected a mapping of strings to strings")
     return options, (command, dict(env or {}), retries, f"skytasks-{uuid.uuid4().hex[:12]}")

@@ -136,7 +136,7 @@ def say_default_pool(pool: Any) -> None:
 
 def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs_per_node=None, backend=None,
                      init_torch=True, timeout_seconds=None, hang_timeout_seconds=None, retries=0,
-                     retry_delay_seconds=0, node_recoveries=3, workdir=None, name=None,
+                     retry_delay_seconds=0, node_recoveries=3, rank_runs=None, workdir=None, name=None,
                      tags: Iterable[str] = ()) -> Any:
     """Fan a function out to every rank of a pool; returns every rank's result in rank order."""
     def make(f: Callable) -> DistributedTask:
@@ -146,6 +146,6 @@ def distributed_task(fn: Callable | None = None, *, pool=None, nodes=None, procs
             name=name or getattr(f, "__name__", "distributed_task"), pool=pool, nodes=nodes,
             procs_per_node=procs_per_node, backend=backend, init_torch=init_torch, timeout_seconds=timeout_seconds,
             hang_timeout_seconds=hang_timeout_seconds, retries=retries, retry_delay_seconds=retry_delay_seconds,
-            node_recoveries=node_recoveries, workdir=workdir, tags=tuple(tags)))
+            node_recoveries=node_recoveries, rank_runs=rank_runs, workdir=workdir, tags=tuple(tags)))
 
     return make if fn is None else make(fn)

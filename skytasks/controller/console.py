@@ -11,7 +11,7 @@ from skytasks.controller.rank_group import RankOutcome
 from skytasks.controller.runner import SHOW_RESOURCES
 from skytasks.controller.usage import RankUsage
 from skytasks.events import Event, announce, level_of
-from skytasks.stacks import where
+from skytasks.controller.places import stack_lines
 
 
 class ConsoleObserver:
@@ -45,8 +45,8 @@ class ConsoleObserver:
             print(f"[skytasks] {event.text()}", file=sys.stderr, flush=True)
 
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
-        for rank, stack in sorted(stacks.items()):
-            print(f"[rank {rank}] was {where(stack) or 'somewhere unreadable'} ({why})", file=sys.stderr, flush=True)
+        for line in stack_lines(stacks, why):  # ranks in one place share a line
+            print(line, file=sys.stderr, flush=True)
 
     def on_resources(self, rank: int, figures: dict[str, float]) -> None:
         usage = self._usage.setdefault(rank, RankUsage(rank))

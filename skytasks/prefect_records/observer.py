@@ -20,6 +20,8 @@ from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
 from skytasks.events import Event, announce, level_of
+from skytasks.call_options import rank_runs_for
+from skytasks.controller.places import stack_lines
 from skytasks.metrics import progress_percent
 from skytasks.prefect_records.pool_events import emit_event, record_pool_event
 from skytasks.prefect_records.artifacts import LiveTable, ProgressBar, wait_for, write_table
@@ -42,10 +44,13 @@ def artifact_key(label: str, suffix: str) -> str:
 
 
 class PrefectObserver:
-    def __init__(self, label: str, pool_name: str, run_tags: tuple[str, ...]):
+    def __init__(self, label: str, pool_name: str, run_tags: tuple[str, ...], *, rank_runs: str | None = None,
+                 procs_per_node: int = 1):
         parent = TaskRunContext.get()
         assert parent is not None, "a distributed call is observed from inside its parent task run"
         self.label, self.pool_name, self.run_tags = label, pool_name, run_tags
+        self.rank_runs, self.procs_per_node = rank_runs, procs_per_node
+        self._said_rank_runs = False
         self._parent = parent.task_run
         self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
         self._started = time.monotonic()
@@ -75,8 +80,15 @@ class PrefectObserver:
     # -- the runner's steps ------------------------------------------------------------------
 
     def on_attempt_start(self, attempt: int, world_size: int) -> None:
+        mode = rank_runs_for(self.rank_runs, world_size)
+        if self.rank_runs is None and not self._said_rank_runs and mode != "rank":
+            self._said_rank_runs = True  # said once, in the call's log: where a rank's lines are
+            log_at_its_time(self._parent_logger, logging.INFO,
+                            "[skytasks] %d ranks: one task run per node (rank_runs='node'); each rank's lines are "
+                            "in its node's run, prefixed [rank R]", world_size)
         self.runs = RankRuns(self.label, world_size, attempt, self.run_tags, self._parent.flow_run_id,
-                             self._parent.id)
+                             self._parent.id, mode=mode, procs_per_node=self.procs_per_node,
+                             parent_logger=self._parent_logger)
 
     def on_attempt_end(self, attempt: int, error: BaseException | None) -> None:
         if self.runs is not None:
@@ -187,6 +199,8 @@ class PrefectObserver:
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         """Each rank's whole stack into its own run's log; a row per rank in one artifact."""
         self.runs.on_stacks(stacks, why)  # type: ignore[union-attr]
+        for line in stack_lines(stacks, why):  # grouped by place: one screen at 1,024 ranks
+            log_at_its_time(self._parent_logger, logging.WARNING, "[skytasks] %s", line)
         rows = [{"rank": r, "where": where(st), "user frame": user_frame(st), "why": why}
                 for r, st in sorted(stacks.items())]
         if rows:

@@ -56,7 +56,8 @@ for _name in ("prefect.task_runs", "prefect.flow_runs"):
 
 def _distributed_call(args: tuple, kwargs: dict, call: PreparedCall) -> list[Any]:
     payload = pack_call(call.fn, args, kwargs)
-    observer = PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags)
+    observer = PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags,
+                               rank_runs=call.options.rank_runs, procs_per_node=call.runtime.spec.procs_per_node)
     return run_call(call.runtime, payload, call.options, observer)
 
 
@@ -64,7 +65,8 @@ def _started_call(held: HeldObserver, result: Future, call: PreparedCall) -> lis
     """The body of the parent task run of a call that began before its flow run did (`skytasks
     run`): it tells the record everything the call says, from its start to its end, and then
     returns (or raises) what the call did."""
-    held.feed(PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags))
+    held.feed(PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags,
+                              rank_runs=call.options.rank_runs, procs_per_node=call.runtime.spec.procs_per_node))
     return result.result()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from datetime import timedelta, timezone
 from typing import Any
 
@@ -51,18 +52,39 @@ def stamped(state: State) -> State:
     return state
 
 
-def log_at_its_time(logger: Any, level: int, msg: str, *args: Any, exc_info: Any = None) -> None:
-    """`logger.log`, but a line handed over late keeps the time it was printed."""
+def log_at_its_time(logger: Any, level: int, msg: str, *args: Any, exc_info: Any = None,
+                    api_only: bool = False) -> None:
+    """`logger.log`, but a line handed over late keeps the time it was printed; `api_only` lines
+    (a rank's whole stack) go to the run's log in the API and never to the console."""
     at = RECORDED_AT.get()
-    if at is None:
+    if at is None and not api_only:
         logger.log(level, msg, *args, exc_info=exc_info)
         return
     base = logger.logger
     if base.isEnabledFor(level):
         _, kwargs = logger.process(msg, {})
         record = base.makeRecord(base.name, level, __file__, 0, msg, args, exc_info, extra=kwargs["extra"])
-        record.created, record.msecs = at, (at % 1) * 1000
+        if at is not None:
+            record.created, record.msecs = at, (at % 1) * 1000
+        if api_only:
+            _quiet_consoles()
+            record.skytasks_api_only = True
         base.handle(record)
+
+
+_consoles_quieted = False
+
+
+def _quiet_consoles() -> None:
+    """Prefect's console handlers skip records marked api-only (its API handler keeps them)."""
+    global _consoles_quieted
+    if _consoles_quieted:
+        return
+    _consoles_quieted = True
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            if not type(handler).__name__.startswith("APILogHandler"):
+                handler.addFilter(lambda record: not getattr(record, "skytasks_api_only", False))
 
 
 PREEMPTED_STATE = "Preempted"  # a Cancelled-type state: the cloud's or the scheduler's doing, not the code's
@@ -81,17 +103,14 @@ def final_state(rank: int, outcome: RankOutcome) -> State:
 
 
 class RankRun:
-    """One rank's task run: Running from the start of the attempt, fed its lines, then final."""
+    """One task run of an attempt, for one rank or one node's ranks: Running from the start of the
+    attempt, fed its lines, then final."""
 
-    def __init__(self, label: str, rank: int, world: int, flow_run_id: Any, parent_id: Any, attempt: int,
-                 tags: list[str]) -> None:
-        self.rank = rank
+    def __init__(self, name: str, key: str, flow_run_id: Any, parent_id: Any, attempt: int, tags: list[str]) -> None:
         running = stamped(Running())
-        # A later attempt says so in its name: attempts of one rank are told apart at a glance.
-        name = f"{label}[rank {rank}/{world}]" if attempt == 1 else f"{label}[rank {rank}/{world}, attempt {attempt}]"
         self.task_run = TaskRun(
             id=_new_id(), name=name, flow_run_id=flow_run_id,
-            task_key=RANK_TASK.task_key, dynamic_key=f"{parent_id}-{attempt}-{rank}",
+            task_key=RANK_TASK.task_key, dynamic_key=f"{parent_id}-{attempt}-{key}",
             empirical_policy=TaskRunPolicy(), tags=tags, run_count=1,
             task_inputs={"__parents__": [TaskRunResult(id=parent_id)]},
             expected_start_time=running.timestamp, start_time=running.timestamp,
@@ -103,23 +122,24 @@ class RankRun:
         self.outcome: RankOutcome | None = None
         self._last_event = emit_task_run_state_change_event(self.task_run, None, running)
 
-    def log(self, level: int, line: str) -> None:
-        log_at_its_time(self.logger, level, "[rank %d] %s", self.rank, line)
+    def log(self, level: int, rank: int, line: str, api_only: bool = False) -> None:
+        log_at_its_time(self.logger, level, "[rank %d] %s", rank, line, api_only=api_only)
 
     def finish(self, outcome: RankOutcome) -> None:
-        """Into the rank's final state; a failure that raced our stop replaces the Cancelled."""
+        """Into the final state of `outcome` (a rank's, or the worst of a node's ranks'); a failure
+        that raced our stop replaces the Cancelled."""
         if self.outcome is not None and not (outcome.status is RankState.FAILED and self.outcome.status is not RankState.FAILED):
             return
         self.outcome = outcome
         if outcome.preempted:  # said as what it is: a warning, with no traceback
             why = str(outcome.failure.exception) if outcome.failure is not None else outcome.stop_reason
             log_at_its_time(self.logger, logging.WARNING, "[rank %d] the attempt ended for a preemption: %s",
-                            self.rank, why)
+                            outcome.rank, why)
         elif outcome.status is RankState.FAILED and outcome.failure is not None:
             exc = outcome.failure.exception
-            log_at_its_time(self.logger, logging.ERROR, "[rank %d] failed", self.rank,
+            log_at_its_time(self.logger, logging.ERROR, "[rank %d] failed", outcome.rank,
                             exc_info=(type(exc), exc, exc.__traceback__))
-        before, after = self.task_run.state, stamped(final_state(self.rank, outcome))
+        before, after = self.task_run.state, stamped(final_state(outcome.rank, outcome))
         if after.timestamp <= before.timestamp:
             after.timestamp = before.timestamp + timedelta(microseconds=1)
         after.state_details.task_run_id, after.state_details.flow_run_id = self.task_run.id, self.task_run.flow_run_id
@@ -133,34 +153,115 @@ class RankRun:
         self._last_event = emit_task_run_state_change_event(run, before, after, follows=self._last_event)
 
 
+def worst(outcomes: list[RankOutcome]) -> RankOutcome:
+    """A node run's state: its worst rank's (failed, then preempted, then stopped, then completed)."""
+    def badness(o: RankOutcome) -> tuple[int, int]:
+        if o.status is RankState.FAILED and not o.preempted:
+            return (3, -o.rank)
+        if o.preempted:
+            return (2, -o.rank)
+        return (1 if o.status is RankState.STOPPED else 0, -o.rank)
+    return max(outcomes, key=badness)
+
+
+HEAD_LINES_KEPT = 200  # rank_runs="head": the last lines of each other rank, for the parent's log if it fails
+
+
 class RankRuns:
-    """The rank task runs of one attempt. Every method is cheap: events and log records are
-    queued for Prefect's own background workers."""
+    """The task runs of one attempt, as `mode` says: one per rank ("rank"), one per node ("node":
+    named for the node and its rank range, its ranks' lines prefixed [rank R], its state the worst
+    of its ranks'), or rank 0's only ("head": the other ranks' lines reach the parent's log only
+    when they fail). Every method is cheap: events and log records are queued for Prefect's own
+    background workers."""
 
     def __init__(self, label: str, world: int, attempt: int, tags: tuple[str, ...], flow_run_id: Any,
-                 parent_id: Any):
+                 parent_id: Any, *, mode: str = "rank", procs_per_node: int = 1, parent_logger: Any = None):
         self._lock = threading.Lock()  # rank news comes from the call's thread; close from another
-        self.runs = {r: RankRun(label, r, world, flow_run_id, parent_id, attempt, [f"rank:{r}", *tags])
-                     for r in range(world)}
+        self.mode, self.world, self.per_node = mode, world, max(1, procs_per_node)
+        self._parent_logger = parent_logger
+        self._outcomes: dict[int, RankOutcome] = {}
+        self._held: dict[int, deque[tuple[int, str]]] = {}  # "head": the other ranks' last lines
+        suffix = "" if attempt == 1 else f", attempt {attempt}"  # a later attempt says so in its names
+
+        def run(name: str, key: str, extra_tags: list[str]) -> RankRun:
+            return RankRun(f"{label}[{name}{suffix}]", key, flow_run_id, parent_id, attempt, [*extra_tags, *tags])
+
+        if mode == "node":
+            self.runs = {n: run(f"node {n}: ranks {_span(self._ranks_of(n))}/{world}", f"node{n}", [f"node:{n}"])
+                         for n in range((world + self.per_node - 1) // self.per_node)}
+        elif mode == "head":
+            self.runs = {0: run(f"rank 0/{world}", "0", ["rank:0"])}
+        else:
+            self.runs = {r: run(f"rank {r}/{world}", str(r), [f"rank:{r}"]) for r in range(world)}
+
+    def _ranks_of(self, node: int) -> list[int]:
+        return list(range(node * self.per_node, min(self.world, (node + 1) * self.per_node)))
+
+    def _key(self, rank: int) -> int | None:
+        if self.mode == "node":
+            return rank // self.per_node
+        return rank if rank in self.runs else None
+
+    def _line(self, rank: int, level: int, line: str) -> None:
+        key = self._key(rank)
+        if key is not None:
+            self.runs[key].log(level, rank, line)
+        else:
+            self._held.setdefault(rank, deque(maxlen=HEAD_LINES_KEPT)).append((level, line))
 
     def on_output(self, rank: int, stream: str, line: str) -> None:
-        self.runs[rank].log(logging.WARNING if stream == "stderr" else logging.INFO, line)
+        self._line(rank, logging.WARNING if stream == "stderr" else logging.INFO, line)
 
     def on_log(self, rank: int, level: int, line: str) -> None:
-        self.runs[rank].log(level, line)
+        self._line(rank, level, line)
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         with self._lock:
-            self.runs[rank].finish(outcome)
+            self._outcomes[rank] = outcome
+            key = self._key(rank)
+            if key is None:
+                if outcome.status is RankState.FAILED and not outcome.preempted:
+                    self._tell_parent(rank, outcome)
+                return
+            if self.mode == "node":
+                mine = [self._outcomes.get(r) for r in self._ranks_of(key)]
+                if all(mine):
+                    self.runs[key].finish(worst(mine))  # type: ignore[arg-type]
+            else:
+                self.runs[key].finish(outcome)
+
+    def _tell_parent(self, rank: int, outcome: RankOutcome) -> None:
+        """rank_runs="head": a failed rank's last lines and its failure, in the parent's log."""
+        if self._parent_logger is None:
+            return
+        for level, line in self._held.pop(rank, ()):
+            log_at_its_time(self._parent_logger, level, "[rank %d] %s", rank, line)
+        exc = outcome.failure.exception if outcome.failure is not None else None
+        log_at_its_time(self._parent_logger, logging.ERROR, "[rank %d] failed", rank,
+                        exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
 
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
+        """Each rank's whole stack into its run's log (the API only: the console and the parent's
+        log get one line per place)."""
         for rank, stack in sorted(stacks.items()):
-            self.runs[rank].log(logging.WARNING, f"stack ({why}), innermost frame first:\n{stack}")
+            key = self._key(rank)
+            if key is not None:
+                self.runs[key].log(logging.WARNING, rank, f"stack ({why}), innermost frame first:\n{stack}",
+                                   api_only=True)
 
     def close(self, reason: str) -> list[RankOutcome]:
-        """Whatever happened, every rank run ends before the parent does."""
+        """Whatever happened, every run ends before the parent does; an outcome per rank."""
         with self._lock:
-            for r, run in self.runs.items():
+            for r in range(self.world):
+                if r not in self._outcomes:
+                    self._outcomes[r] = RankOutcome(rank=r, node_rank=r // self.per_node, node_addr="",
+                                                    status=RankState.STOPPED, stop_reason=reason)
+            for key, run in self.runs.items():
                 if run.outcome is None:
-                    run.finish(RankOutcome(rank=r, node_rank=-1, node_addr="", status=RankState.STOPPED, stop_reason=reason))
-            return [self.runs[r].outcome for r in sorted(self.runs)]  # type: ignore[misc]
+                    ranks = self._ranks_of(key) if self.mode == "node" else [key]
+                    run.finish(worst([self._outcomes[r] for r in ranks]))
+            return [self._outcomes[r] for r in range(self.world)]
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
