@@ -117,10 +117,17 @@ class HangError(TimeoutError):
     """With `hang_timeout_seconds`: no rank wrote output, reported or finished for that long.
     Names the stuck rank and where it was; its whole stack is in `.stack` and its task-run log."""
 
-    def __init__(self, rank: int, seconds: float, where: str = "", stack: str = ""):
+    def __init__(self, rank: int, seconds: float, where: str = "", stack: str = "", ranks: tuple[int, ...] = ()):
         self.rank, self.seconds, self.where, self.stack = rank, seconds, where, stack
-        text = f"rank {rank} hung: no rank wrote output, reported or finished for {seconds:g}s"
-        super().__init__(text + (f"; rank {rank} was {where}" if where else "; its stack could not be read"))
+        self.ranks = tuple(ranks) or (rank,)  # every rank that stood in this same place
+        if len(self.ranks) == 1:
+            who, was = f"rank {rank}", f"rank {rank} was"
+        else:
+            from skytasks.stacks import rank_ranges
+
+            who, was = f"{len(self.ranks):,} ranks ({rank_ranges(self.ranks)})", "they were"
+        text = f"{who} hung: no rank wrote output, reported or finished for {seconds:g}s"
+        super().__init__(text + (f"; {was} {where}" if where else "; its stack could not be read"))
 
     def __reduce__(self):
-        return type(self), (self.rank, self.seconds, self.where, self.stack)
+        return type(self), (self.rank, self.seconds, self.where, self.stack, self.ranks)

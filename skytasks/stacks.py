@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sysconfig
+from collections.abc import Iterable
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _LIBRARY_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep,
@@ -57,3 +58,19 @@ def user_frame(stack: str) -> str:
                 if _is_user_file(f):
                     return f"{os.path.basename(f)}:{ln} in {fn}"
     return ""
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out: list[str] = []
+    run: list[int] = []
+    for r in sorted(set(ranks)):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [r]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)

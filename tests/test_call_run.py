@@ -314,3 +314,19 @@ def test_no_straggler_warning_when_every_rank_returns_in_time():
     call.handle(*result(call, 0, "a"), now=1.0)
     call.handle(*result(call, 1, "b"), now=30.0)
     assert call.done and heard.notices == [] and "stacks" not in bus.ops()
+
+
+def test_hung_ranks_in_one_place_are_one_member_naming_them_all():
+    call, _, bus, heard = make_call(nodes=4, hang=5.0)
+    call.tick(now=5.0)
+    for r in range(4):
+        frames = STACK_IN_TRAIN if r != 2 else STACK_IN_TRAIN.replace("all_reduce", "barrier")
+        call.handle(*stack(r, call, frames), now=5.1)
+    call.tick(now=30.0)
+    with pytest.raises(DistributedTaskError) as err:
+        call.result()
+    crowded, alone = err.value.exceptions
+    assert isinstance(crowded, HangError) and crowded.ranks == (0, 1, 3) and alone.ranks == (2,)
+    assert str(crowded).startswith("3 ranks (0-1, 3) hung") and "they were in `all_reduce`" in str(crowded)
+    assert "ranks 0-3 made no progress" in str(err.value)
+    assert {f.rank for f in err.value.failures} == {0, 1, 2, 3}  # every rank's failure is still there

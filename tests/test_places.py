@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from skytasks.controller.places import group_by_place, rank_ranges, stack_lines
+from skytasks.controller.places import group_by_place, stack_lines
+from skytasks.stacks import rank_ranges
 
 
 def stack(func: str, line: int) -> str:

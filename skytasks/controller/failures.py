@@ -8,6 +8,7 @@ from typing import Any
 import cloudpickle
 
 from skytasks.errors import DistributedTaskError, HangError, RankFailure, RemoteRankError, RemoteTraceback
+from skytasks.stacks import rank_ranges
 
 
 def rebuild_exception(msg: dict[str, Any]) -> BaseException:
@@ -49,12 +50,33 @@ def failure_error(label: str, failures: list[RankFailure], aborted_at: float | N
     if first.rank < 0:  # the call's own clock, not a rank
         msg = f"{label}: {first.exception}"
     elif all(isinstance(f.exception, HangError) for f in members):
-        msg = (f"{label}: the call hung: ranks {[f.rank for f in members]} made no progress for "
+        hung = [f.rank for f in members]
+        members = _one_per_place(members)  # 1,024 hung ranks in one collective are one member
+        msg = (f"{label}: the call hung: ranks {rank_ranges(hung)} made no progress for "
                f"{first.exception.seconds:g}s (each rank's stack is in its log)")
     else:
         msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
     err = DistributedTaskError(msg, [f.exception for f in members],
                                failures=members + [f for f in ordered if f not in members])
     if stopped:
-        err.add_note(f"[skytasks] ranks {stopped} failed afterwards because of it and are not members")
+        err.add_note(f"[skytasks] ranks {rank_ranges(stopped)} failed afterwards because of it and are not members")
     return err
+
+
+def _one_per_place(hangs: list[RankFailure]) -> list[RankFailure]:
+    """Hung ranks that stand in the same place become one member naming them all (its stack is
+    the first one's; every rank's own is in its log)."""
+    places: dict[str, list[RankFailure]] = {}
+    for f in hangs:
+        places.setdefault(f.exception.where, []).append(f)  # type: ignore[attr-defined]
+    out = []
+    for group in sorted(places.values(), key=lambda g: (-len(g), g[0].rank)):
+        first = group[0]
+        if len(group) > 1:
+            exc: HangError = first.exception  # type: ignore[assignment]
+            merged = HangError(exc.rank, exc.seconds, exc.where, exc.stack, ranks=tuple(f.rank for f in group))
+            merged.__notes__ = list(getattr(exc, "__notes__", []))
+            merged.skytasks_rank, merged.skytasks_node = first.rank, first.node_rank  # type: ignore[attr-defined]
+            first = RankFailure(first.rank, first.node_rank, first.node_addr, merged, first.at, kind=first.kind)
+        out.append(first)
+    return out

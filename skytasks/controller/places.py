@@ -8,25 +8,9 @@ rank's whole stack still goes to its own (or its node's) task-run log.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
-from skytasks.stacks import where
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    out: list[str] = []
-    run: list[int] = []
-    for r in sorted(set(ranks)):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [r]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
+from skytasks.stacks import rank_ranges, where
 
 
 def group_by_place(places: Mapping[int, str]) -> list[tuple[str, list[int]]]:

@@ -8,7 +8,8 @@ gives one WARNING naming each one and where it is, and how `hang_timeout_seconds
 
 from __future__ import annotations
 
-from skytasks.stacks import user_frame, where
+from skytasks.controller.places import group_by_place
+from skytasks.stacks import rank_ranges, user_frame, where
 
 PROBE_SECONDS = 2.0  # how long the running ranks' stacks are waited for
 
@@ -53,11 +54,11 @@ class StragglerWatch:
     def warning(self, returned: list[int], running: set[int]) -> str:
         """The one line, once: then the watch is done for this call."""
         self.warned, self._warn_at, self._probe_until = True, None, None
-        places = []
-        for rank in sorted(running):
-            stack = self.stacks.get(rank, "")
-            place = user_frame(stack) or where(stack) or "somewhere unreadable"
-            places.append(f"rank {rank} in {place}")
+        at = {rank: user_frame(self.stacks.get(rank, "")) or where(self.stacks.get(rank, "")) or "somewhere unreadable"
+              for rank in running}
+        places = [f"rank {ranks[0]} in {place}" if len(ranks) == 1 else
+                  f"ranks {rank_ranges(ranks)} ({len(ranks):,}) in {place}"
+                  for place, ranks in group_by_place(at)]  # ranks in one place share one entry
         shown = _ranks(returned)
         return (f"{len(running)} rank(s) still running {self.after:g}s after {shown} returned: "
                 f"{'; '.join(places)}. The call waits for every rank; set hang_timeout_seconds to end a call "
@@ -67,6 +68,4 @@ class StragglerWatch:
 def _ranks(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    if len(ranks) <= 8:
-        return f"ranks {ranks}"
-    return f"{len(ranks)} ranks"
+    return f"ranks {rank_ranges(ranks)}"
