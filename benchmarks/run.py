@@ -207,7 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
     parser.add_argument("--only", choices=["cli", "dispatch", "broadcast", "ssh", "slurm", "recovery", "preemption",
-                                           "flow"],
+                                           "flow", "scale"],
                         help="run one figure (flow: warm calls and fan-out inside a flow) and update results.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
@@ -272,6 +272,13 @@ def main() -> None:
               f"{p['checkpoint_on_disk_s']:.3f}   the retry running on the node left {p['retry_running_s']:.2f}")
         if args.only:
             return update_results(out, preemption=p)
+
+    if args.only == "scale":
+        from scale import scale
+
+        print("\nscale: real agents and ranks, 8 per node, init_torch=False")
+        rows = scale([16, 64, 256] if args.quick else [16, 64, 256, 1024], repeats)
+        return update_results(out, scale=rows)
 
     if args.only == "flow":
         from prefect.testing.utilities import prefect_test_harness

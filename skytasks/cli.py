@@ -25,7 +25,11 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
                      help="rank processes per node (default: the pool's, or 1 locally)")
     run.add_argument("--workdir", default=None, help="directory every rank starts in (default: the current one)")
     run.add_argument("--timeout", type=float, default=None, help="seconds the whole call may take")
-    run.add_argument("--retries", type=int, default=0, help="restart the whole group this many times on failure")
+    run.add_argument("--retries", type=int, default=0, help="restart the whole group this many times when the script fails")
+    run.add_argument("--node-recoveries", type=int, default=3,
+                     help="restart it this many times after a node is lost or preempted (never counted as retries)")
+    run.add_argument("--rank-runs", choices=["rank", "node", "head"], default=None,
+                     help="Prefect task runs per rank, per node or the head's only (default: per rank up to 64 ranks)")
     run.add_argument("--resources", action="store_true",
                      help="print each rank's CPU, memory and GPU figures as its node samples them")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module, run as python -m")

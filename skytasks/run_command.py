@@ -93,7 +93,7 @@ def _checked(args: argparse.Namespace) -> tuple[Any, tuple]:
     procs_per_node = 1 if local and args.procs_per_node is None else args.procs_per_node
     return script_options(args.script, args.args, pool=args.pool, module=args.module, workdir=args.workdir,
                           nodes=nodes, procs_per_node=procs_per_node, timeout_seconds=args.timeout,
-                          retries=args.retries)
+                          retries=args.retries, node_recoveries=args.node_recoveries, rank_runs=args.rank_runs)
 
 
 def _node_count(text: str | None, local: bool) -> tuple[int | None, int | None]:

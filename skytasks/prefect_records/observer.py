@@ -133,8 +133,8 @@ class PrefectObserver:
             usage = self._usage.setdefault(rank, RankUsage(rank))
             if outcome.used and outcome.started and outcome.ended:
                 usage.add_own(outcome.used, outcome.ended - outcome.started)
-        if used := usage.summary():  # what it used, on the rank's own task-run page
-            self.runs.on_log(rank, logging.INFO, f"used over the call: {used}")  # type: ignore[union-attr]
+        if used := usage.summary():  # what it used, on the rank's own task-run page (the API only)
+            self.runs.on_usage(rank, f"used over the call: {used}")  # type: ignore[union-attr]
         self.runs.on_rank_done(rank, outcome)  # type: ignore[union-attr]
         if outcome.status is RankState.FAILED and not outcome.preempted:
             exc = outcome.failure.exception if outcome.failure else None

@@ -106,7 +106,9 @@ class RankRun:
     """One task run of an attempt, for one rank or one node's ranks: Running from the start of the
     attempt, fed its lines, then final."""
 
-    def __init__(self, name: str, key: str, flow_run_id: Any, parent_id: Any, attempt: int, tags: list[str]) -> None:
+    def __init__(self, name: str, key: str, flow_run_id: Any, parent_id: Any, attempt: int, tags: list[str],
+                 quiet: bool = False) -> None:
+        self.quiet = quiet  # its "Finished" line in the API only: 128 node runs are not 128 console lines
         running = stamped(Running())
         self.task_run = TaskRun(
             id=_new_id(), name=name, flow_run_id=flow_run_id,
@@ -144,7 +146,8 @@ class RankRun:
             after.timestamp = before.timestamp + timedelta(microseconds=1)
         after.state_details.task_run_id, after.state_details.flow_run_id = self.task_run.id, self.task_run.flow_run_id
         level = logging.ERROR if after.is_failed() else logging.WARNING if outcome.preempted else logging.INFO
-        log_at_its_time(self.logger, level, "Finished in state %s", after.name)
+        log_at_its_time(self.logger, level, "Finished in state %s", after.name,
+                        api_only=self.quiet and level < logging.WARNING)
         run = self.task_run
         if before.is_running():
             run.total_run_time += after.timestamp - before.timestamp
@@ -184,7 +187,8 @@ class RankRuns:
         suffix = "" if attempt == 1 else f", attempt {attempt}"  # a later attempt says so in its names
 
         def run(name: str, key: str, extra_tags: list[str]) -> RankRun:
-            return RankRun(f"{label}[{name}{suffix}]", key, flow_run_id, parent_id, attempt, [*extra_tags, *tags])
+            return RankRun(f"{label}[{name}{suffix}]", key, flow_run_id, parent_id, attempt, [*extra_tags, *tags],
+                           quiet=mode == "node")
 
         if mode == "node":
             self.runs = {n: run(f"node {n}: ranks {_span(self._ranks_of(n))}/{world}", f"node{n}", [f"node:{n}"])
@@ -214,6 +218,12 @@ class RankRuns:
 
     def on_log(self, rank: int, level: int, line: str) -> None:
         self._line(rank, level, line)
+
+    def on_usage(self, rank: int, line: str) -> None:
+        """What a rank used, on its own run's page: a line per call in the API (never the console);
+        with a run per node or the head's only, the rank table holds it instead."""
+        if self.mode == "rank":
+            self.runs[rank].log(logging.INFO, rank, line, api_only=True)
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         with self._lock:

@@ -1,0 +1,193 @@
+"""Cluster scale on one machine: real node agents and real rank processes (8 per node,
+`init_torch=False`), at 16, 64, 256 and 1,024 ranks.
+
+    .venv/bin/python benchmarks/run.py --only scale [--quick]
+
+For each size: the pool up with its first call; a warm empty call outside a flow and inside one
+(against Prefect's test server); a large argument (100 MB up to 64 ranks; above, what fits 6 GB
+in all, since every rank holds its own copy on this one machine); the first failure's report reaching the caller
+(and how many console lines it printed); a lost node to the next attempt's ranks running; a hang to
+`HangError`; the controller's peak RSS and CPU seconds. Writes `docs/scale.png` when matplotlib is
+there. Each size runs in a process of its own, so the controller's figures are that size's alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PER_NODE = 8
+
+
+def empty() -> int:
+    return 0
+
+
+def takes(blob) -> int:
+    return len(blob)
+
+
+def one_fails(marker_dir: str) -> int:
+    from skytasks import rank_info
+
+    info = rank_info()
+    if info.rank == info.world_size // 2:
+        Path(marker_dir, "failed").write_text(repr(time.time()))
+        raise ValueError(f"rank {info.rank} gives up")
+    time.sleep(120)
+    return info.rank
+
+
+def lose_a_node(marker_dir: str) -> float:
+    """Attempt 1: node 1's first rank kills its agent (the node is gone). Attempt 2: the time it runs."""
+    import signal
+
+    from skytasks import rank_info
+
+    info = rank_info()
+    if info.attempt == 1:
+        if info.node_rank == 1 and info.local_rank == 0:
+            Path(marker_dir, "killed").write_text(repr(time.time()))
+            os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(120)
+    return time.time()
+
+
+def hang_forever() -> None:
+    time.sleep(600)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def measure(ranks: int, repeats: int) -> dict:
+    """One size, in this process."""
+    import numpy as np
+    from prefect import flow
+    from prefect.testing.utilities import prefect_test_harness
+
+    from skytasks import DistributedTaskError, GPUPool, distributed_task
+
+    nodes = ranks // PER_NODE
+    out: dict = {"ranks": ranks, "nodes": nodes}
+    pool = GPUPool(nodes=nodes, procs_per_node=PER_NODE)
+    task = distributed_task(empty, pool=pool, init_torch=False)
+    started = time.perf_counter()
+    with pool:
+        assert len(task()) == ranks
+        out["pool_up_and_first_call_s"] = time.perf_counter() - started
+        warm = []
+        for _ in range(max(5, repeats)):
+            t = time.perf_counter()
+            task()
+            warm.append(time.perf_counter() - t)
+        out["warm_call_s"] = _median(warm)
+        # Every rank keeps its own copy of an argument: on one machine, 100 MB x 1,024 ranks is
+        # 100 GB. The argument is 100 MB up to 64 ranks and shrinks to fit 6 GB in all above.
+        mb = min(100, 6000 // ranks)
+        blob = np.random.default_rng(0).integers(0, 255, mb * 1024 * 1024, dtype=np.uint8)
+        t = time.perf_counter()
+        assert distributed_task(takes, pool=pool, init_torch=False)(blob)[0] == blob.nbytes
+        out["broadcast_mb"] = mb
+        out["broadcast_s"] = time.perf_counter() - t
+        out["broadcast_mb_per_s_to_ranks"] = mb * ranks / out["broadcast_s"]
+        with prefect_test_harness(server_startup_timeout=120):
+            @flow
+            def warm_calls() -> list[float]:
+                times = []
+                for _ in range(max(5, repeats)):
+                    t = time.perf_counter()
+                    task()
+                    times.append(time.perf_counter() - t)
+                return times
+
+            warm_calls()  # the first: Prefect's task machinery warms up
+            out["warm_call_in_flow_s"] = _median(warm_calls())
+    marker = Path(os.environ.get("TMPDIR", "/tmp"), f"skytasks-scale-{os.getpid()}")
+    marker.mkdir(exist_ok=True)
+    # The first failure's report, and what the console shows of it.
+    console = io.StringIO()
+    with contextlib.redirect_stderr(console), contextlib.redirect_stdout(console):
+        try:
+            distributed_task(one_fails, pool=pool, init_torch=False, node_recoveries=0)(str(marker))
+        except DistributedTaskError as err:
+            caught = time.time()
+            print(repr(err), file=sys.stderr)
+    out["failure_report_s"] = caught - float((marker / "failed").read_text())
+    out["failure_console_lines"] = len(console.getvalue().splitlines())
+    # A lost node, to the next attempt's ranks running (the pool brings a replacement up).
+    values = distributed_task(lose_a_node, pool=pool, init_torch=False)(str(marker))
+    out["lost_node_to_retry_running_s"] = min(values) - float((marker / "killed").read_text())
+    # A hang, to the caller's HangError.
+    hang = 2.0
+    t = time.perf_counter()
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            distributed_task(hang_forever, pool=pool, init_torch=False, hang_timeout_seconds=hang)()
+        except DistributedTaskError:
+            pass
+    out["hang_to_error_s"] = time.perf_counter() - t - hang
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["controller_peak_rss_mb"] = usage.ru_maxrss / 1024
+    out["controller_cpu_s"] = usage.ru_utime + usage.ru_stime
+    return out
+
+
+def scale(sizes: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for ranks in sizes:
+        done = subprocess.run([sys.executable, __file__, str(ranks), str(repeats)], capture_output=True, text=True,
+                              cwd=ROOT, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"scale {ranks} failed:\n{done.stderr[-3000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"   {ranks:>5} ranks: {rows[-1]}", flush=True)
+    _plot(rows)
+    return rows
+
+
+FIGURES = [("pool_up_and_first_call_s", "pool up + first call (s)"), ("warm_call_s", "warm call (s)"),
+           ("warm_call_in_flow_s", "warm call in a flow (s)"), ("broadcast_mb_per_s_to_ranks", "argument MB/s reaching the ranks"),
+           ("failure_report_s", "failure report (s)"), ("lost_node_to_retry_running_s", "lost node -> retry (s)"),
+           ("hang_to_error_s", "hang -> HangError (s)"), ("controller_peak_rss_mb", "controller peak RSS (MB)")]
+
+
+def _plot(rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("   (no matplotlib: docs/scale.png not drawn)")
+        return
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    xs = [r["ranks"] for r in rows]
+    for ax, (key, title) in zip(axes.flat, FIGURES):
+        ax.plot(xs, [r[key] for r in rows], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("ranks (8 per node)")
+        ax.grid(alpha=0.3)
+    fig.suptitle("skytasks at scale on one 2-core machine: real agents and rank processes (init_torch=False)")
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs" / "scale.png", dpi=80)
+    print(f"   drew {ROOT / 'docs' / 'scale.png'}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    print(json.dumps(measure(int(sys.argv[1]), int(sys.argv[2]))))
