@@ -33,6 +33,7 @@ test: setup system-deps
 	$(PY) -m pytest
 
 bench: setup
+	$(PY) -m pip install -q "matplotlib>=3.8"  # docs/scale.png; not needed by the tests
 	$(PY) benchmarks/run.py
 
 clean:

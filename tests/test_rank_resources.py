@@ -174,8 +174,8 @@ def report_steps_for(seconds: float) -> str:
 
 
 def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(monkeypatch):
-    """Live tables are rewritten every 0.2 s here (every 5 s normally), so a 6 s call writes
-    them about 30 times each: still one artifact per kind, the newest figures in it."""
+    """Live tables are rewritten every 0.2 s here (every 5 s normally), so a 4 s call writes
+    them about 20 times each: still one artifact per kind, the newest figures in it."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterTaskRunId
 
     import skytasks.prefect_records.observer as observer
@@ -187,7 +187,7 @@ def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(mo
 
     @flow
     def long_flow():
-        return task(6.0)
+        return task(4.0)
 
     state = long_flow(return_state=True)
     assert state.is_completed()
@@ -213,7 +213,7 @@ def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(mo
     import json
 
     metrics = json.loads(by_key["long-metrics"].data)
-    assert metrics[-1]["step"] == metrics[-1]["total_steps"] == 120  # the newest report, in place
+    assert metrics[-1]["step"] == metrics[-1]["total_steps"] == 80  # the newest report, in place
     # What the rank used, on its own task-run page (its log), not only in the parent's table.
     used = [log.message for log in logs if "used over the call" in log.message]
     assert used and re.search(r"peak RSS \d+ MB, mean RSS \d+ MB, mean CPU \d+%", used[0]), used

@@ -440,6 +440,9 @@ def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_
         cluster.run("scancel", "--signal=USR2", step, check=False)
 
     monkeypatch.setenv("SKYTASKS_GROW_RETRY_SECONDS", "0")  # each call here may try to grow
+    from skytasks.providers.slurm import provider as slurm_provider
+
+    monkeypatch.setattr(slurm_provider, "GROW_WAIT_SECONDS", 3.0)  # the pending grow job is cancelled sooner
     with pool:
         session = pool.runtime().session
         said = "\n".join(session.provider.reporter.lines)
