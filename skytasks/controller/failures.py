@@ -59,7 +59,9 @@ def failure_error(label: str, failures: list[RankFailure], aborted_at: float | N
     err = DistributedTaskError(msg, [f.exception for f in members],
                                failures=members + [f for f in ordered if f not in members])
     if stopped:
-        err.add_note(f"[skytasks] ranks {rank_ranges(stopped)} failed afterwards because of it and are not members")
+        who = f"rank {stopped[0]} failed afterwards because of it and is not a member" if len(stopped) == 1 else \
+            f"ranks {rank_ranges(stopped)} failed afterwards because of it and are not members"
+        err.add_note(f"[skytasks] {who}")
     return err
 
 
