@@ -2,10 +2,10 @@
 
 It plays the part of torchrun's elastic agent, with the controller in place of the rendezvous
 backend. It speaks `wire` frames on its stdin/stdout, which are pipes from the controller for a
-local node and an SSH channel for a remote one. It imports only the standard library,
-`skytasks.wire`, `skytasks.protocol`, `skytasks.preemption` and `skytasks.devices`: no torch, no
-prefect, no cloudpickle, so it starts in tens of milliseconds and a
-payload passes through it untouched.
+local node and an SSH channel for a remote one. It imports only the standard library and
+skytasks' own stdlib-only modules (`wire`, `protocol`, `preemption`, `devices`, `rank`,
+`node.slurm_env`): no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and
+a payload passes through it untouched.
 
 Why it kills everything when its stream closes, or when the controller falls silent past the
 heartbeat timeout (a dropped network closes nothing): the controller (the flow process) is the only
