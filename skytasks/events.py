@@ -166,32 +166,32 @@ class AttemptRestarted(Event):
 
 
 @dataclass(frozen=True)
-class RanksStillRunning(Event):
-    """Some ranks returned and others still run: a warning, never a failure."""
+class _Said(Event):
+    """An event that is its sentence, already written where it happened."""
 
-    LEVEL = logging.WARNING
     message: str
 
     def text(self) -> str:
         return self.message
+
+
+@dataclass(frozen=True)
+class RanksStillRunning(_Said):
+    """Some ranks returned and others still run: a warning, never a failure."""
+
+    LEVEL = logging.WARNING
 
 
 # -- what a call or a provider says along the way ---------------------------------------------
 
 @dataclass(frozen=True)
-class BackendChosen(Event):
-    message: str
-
-    def text(self) -> str:
-        return self.message
+class BackendChosen(_Said):
+    """A backend fallback the user should know of (skytasks.devices)."""
 
 
 @dataclass(frozen=True)
-class WorkdirSynced(Event):
-    message: str
-
-    def text(self) -> str:
-        return self.message
+class WorkdirSynced(_Said):
+    """What `workdir=` sent to the nodes."""
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ class CallRun:
             self.phase = Phase.DONE  # the agents did not confirm in time: return anyway
         elif self.phase is Phase.RUNNING:
             if self.deadline is not None and now >= self.deadline:
-                running = sorted(r for r, o in self.outcomes.items() if o.status is RankState.PENDING)
+                running = sorted(self._pending())
                 self._record_call_error(TimeoutError(
                     f"the call timed out (timeout_seconds); ranks {running} were still running and were stopped"),
                     EndReason.DEADLINE)
@@ -212,7 +212,8 @@ class CallRun:
             o.used = msg.get("used")
             o.value = loads_out_of_band(msg["value"], copy=False)
             self.observer.on_rank_done(o.rank, o)
-            self.stragglers.rank_returned(now, self._pending())
+            if self.stragglers.armed:  # the ranks still running are counted at the first return only
+                self.stragglers.rank_returned(now, self._pending())
 
     def _on_failed(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         if msg["call"] in (self.id, None):
@@ -281,7 +282,7 @@ class CallRun:
 
     def _ask_stacks(self, why: str, wait: float, now: float) -> None:
         """Where every still-running rank is, into its log, before it is stopped."""
-        self._stacks_wanted = {r for r, o in self.outcomes.items() if o.status is RankState.PENDING}
+        self._stacks_wanted = self._pending()
         self._stacks_why, self._stacks = why, {}
         if not self._stacks_wanted:
             self._stacks_collected(now)

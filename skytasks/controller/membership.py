@@ -37,10 +37,6 @@ class PoolStatus:
     grow_retry_seconds: float = 60.0
     before_call: bool = False  # a call's first attempt: the one moment a pool may grow
 
-    @property
-    def size(self) -> int:
-        return len(self.live) + len(self.gone)
-
 
 @dataclass(frozen=True)
 class Keep:

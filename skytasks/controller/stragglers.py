@@ -26,10 +26,16 @@ class StragglerWatch:
     def wake_at(self) -> float | None:
         return self._probe_until if self._probe_until is not None else self._warn_at
 
+    @property
+    def armed(self) -> bool:
+        """Waiting for a return to start the clock (a call asks only then who still runs: once,
+        not at each of 1,024 returns)."""
+        return bool(self.after) and self._warn_at is None and not self.warned
+
     def rank_returned(self, now: float, still_running: set[int]) -> None:
         """The clock starts at the first return that leaves ranks running."""
-        if still_running and self.after and self._warn_at is None and not self.warned:
-            self._warn_at = now + self.after
+        if still_running and self.armed:
+            self._warn_at = now + self.after  # type: ignore[operator]
 
     def due(self, now: float) -> bool:
         return self._warn_at is not None and self._probe_until is None and now >= self._warn_at

@@ -56,17 +56,14 @@ for _name in ("prefect.task_runs", "prefect.flow_runs"):
 
 def _distributed_call(args: tuple, kwargs: dict, call: PreparedCall) -> list[Any]:
     payload = pack_call(call.fn, args, kwargs)
-    observer = PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags,
-                               rank_runs=call.options.rank_runs, procs_per_node=call.runtime.spec.procs_per_node)
-    return run_call(call.runtime, payload, call.options, observer)
+    return run_call(call.runtime, payload, call.options, _observer(call))
 
 
 def _started_call(held: HeldObserver, result: Future, call: PreparedCall) -> list[Any]:
     """The body of the parent task run of a call that began before its flow run did (`skytasks
     run`): it tells the record everything the call says, from its start to its end, and then
     returns (or raises) what the call did."""
-    held.feed(PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags,
-                              rank_runs=call.options.rank_runs, procs_per_node=call.runtime.spec.procs_per_node))
+    held.feed(_observer(call))
     return result.result()
 
 
@@ -103,3 +100,9 @@ def submit_in_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict, wa
 async def call_in_async_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict) -> list[Any]:
     """In an async flow: the call runs in a thread (with this context), the event loop runs on."""
     return await asyncio.to_thread(call_in_flow, task, call, args, kwargs)
+
+
+def _observer(call: PreparedCall) -> PrefectObserver:
+    """The call's Prefect observer, inside its parent task run."""
+    return PrefectObserver(call.options.label, call.runtime.spec.name, call.rank_tags,
+                           rank_runs=call.options.rank_runs, procs_per_node=call.runtime.spec.procs_per_node)

@@ -12,24 +12,15 @@ its payload, related to the pool, the flow run and the task run:
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
 from skytasks.events import Event, ProviderProgress, level_of
 from skytasks.prefect_records.events import emit, pool_resource
+from skytasks.providers.reporting import flow_run_id
 
 _progress_artifacts: dict[tuple[str, Any], Any] = {}  # (pool, flow run) -> its progress artifact's id
 _lock = threading.Lock()
-
-
-def in_flow_run() -> bool:
-    if "prefect.context" not in sys.modules:
-        return False  # no Prefect, no run (and no import of Prefect just to find that out)
-    from prefect.context import FlowRunContext
-
-    ctx = FlowRunContext.get()
-    return ctx is not None and ctx.flow_run is not None
 
 
 def emit_event(event: Event, pool_name: str) -> None:
@@ -40,7 +31,7 @@ def emit_event(event: Event, pool_name: str) -> None:
 
 def record_pool_event(event: Event, pool_name: str) -> None:
     """A provider's or a pool's event, in the flow run this process is in (if any)."""
-    if not in_flow_run():
+    if flow_run_id() is None:
         return
     try:
         from prefect import get_run_logger

@@ -28,6 +28,7 @@ from prefect.states import Cancelled, Completed, Failed, Running, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
 from skytasks.prefect_records.held_observer import RECORDED_AT
+from skytasks.stacks import rank_ranges
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 
@@ -191,7 +192,7 @@ class RankRuns:
                            quiet=mode == "node")
 
         if mode == "node":
-            self.runs = {n: run(f"node {n}: ranks {_span(self._ranks_of(n))}/{world}", f"node{n}", [f"node:{n}"])
+            self.runs = {n: run(f"node {n}: ranks {rank_ranges(self._ranks_of(n))}/{world}", f"node{n}", [f"node:{n}"])
                          for n in range((world + self.per_node - 1) // self.per_node)}
         elif mode == "head":
             self.runs = {0: run(f"rank 0/{world}", "0", ["rank:0"])}
@@ -272,6 +273,3 @@ class RankRuns:
                     run.finish(worst([self._outcomes[r] for r in ranks]))
             return [self._outcomes[r] for r in range(self.world)]
 
-
-def _span(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
