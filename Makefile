@@ -30,6 +30,7 @@ run: setup
 
 test: setup system-deps
 	$(VENV)/bin/ruff check skytasks blocks
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
 
 bench: setup

@@ -28,7 +28,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from typing import Any
+from typing import Any, Protocol
 
 _NAME = re.compile(r"^step-(\d{12})\.pt$")
 
@@ -136,7 +136,7 @@ def _process_group_world() -> int | None:
     return None
 
 
-class _Store:
+class _Store(Protocol):
     def put(self, name: str, data: memoryview) -> str: ...
     def get(self, name: str) -> bytes: ...
     def names(self) -> list[str]: ...

@@ -64,8 +64,9 @@ def _slurm_gc(args: argparse.Namespace) -> int:
     from skytasks.providers.reporting import PoolReporter
     from skytasks.providers.slurm.gc import sweep_jobs
     from skytasks.providers.slurm.shell import SlurmShell
+    from skytasks.providers.slurm.spec import SlurmSpec
 
-    shell = SlurmShell(GPUPool(provider="slurm").spec().slurm, PoolReporter("gc", "slurm"))
+    shell = SlurmShell(GPUPool(provider="slurm").spec().own(SlurmSpec), PoolReporter("gc", "slurm"))
     try:
         swept = sweep_jobs(shell, dry_run=args.dry_run, now=args.now, log=lambda line: print(line, file=sys.stderr))
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 
 class RemoteTraceback(Exception):
@@ -77,6 +78,8 @@ class RankFailure:
 class DistributedTaskError(ExceptionGroup):
     """Raised to the caller when ranks fail. Members: the first failures' original exceptions,
     each with `.skytasks_rank`, `.skytasks_node` and the remote traceback attached."""
+
+    failures: list[Any]  # RankFailure values, root cause first
 
     def __new__(cls, message: str, exceptions, *, failures=()):
         self = super().__new__(cls, message, exceptions)

@@ -254,7 +254,7 @@ class PoolUp(Event):
     PREFECT_EVENT = "skytasks.pool.up"
     provider: str
     nodes: int
-    asked: int
+    asked: str  # "2", or "2-4" for an elastic pool
     procs_per_node: int
     addresses: tuple[str, ...]
 

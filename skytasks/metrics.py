@@ -53,14 +53,17 @@ PROGRESS_PAIRS = (("epoch", "epochs"), ("step", "total_steps"), ("step", "steps"
 def progress_percent(metrics: dict[str, Any]) -> float | None:
     """How far the call is, in percent, from one report; None when it does not say."""
     for position, total in PROGRESS_PAIRS:
-        at, of = metrics.get(position), metrics.get(total)
-        if _number(at) and _number(of) and of > 0:
+        at, of = _number(metrics.get(position)), _number(metrics.get(total))
+        if at is not None and of is not None and of > 0:
             return max(0.0, min(100.0, 100.0 * at / of))
-    progress = metrics.get("progress")
-    if _number(progress):
+    progress = _number(metrics.get("progress"))
+    if progress is not None:
         return max(0.0, min(100.0, progress * 100 if progress <= 1 else progress))
     return None
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _number(value: Any) -> float | None:
+    """A finite int or float as a float (never a bool); None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None

@@ -234,7 +234,7 @@ def _fields(op: Op) -> tuple[frozenset[str], frozenset[str]]:
     if op not in _FIELDS:
         kind = MESSAGES[op]
         hints = get_type_hints(kind)
-        _FIELDS[op] = (frozenset(kind.__required_keys__), frozenset(hints))
+        _FIELDS[op] = (frozenset(getattr(kind, "__required_keys__")), frozenset(hints))  # a TypedDict's keys
     return _FIELDS[op]
 
 

@@ -109,7 +109,7 @@ def _recorded_error(path: str) -> str | None:
     return str(message)
 
 
-def script_command(script: str, args: Iterable[Any], module: bool, workdir: Path | None) -> list[str]:
+def script_command(script: str | os.PathLike, args: Iterable[Any], module: bool, workdir: Path | None) -> list[str]:
     """`[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]`, checked before anything starts."""
     if not isinstance(script, (str, os.PathLike)) or not str(script):
         raise PoolConfigError(f"script: expected a path or module name, got {script!r}")
@@ -184,7 +184,7 @@ def script_task(script: str | os.PathLike, args: Iterable[Any] = (), **options: 
 def task_on_its_pool(checked: Any, command: list[str], module: bool) -> Any:
     """The distributed task of checked `script_options`, once its pool is looked up (a saved
     block's name is loaded through the API)."""
-    from skytasks.providers import provider_class
+    from skytasks.providers.registry import provider_class
     from skytasks.task import DistributedTask, resolve_pool
 
     pool = resolve_pool(checked.pool, nodes=checked.nodes, procs_per_node=checked.procs_per_node)

@@ -16,7 +16,7 @@ from skytasks.controller.pool_runtime import active_pool
 from skytasks.call_options import CallOptions
 from skytasks.controller.runner import PreparedCall, run_call
 from skytasks.errors import PoolConfigError
-from skytasks.providers import provider_class
+from skytasks.providers.registry import provider_class
 from skytasks.rank import in_rank
 from skytasks.workdir import check_workdir
 

@@ -19,7 +19,7 @@ import pickle
 import struct
 import threading
 import time
-from typing import Any, BinaryIO, Callable, NamedTuple
+from typing import Any, BinaryIO, Callable, NamedTuple, Protocol
 
 _HEADER = struct.Struct(">QIB")  # meta length, buffer count, flags
 RELAY = 1  # flag: a node agent streams this frame on to its ranks as it arrives
@@ -46,10 +46,16 @@ def widen_pipe(stream: Any) -> None:
         pass
 
 
+class Readable(Protocol):
+    """What frames are read from: a pipe, a socket file, or a HeardStream around one."""
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+
 class BlobRef(NamedTuple):
     """Stands in a call for a large argument that travels (and is cached) on its own."""
 
-    index: int  # into the call's blob references
+    slot: int  # into the call's blob references
 
 
 class ChannelClosed(EOFError):
@@ -84,7 +90,7 @@ def encode(msg: dict[str, Any], relay: bool = False) -> list[Any]:
     return chunks
 
 
-def _read_exact(stream: BinaryIO, n: int, into: Any = None) -> Any:
+def _read_exact(stream: Readable, n: int, into: Any = None) -> Any:
     # readinto a preallocated buffer: one copy of a large payload, not a list of chunks.
     buf = bytearray(n) if into is None else into
     view = memoryview(buf).cast("B")
@@ -97,20 +103,20 @@ def _read_exact(stream: BinaryIO, n: int, into: Any = None) -> Any:
     return buf
 
 
-def read_header(stream: BinaryIO) -> tuple[int, int, int]:
+def read_header(stream: Readable) -> tuple[int, int, int]:
     meta_len, count, flags = _HEADER.unpack(_read_exact(stream, _HEADER.size))
     if meta_len > MAX_FRAME:
         raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
     return meta_len, count, flags
 
 
-def read_frame(stream: BinaryIO, buffer_for: Callable[[int], Any] | None = None) -> dict[str, Any]:
+def read_frame(stream: Readable, buffer_for: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Block until one whole message arrives; raise ChannelClosed at end of stream.
     `buffer_for(size)`, when given, may supply the memory a large buffer is read into."""
     return read_body(stream, *read_header(stream), buffer_for=buffer_for)
 
 
-def read_body(stream: BinaryIO, meta_len: int, count: int, flags: int = 0,
+def read_body(stream: Readable, meta_len: int, count: int, flags: int = 0,
               buffer_for: Callable[[int], Any] | None = None) -> dict[str, Any]:
     meta = _read_exact(stream, meta_len)
     buffers = []
@@ -122,7 +128,7 @@ def read_body(stream: BinaryIO, meta_len: int, count: int, flags: int = 0,
     return pickle.loads(meta, buffers=buffers)
 
 
-def relay_frame(stream: BinaryIO, header: tuple[int, int, int], targets: list[FrameWriter]) -> None:
+def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[FrameWriter]) -> None:
     """Stream one frame from `stream` to every target as it arrives (cut-through): a large
     payload crosses the agent without waiting for its last byte, and is never held whole.
     A target that has gone away is dropped; its rank's exit is reported elsewhere."""
@@ -163,11 +169,11 @@ class HeardStream:
     """A reading stream that remembers when bytes last arrived. Any byte proves the far end is
     alive, so a frame of 500 MB that takes a minute to cross is never mistaken for silence."""
 
-    def __init__(self, stream: BinaryIO):
+    def __init__(self, stream: Any):  # a binary stream with readinto (a pipe, a socket file)
         self._stream = stream
         self.last_heard = time.monotonic()
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: Any) -> int | None:
         n = self._stream.readinto(buffer)
         if n:
             self.last_heard = time.monotonic()

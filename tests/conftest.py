@@ -11,8 +11,14 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.3")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import signal  # noqa: E402
+
 import psutil  # noqa: E402
 import pytest  # noqa: E402
+
+# A shell starts a background job (`make test &`) with SIGINT ignored, and children inherit an
+# ignored signal: the tests that press Ctrl-C on a CLI they start need it delivered.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROLES = ("skytasks.node.agent", "skytasks.node.worker")
 SESSION_STARTED = psutil.Process().create_time()  # psutil's clock: comparable with its create_time()

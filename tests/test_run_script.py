@@ -286,18 +286,23 @@ def test_ctrl_c_on_the_cli_stops_every_rank(tmp_path):
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     cli = subprocess.Popen([sys.executable, "-m", "skytasks.cli", "run", "--nodes", "2", "wait.py"], cwd=tmp_path,
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = []
-    deadline = time.monotonic() + 120
-    while len(seen) < 2 and time.monotonic() < deadline:
-        line = cli.stdout.readline()
-        if line.startswith("[rank ") and "waiting" in line:
-            seen.append(line)
-    assert len(seen) == 2, seen
-    assert len(skytasks_processes()) >= 4  # 2 agents, 2 ranks (and the scripts under them)
-    cli.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal does
-    _, err = cli.communicate(timeout=60)
-    assert cli.returncode == 130, err[-3000:]
-    assert "interrupted; every rank was stopped" in err
+    try:
+        seen = []
+        deadline = time.monotonic() + 120
+        while len(seen) < 2 and time.monotonic() < deadline:
+            line = cli.stdout.readline()
+            if line.startswith("[rank ") and "waiting" in line:
+                seen.append(line)
+        assert len(seen) == 2, seen
+        assert len(skytasks_processes()) >= 4  # 2 agents, 2 ranks (and the scripts under them)
+        cli.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal does
+        _, err = cli.communicate(timeout=60)
+        assert cli.returncode == 130, err[-3000:]
+        assert "interrupted; every rank was stopped" in err
+    finally:
+        if cli.poll() is None:  # a failed assertion above must not leave the CLI and its ranks running
+            cli.kill()
+            cli.communicate()
     from tests.conftest import wait_for_no_skytasks_processes
 
     assert wait_for_no_skytasks_processes() == []

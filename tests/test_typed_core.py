@@ -96,15 +96,20 @@ def test_settings_are_read_from_skytasks_environment_names(monkeypatch):
 
 
 def test_the_block_gives_a_frozen_spec_with_only_its_providers_part():
+    from skytasks.providers.aws.spec import AWSSpec
+    from skytasks.providers.ssh.spec import SSHSpec
+
     local = GPUPool(nodes=3, procs_per_node=2, env={"A": "1"}).spec()
-    assert (local.provider, local.nodes, local.procs_per_node, local.ssh, local.aws) == ("local", 3, 2, None, None)
+    assert (local.provider, local.nodes, local.procs_per_node, local.part) == ("local", 3, 2, None)
     assert local.env["A"] == "1" and local.name == "local-pool"
     with pytest.raises(AttributeError):
         local.nodes = 4  # frozen
     ssh = GPUPool(provider="ssh", nodes=2, hosts=["a", "b:2222"], known_hosts="x").spec()
-    assert ssh.ssh.hosts == ("a", "b:2222") and ssh.aws is None
-    with pytest.raises(ValueError, match="provider='ssh': the ssh part must be set"):
-        PoolSpec(name="x", provider="ssh", nodes=1, procs_per_node=1, accelerators_per_node=None)
+    assert ssh.own(SSHSpec).hosts == ("a", "b:2222") and ssh.own(SSHSpec).known_hosts == "x"
+    with pytest.raises(TypeError, match="provider='ssh': the pool's spec holds SSHSpec, not AWSSpec"):
+        ssh.own(AWSSpec)
+    with pytest.raises(ValueError, match="min_nodes: must be between 1 and nodes=1"):
+        PoolSpec(name="x", provider="local", nodes=1, procs_per_node=1, accelerators_per_node=None, min_nodes=2)
 
 
 def test_a_pool_entered_in_one_thread_is_not_every_threads_default():

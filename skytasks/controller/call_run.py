@@ -321,7 +321,7 @@ class CallRun:
 
     def _while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         """Until every agent confirms its ranks are gone, keeping failures that raced the stop."""
-        op, rank = msg["op"], msg.get("rank")
+        op, rank = msg["op"], msg.get("rank", -1)
         if op in (Op.STOPPED, Op.LOST):
             self._stop_waiting.discard(node_rank)
             if not self._stop_waiting:

@@ -51,9 +51,10 @@ def failure_error(label: str, failures: list[RankFailure], aborted_at: float | N
         msg = f"{label}: {first.exception}"
     elif all(isinstance(f.exception, HangError) for f in members):
         hung = [f.rank for f in members]
+        seconds = getattr(first.exception, "seconds", 0.0)
         members = _one_per_place(members)  # 1,024 hung ranks in one collective are one member
         msg = (f"{label}: the call hung: ranks {rank_ranges(hung)} made no progress for "
-               f"{first.exception.seconds:g}s (each rank's stack is in its log)")
+               f"{seconds:g}s (each rank's stack is in its log)")
     else:
         msg = f"{label}: {len(members)} rank(s) failed; root cause on rank {first.rank}"
     err = DistributedTaskError(msg, [f.exception for f in members],

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from skytasks.controller.session import PoolSession
 from skytasks.events import PoolDown, PoolUp
 from skytasks.pool_spec import PoolSpec
-from skytasks.providers import provider_for
+from skytasks.providers.registry import provider_for
 from skytasks.providers.reporting import PoolReporter
 
 # The pools entered with `with pool:` in this context, innermost last. A contextvar follows async
@@ -61,7 +61,7 @@ class PoolRuntime:
         if starting is not None:  # lets a cancelled `async with` abort a launch in progress
             starting["provider"] = provider
         session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
-                              nodes=(self.spec.min_nodes, self.spec.nodes)).start()  # type: ignore[arg-type]
+                              nodes=(self.spec.fewest, self.spec.nodes)).start()
         PoolReporter(self.spec.name, self.spec.provider).event(PoolUp(
             self.spec.provider, len(session.nodes), self.spec.node_count, self.spec.procs_per_node,
             tuple(n.link.address for n in session.nodes)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from skytasks.call_options import CallOptions
@@ -18,7 +19,7 @@ from skytasks.controller.rank_group import CallObserver, GroupSpec, RankOutcome
 from skytasks.devices import check_backend_before_launch
 from skytasks.errors import PoolStartError
 from skytasks.events import AttemptRestarted
-from skytasks.providers import provider_class
+from skytasks.providers.registry import provider_class
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest, read_workdir
 
@@ -70,8 +71,8 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
     workdir = None
     if options.workdir is not None:
         # Read (and held to the size limit) before any node is up, when it has to travel.
-        workdir = WorkdirRequest(options.workdir,
-                                 None if provider.runs_on_this_machine else read_workdir(options.workdir))
+        root = Path(options.workdir)
+        workdir = WorkdirRequest(root, None if provider.runs_on_this_machine else read_workdir(root))
     group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
     policy = FailurePolicy(options.retries, options.node_recoveries)
     spent = Spent()

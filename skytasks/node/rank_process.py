@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, BinaryIO, Protocol
 
-from skytasks.wire import ChannelClosed, FrameWriter, read_frame, widen_pipe
+from skytasks.wire import ChannelClosed, FrameWriter, Readable, read_frame, widen_pipe
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
 
@@ -68,7 +68,7 @@ class RankProcess:
             t.start()
         threading.Thread(target=self._report_exit, daemon=True).start()
 
-    def _relay_frames(self, stream: BinaryIO) -> None:
+    def _relay_frames(self, stream: Readable) -> None:
         try:
             while True:
                 msg = read_frame(stream)

@@ -186,7 +186,7 @@ def _unpack(msg: dict[str, Any]) -> tuple[Any, tuple, dict]:
 
     def resolve(value: Any) -> Any:
         # A copy each call: the function may change its argument in place, the cache must not.
-        return loads_out_of_band(_BLOBS[refs[value.index]], copy=True) if isinstance(value, BlobRef) else value
+        return loads_out_of_band(_BLOBS[refs[value.slot]], copy=True) if isinstance(value, BlobRef) else value
 
     return fn, tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 

@@ -7,7 +7,7 @@ Emitted only inside a Prefect run, where an API is configured; a plain script st
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 
 def _run_resources() -> list[dict[str, str]] | None:
@@ -38,7 +38,8 @@ def rank_resource(task: str, rank: int) -> dict[str, str]:
             "prefect.resource.name": f"{task}[rank {rank}]"}
 
 
-def emit(event: str, resource: dict[str, str], related: list[dict[str, str]] = (), payload: dict[str, Any] | None = None) -> None:
+def emit(event: str, resource: dict[str, str], related: Sequence[dict[str, str]] = (),
+         payload: dict[str, Any] | None = None) -> None:
     run_related = _run_resources()
     if run_related is None:
         return

@@ -54,7 +54,7 @@ class PrefectObserver:
         self._parent = parent.task_run
         self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
         self._started = time.monotonic()
-        self._ids = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
+        self._ids: dict[str, Any] = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
         self._progress = ProgressBar(artifact_key(label, "progress"), f"{label}: progress of the distributed call",
                                      **self._ids)
         # At most 5 artifacts per call, whatever its length: progress, metrics, resources and stacks

@@ -70,7 +70,7 @@ def _started_call(held: HeldObserver, result: Future, call: PreparedCall) -> lis
 def record_started_call(call: PreparedCall, held: HeldObserver, result: Future) -> list[Any]:
     """Inside a flow: the parent task run of a call already under way elsewhere."""
     with tags(*call.tags):
-        return parent_task(call.options.label, body=_started_call)(held, result, call)
+        return parent_task(call.options.label, body=_started_call)(held, result, call)  # type: ignore[return-value]
 
 
 def parent_task(label: str, body: Callable[..., list[Any]] = _distributed_call) -> Task:
@@ -89,7 +89,7 @@ def parent_task(label: str, body: Callable[..., list[Any]] = _distributed_call) 
 
 def call_in_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict) -> list[Any]:
     with tags(*call.tags):
-        return task(args, kwargs, call)
+        return task(args, kwargs, call)  # type: ignore[return-value]  # a sync task: its value, not a coroutine
 
 
 def submit_in_flow(task: Task, call: PreparedCall, args: tuple, kwargs: dict, wait_for: Any = None) -> PrefectFuture:

@@ -18,7 +18,8 @@ import logging
 import threading
 from collections import deque
 from datetime import timedelta, timezone
-from typing import Any
+from typing import Any, cast
+from uuid import UUID, uuid4
 
 from prefect import Task
 from prefect.cache_policies import NO_CACHE
@@ -35,7 +36,8 @@ from skytasks.controller.rank_group import RankOutcome
 try:  # Prefect's run ids are time-ordered; fall back to random ones on older releases
     from prefect._internal.uuid7 import uuid7 as _new_id
 except ImportError:  # pragma: no cover
-    from uuid import uuid4 as _new_id
+    def _new_id() -> UUID:  # type: ignore[misc]
+        return uuid4()
 
 
 def _rank_run(label: str, rank: int, world: int) -> None:
@@ -111,14 +113,15 @@ class RankRun:
                  quiet: bool = False) -> None:
         self.quiet = quiet  # its "Finished" line in the API only: 128 node runs are not 128 console lines
         running = stamped(Running())
+        at: Any = running.timestamp  # a datetime; TaskRun's annotations name Prefect's own DateTime
         self.task_run = TaskRun(
             id=_new_id(), name=name, flow_run_id=flow_run_id,
             task_key=RANK_TASK.task_key, dynamic_key=f"{parent_id}-{attempt}-{key}",
             empirical_policy=TaskRunPolicy(), tags=tags, run_count=1,
             task_inputs={"__parents__": [TaskRunResult(id=parent_id)]},
-            expected_start_time=running.timestamp, start_time=running.timestamp,
+            expected_start_time=at, start_time=at,
             state=running, state_id=running.id, state_type=running.type, state_name=running.name,
-            created=running.timestamp, updated=running.timestamp,
+            created=at, updated=at,
         )
         running.state_details.task_run_id, running.state_details.flow_run_id = self.task_run.id, flow_run_id
         self.logger = task_run_logger(self.task_run, task=RANK_TASK)
@@ -143,6 +146,7 @@ class RankRun:
             log_at_its_time(self.logger, logging.ERROR, "[rank %d] failed", outcome.rank,
                             exc_info=(type(exc), exc, exc.__traceback__))
         before, after = self.task_run.state, stamped(final_state(outcome.rank, outcome))
+        assert before is not None  # a rank run is made Running
         if after.timestamp <= before.timestamp:
             after.timestamp = before.timestamp + timedelta(microseconds=1)
         after.state_details.task_run_id, after.state_details.flow_run_id = self.task_run.id, self.task_run.flow_run_id
@@ -152,7 +156,7 @@ class RankRun:
         run = self.task_run
         if before.is_running():
             run.total_run_time += after.timestamp - before.timestamp
-        run.end_time = after.timestamp
+        run.end_time = cast(Any, after.timestamp)
         run.state, run.state_id, run.state_type, run.state_name = after, after.id, after.type, after.name
         self._last_event = emit_task_run_state_change_event(run, before, after, follows=self._last_event)
 

@@ -8,17 +8,14 @@ it is given (`skytasks.providers.reporting`); the controller asks it, never its 
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Protocol
 
 from skytasks.settings import settings
 
-from skytasks.errors import PoolConfigError
-from skytasks.providers.reporting import PoolReporter
-
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
+    from skytasks.providers.reporting import PoolReporter
     from skytasks.workdir import WorkdirRequest
 
 
@@ -98,25 +95,33 @@ class NodeProvider(Protocol):
         PoolTeardownError (after trying every step) when something may be left behind."""
 
 
-# Every provider, by the name a pool's `provider` field takes: "module:class", imported on first
-# use (a local pool never imports boto3 or asyncssh). Adding a provider is one line here.
-PROVIDERS: dict[str, str] = {
-    "local": "skytasks.providers.local:LocalProvider",
-    "ssh": "skytasks.providers.ssh:SSHProvider",
-    "aws": "skytasks.providers.aws.provider:AWSProvider",
-    "slurm": "skytasks.providers.slurm.provider:SlurmProvider",
-}
-# The `provider` field's type, from the table: the names are written once.
-ProviderName = Literal[tuple(PROVIDERS)]  # type: ignore[valid-type]
+class ProviderClass(Protocol):
+    """A provider's class, as the registry hands it out: what it can do is asked of the class
+    before any pool starts, and `Provider(spec, reporter=...)` makes one."""
+
+    reshape_is_cheap: bool
+    runs_on_this_machine: bool
+    gpus_from_config: bool
+
+    def __call__(self, spec: PoolSpec, reporter: PoolReporter | None = None) -> NodeProvider: ...
 
 
-def provider_class(name: str) -> type:
-    where = PROVIDERS.get(name)
-    if where is None:
-        raise PoolConfigError(f"provider: unknown provider {name!r}; known: {', '.join(PROVIDERS)}")
-    module, _, cls = where.partition(":")
-    return getattr(importlib.import_module(module), cls)
+@dataclass(frozen=True)
+class ProviderPlugin:
+    """What a provider's folder declares in its `__init__` (kept light: no cloud SDK is imported
+    until a pool of that provider starts). The registry (`skytasks.providers.registry`) lists them."""
+
+    name: str  # the block's `provider` value
+    provider: str  # "module:Class" of its NodeProvider, imported on first use
+    # The block fields it reads beyond the pool's shape (`SHAPE_FIELDS`): its own and the shared
+    # login fields. A field no provider but others reads, set on its pool, is a PoolConfigError.
+    reads: tuple[str, ...] = ()
+    # Its part of the PoolSpec from those fields (and the shape), validated: a ValueError whose
+    # text starts with the field's name ("hosts: ..."). None: it needs no part of its own.
+    build: Callable[[Mapping[str, Any]], object | None] = lambda fields: None
 
 
-def provider_for(spec: PoolSpec, reporter: PoolReporter | None = None) -> NodeProvider:
-    return provider_class(spec.provider)(spec, reporter=reporter or PoolReporter(spec.name, spec.provider))
+# The fields every provider takes: how many nodes and ranks, their accelerators and environment
+# (the AWS credentials become every rank's AWS variables, for S3 checkpoints on any provider).
+SHAPE_FIELDS = ("provider", "nodes", "min_nodes", "procs_per_node", "accelerator", "accelerators_per_node", "env",
+                "aws_credentials")

@@ -1,7 +1,10 @@
-"""EC2: launch (`provider`), what to launch (`plan`), tagged resources and teardown
-(`resources`), the node's user-data (`bootstrap`), its self-termination (`watchdog`) and the
-sweep of anything left behind (`gc`)."""
+"""provider="aws": EC2 instances the pool launches, reaches over SSH, and always terminates.
 
-from skytasks.providers.aws.provider import AWSProvider
+`spec.py` (its fields and spec), `provider.py` (launch), `plan.py` (what to launch), `resources.py`
+(tagged resources and teardown), `bootstrap.py` (the node's user-data), `watchdog.py` (its
+self-termination), `gc.py` (the sweep of anything left behind)."""
 
-__all__ = ["AWSProvider"]
+from skytasks.providers import ProviderPlugin
+from skytasks.providers.aws import spec
+
+PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider", reads=spec.READS, build=spec.build)

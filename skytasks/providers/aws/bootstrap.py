@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from skytasks.providers.aws.spec import AWSSpec
+
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
 
@@ -48,19 +50,21 @@ def requirement(package: str, spec: str | None) -> str | None:
 
 def torch_install(spec: PoolSpec, cuda: bool) -> tuple[list[str], str]:
     """The torch family to install and the wheel index to take it from."""
-    wanted = [requirement("torch", spec.aws.torch_version), requirement("torchvision", spec.aws.torchvision),
-              requirement("torchaudio", spec.aws.torchaudio)]
-    index = TORCH_INDEX.format(suffix=spec.aws.torch_cuda if cuda else "cpu")
+    aws = spec.own(AWSSpec)
+    wanted = [requirement("torch", aws.torch_version), requirement("torchvision", aws.torchvision),
+              requirement("torchaudio", aws.torchaudio)]
+    index = TORCH_INDEX.format(suffix=aws.torch_cuda if cuda else "cpu")
     return [w for w in wanted if w], index
 
 
 def bootstrap_script(spec: PoolSpec, cuda: bool, python_version: str | None = None) -> str:
+    aws = spec.own(AWSSpec)
     import cloudpickle
 
     python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     torch_reqs, index = torch_install(spec, cuda)
     # cloudpickle must match the controller's exactly: it is the wire format of the function.
-    extras = [f"cloudpickle=={cloudpickle.__version__}", "numpy", *spec.aws.pip_packages]
+    extras = [f"cloudpickle=={cloudpickle.__version__}", "numpy", *aws.pip_packages]
     q = " ".join
     return "\n".join([
         "#!/bin/bash",
@@ -93,13 +97,14 @@ _Dumper.add_representer(_Literal, lambda d, s: d.represent_scalar("tag:yaml.org,
 
 def render_user_data(spec: PoolSpec, cuda: bool, host_key_private: str, host_key_public: str,
                      python_version: str | None = None) -> str:
-    idle, lifetime = spec.aws.idle_minutes * 60, spec.aws.max_lifetime_minutes * 60
+    aws = spec.own(AWSSpec)
+    idle, lifetime = aws.idle_minutes * 60, aws.max_lifetime_minutes * 60
     watchdog_unit = "\n".join([
         "[Unit]", "Description=skytasks watchdog: terminate this node when its controller is gone", "",
         "[Service]",
         f"ExecStart=/usr/bin/python3 /opt/skytasks/watchdog.py --heartbeat-file {HEARTBEAT_FILE} "
         f"--idle-seconds {idle:g} --max-lifetime-seconds {lifetime:g}"
-        + (f" --notice-file {NOTICE_FILE}" if spec.aws.spot else ""),
+        + (f" --notice-file {NOTICE_FILE}" if aws.spot else ""),
         "Restart=always", "", "[Install]", "WantedBy=multi-user.target", "",
     ])
     config = {

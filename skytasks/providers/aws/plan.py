@@ -15,6 +15,8 @@ from typing import Any
 
 from skytasks.errors import PoolConfigError
 
+from skytasks.providers.aws.spec import AWSSpec
+
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
 
@@ -80,23 +82,24 @@ class LaunchPlan:
 
 def plan_launch(spec: PoolSpec, ec2: Any, ssm: Any, *, public_ip_lookup=None) -> LaunchPlan:
     """Resolve defaults and validate the pool against the account, naming the field at fault."""
+    aws = spec.own(AWSSpec)
     from botocore.exceptions import ClientError
 
     region = ec2.meta.region_name
-    instance_type = spec.aws.instance_type or default_instance_type(spec.aws.accelerator, spec.aws.accelerators_per_node or 0)
+    instance_type = aws.instance_type or default_instance_type(aws.accelerator, aws.accelerators_per_node or 0)
     try:
         [info] = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
     except ClientError as exc:
         raise PoolConfigError(f"instance_type: {instance_type!r} does not exist in {region} "
                               f"({exc.response['Error']['Message']})") from None
     gpus = sum(g.get("Count", 0) for g in info.get("GpuInfo", {}).get("Gpus", []))
-    if spec.aws.accelerator and gpus and gpus < (spec.aws.accelerators_per_node or 1):
+    if aws.accelerator and gpus and gpus < (aws.accelerators_per_node or 1):
         raise PoolConfigError(f"accelerators_per_node: {instance_type} has {gpus} GPU(s), "
-                              f"{spec.aws.accelerators_per_node} asked for")
-    cuda = spec.aws.accelerator is not None
+                              f"{aws.accelerators_per_node} asked for")
+    cuda = aws.accelerator is not None
     arch = "arm64" if info.get("ProcessorInfo", {}).get("SupportedArchitectures") == ["arm64"] else "x86_64"
 
-    image_id = spec.aws.image_id or default_image(ssm, cuda, arch)
+    image_id = aws.image_id or default_image(ssm, cuda, arch)
     try:
         images = ec2.describe_images(ImageIds=[image_id])["Images"]
     except ClientError as exc:
@@ -104,19 +107,19 @@ def plan_launch(spec: PoolSpec, ec2: Any, ssm: Any, *, public_ip_lookup=None) ->
     if not images:
         raise PoolConfigError(f"image_id: {image_id!r} does not exist in {region}")
 
-    subnet = find_subnet(ec2, spec.aws.subnet_id)
-    for field, call in (("security_group_ids", lambda: ec2.describe_security_groups(GroupIds=spec.aws.security_group_ids)),
-                        ("key_name", lambda: ec2.describe_key_pairs(KeyNames=[spec.aws.key_name]))):
-        if getattr(spec.aws, field):
+    subnet = find_subnet(ec2, aws.subnet_id)
+    for field, call in (("security_group_ids", lambda: ec2.describe_security_groups(GroupIds=aws.security_group_ids)),
+                        ("key_name", lambda: ec2.describe_key_pairs(KeyNames=[aws.key_name]))):
+        if getattr(aws, field):
             try:
                 call()
             except ClientError as exc:
                 raise PoolConfigError(f"{field}: {exc.response['Error']['Message']}") from None
-    cidr = spec.aws.ssh_ingress_cidr or f"{(public_ip_lookup or controller_public_ip)()}/32"
+    cidr = aws.ssh_ingress_cidr or f"{(public_ip_lookup or controller_public_ip)()}/32"
     return LaunchPlan(
         region=region, instance_type=instance_type, image_id=image_id,
         root_device=images[0].get("RootDeviceName") or "/dev/sda1",
-        login=spec.aws.ssh_user or DEFAULT_LOGIN, subnet_id=subnet["SubnetId"], vpc_id=subnet["VpcId"],
+        login=aws.ssh_user or DEFAULT_LOGIN, subnet_id=subnet["SubnetId"], vpc_id=subnet["VpcId"],
         gpus_per_node=gpus, cuda=cuda, efa=bool(info.get("NetworkInfo", {}).get("EfaSupported")) and cuda,
         # A cluster placement group puts GPU nodes on one network spine: NCCL's all-reduce is
         # the step time. CPU pools gain little and some CPU types do not support it.

@@ -21,30 +21,32 @@ import uuid
 from typing import Any
 
 from skytasks.errors import PoolStartError
-from skytasks.providers import NodeLink
+from skytasks.providers import NodeLink, NodeProvider
 from skytasks.providers.reporting import PoolReporter, flow_run_id
 from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.aws.capacity import launch_what_can_be_had
 from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
+from skytasks.providers.aws.spec import AWSSpec
 from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, NOTICE_FILE, VENV_PYTHON, render_user_data
-from skytasks.providers.ssh import SSHLogin, SSHNodes
+from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes
 
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
 
 
-class AWSProvider:
+class AWSProvider(NodeProvider):
     reshape_is_cheap = False  # instances cost money: a call of another shape must not launch its own
     runs_on_this_machine = False  # a workdir travels to the nodes
     gpus_from_config = True
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
+        self._aws = spec.own(AWSSpec)
         self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
-        self._ec2 = spec.aws.credentials.get_client("ec2")
-        self._ssm = spec.aws.credentials.get_client("ssm")
+        self._ec2 = self._aws.credentials.get_client("ec2")
+        self._ssm = self._aws.credentials.get_client("ssm")
         self.reporter = reporter or PoolReporter(spec.name, "aws")
         self.reporter.key = self.pool_id
         self._progress = self.reporter.progress
@@ -68,8 +70,8 @@ class AWSProvider:
                 targets=[(plan.login, a, 22) for a in addresses], known_hosts=known_hosts_text(addresses, host_key),
                 peer_addresses=private,
                 private_key=login_key.export_private_key().decode(), python=self._python(),
-                env=dict(spec.env), heartbeat_file=HEARTBEAT_FILE, timeout=spec.aws.ready_timeout_seconds,
-                notice_file=NOTICE_FILE if spec.aws.spot else None,
+                env=dict(spec.env), heartbeat_file=HEARTBEAT_FILE, timeout=self._aws.ready_timeout_seconds,
+                notice_file=NOTICE_FILE if self._aws.spot else None,
             ), self.reporter)
             return self._nodes.start()
         except BaseException:
@@ -82,14 +84,14 @@ class AWSProvider:
         login key and the host key the nodes were given."""
         spec = self._spec
         plan = plan_launch(spec, self._ec2, self._ssm)
-        hours = spec.aws.max_lifetime_minutes / 60
-        self._progress(0, spec.nodes, plan.cost_line(spec.nodes, hours, spec.aws.spot))
+        hours = self._aws.max_lifetime_minutes / 60
+        self._progress(0, spec.nodes, plan.cost_line(spec.nodes, hours, self._aws.spot))
         login_key, host_key = self._make_keys()
         short = self._launch(plan, host_key)
         if short:  # an elastic pool got fewer: why, and the cost of what it really has
             launched = len(self.owned.instance_ids)
             self.reporter.note(f"{self.pool_id}: launched {launched} of {spec.nodes} nodes ({short}); "
-                                 f"{plan.cost_line(launched, hours, spec.aws.spot)}")
+                                 f"{plan.cost_line(launched, hours, self._aws.spot)}")
         self._plan, self._login_key, self._host_key = plan, login_key, host_key  # for replace()
         self._node_ids = dict(enumerate(self.owned.instance_ids))  # node id -> its instance
         return plan, login_key, host_key
@@ -149,19 +151,20 @@ class AWSProvider:
     def _python(self) -> str:
         # remote_python, when set, names an interpreter the image already has; otherwise it is
         # the venv the bootstrap built.
-        return self._spec.aws.remote_python or VENV_PYTHON
+        return self._aws.remote_python or VENV_PYTHON
 
     def _tags(self, resource_type: str) -> list[dict]:
-        tags = pool_tags(self.pool_id, self._spec.aws.max_lifetime_minutes, self._spec.aws.tags, flow_run_id())
+        tags = pool_tags(self.pool_id, self._aws.max_lifetime_minutes, self._aws.tags, flow_run_id())
         return [{"ResourceType": resource_type, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
 
     def _make_keys(self) -> tuple[Any, Any]:
         import asyncssh
 
-        spec = self._spec
         host_key = asyncssh.generate_private_key("ssh-ed25519")
-        if spec.aws.key_name:  # the user's own key pair; its private half is ssh_private_key
-            return asyncssh.import_private_key(spec.aws.ssh_private_key.get_secret_value()), host_key
+        if self._aws.key_name:  # the user's own key pair; its private half is ssh_private_key
+            private = self._aws.ssh_private_key
+            assert private is not None  # the spec refuses key_name without it
+            return asyncssh.import_private_key(private.get_secret_value()), host_key
         login_key = asyncssh.generate_private_key("ssh-ed25519")
         self._ec2.import_key_pair(KeyName=self.pool_id, PublicKeyMaterial=login_key.export_public_key(),
                                   TagSpecifications=self._tags("key-pair"))
@@ -182,10 +185,10 @@ class AWSProvider:
             ec2.create_placement_group(GroupName=self.pool_id, Strategy="cluster",
                                        TagSpecifications=self._tags("placement-group"))
             self.owned.placement_group = self.pool_id
-        groups = [sg_id, *spec.aws.security_group_ids]
+        groups = [sg_id, *self._aws.security_group_ids]
         request: dict[str, Any] = dict(
             ImageId=plan.image_id, InstanceType=plan.instance_type,
-            KeyName=self.owned.key_name or spec.aws.key_name,
+            KeyName=self.owned.key_name or self._aws.key_name,
             UserData=render_user_data(spec, plan.cuda, host_key.export_private_key().decode(),
                                       host_key.export_public_key().decode()),
             InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's shutdown ends the instance
@@ -193,7 +196,7 @@ class AWSProvider:
             # one-hop SSRF) may read it back on the node.
             MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
             BlockDeviceMappings=[{"DeviceName": plan.root_device,
-                                  "Ebs": {"VolumeSize": spec.aws.root_volume_gb, "VolumeType": "gp3",
+                                  "Ebs": {"VolumeSize": self._aws.root_volume_gb, "VolumeType": "gp3",
                                           "DeleteOnTermination": True}}],
             TagSpecifications=self._tags("instance") + self._tags("volume"),
         )
@@ -204,14 +207,14 @@ class AWSProvider:
             request.update(SubnetId=plan.subnet_id, SecurityGroupIds=groups)
         if self.owned.placement_group:
             request["Placement"] = {"GroupName": self.owned.placement_group}
-        if spec.aws.spot:
+        if self._aws.spot:
             request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-        if spec.aws.iam_instance_profile:
-            key = "Arn" if spec.aws.iam_instance_profile.startswith("arn:") else "Name"
-            request["IamInstanceProfile"] = {key: spec.aws.iam_instance_profile}
+        if self._aws.iam_instance_profile:
+            key = "Arn" if self._aws.iam_instance_profile.startswith("arn:") else "Name"
+            request["IamInstanceProfile"] = {key: self._aws.iam_instance_profile}
         self._request = request  # a replacement is launched exactly alike (replace())
-        instances, short = launch_what_can_be_had(ec2, request, spec.min_nodes, spec.nodes)
+        instances, short = launch_what_can_be_had(ec2, request, spec.fewest, spec.nodes)
         self.owned.instance_ids = [i["InstanceId"] for i in instances]
         return short
 
@@ -219,8 +222,7 @@ class AWSProvider:
                           ids: list[str] | None = None) -> tuple[list[str], list[str]]:
         """Until every node answers SSH with its pinned host key and says its bootstrap is done.
         Returns the addresses to reach them on, and their private addresses (for the peers)."""
-        spec = self._spec
-        deadline = time.monotonic() + spec.aws.ready_timeout_seconds
+        deadline = time.monotonic() + self._aws.ready_timeout_seconds
         ids = list(self.owned.instance_ids) if ids is None else ids
         state: dict[str, str] = {i: "launching" for i in ids}
         addresses: dict[str, str] = {}
@@ -254,7 +256,7 @@ class AWSProvider:
                 late = [f"{i} ({state[i]})" for i in ids if i not in ready]
                 raise PoolStartError(
                     f"ready_timeout_seconds: {len(late)} of {len(ids)} node(s) not ready after "
-                    f"{spec.aws.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
+                    f"{self._aws.ready_timeout_seconds:g}s: {', '.join(late)}; everything launched was terminated"
                 )
             if self._aborted.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
                 raise InterruptedError(f"the launch of {self.pool_id} was cancelled; everything launched was terminated")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from skytasks.errors import PoolTeardownError
 
@@ -17,7 +17,7 @@ POLL_SECONDS = 2.0
 TERMINATE_WAIT_SECONDS = 600.0
 
 
-def pool_tags(pool_id: str, lifetime_minutes: float, extra: dict[str, str], flow_run_id: str | None) -> dict[str, str]:
+def pool_tags(pool_id: str, lifetime_minutes: float, extra: Mapping[str, str], flow_run_id: str | None) -> dict[str, str]:
     now = datetime.now(timezone.utc)
     tags = {**extra, "Name": pool_id, POOL_TAG: pool_id, CREATED_TAG: now.strftime(TIME_FORMAT),
             EXPIRES_TAG: (now + timedelta(minutes=lifetime_minutes)).strftime(TIME_FORMAT)}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from skytasks.pool_spec import PoolSpec
+from skytasks.providers.slurm.spec import SlurmSpec
 
 JOB_PREFIX = "skytasks-"
 EXPIRES_KEY = "skytasks:expires-at="
@@ -72,8 +73,7 @@ def sbatch_args(spec: PoolSpec, pool_id: str, nodes: int, exclude: tuple[str, ..
                 fewest: int | None = None) -> list[str]:
     """The allocation for `nodes` nodes of this pool (SLURM's own `--nodes=MIN-MAX` when it may
     have `fewest`): one batch job for its whole life."""
-    s = spec.slurm
-    assert s is not None
+    s = spec.own(SlurmSpec)
     count = f"{fewest}-{nodes}" if fewest is not None and fewest < nodes else str(nodes)
     args = ["sbatch", "--parsable", f"--job-name={pool_id}", f"--comment={expiry_comment(s.max_lifetime_minutes)}",
             f"--nodes={count}", f"--ntasks-per-node={spec.procs_per_node}",
@@ -110,9 +110,9 @@ def parse_queue_line(text: str) -> QueueState:
 
 def parse_nodes(scontrol_oneliners: str) -> dict[str, dict[str, str]]:
     """`scontrol -o show node ...` as {name: {key: value}}."""
-    nodes = {}
+    nodes: dict[str, dict[str, str]] = {}
     for line in scontrol_oneliners.splitlines():
-        fields = dict(m.groups() for m in re.finditer(r"(\w+)=(\S*(?: (?!\w+=)\S+)*)", line))
+        fields = dict((m[1], m[2]) for m in re.finditer(r"(\w+)=(\S*(?: (?!\w+=)\S+)*)", line))
         if "NodeName" in fields:
             nodes[fields["NodeName"]] = fields
     return nodes

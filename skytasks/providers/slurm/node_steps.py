@@ -17,10 +17,11 @@ from typing import Any
 
 from skytasks.errors import PoolStartError
 from skytasks.pool_spec import PoolSpec
+from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers import NodeLink
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.slurm.shell import SlurmShell, Step
-from skytasks.providers.ssh import package_bundle
+from skytasks.providers.ssh.nodes import package_bundle
 
 # argv: digest, bundle size, then the agent's own arguments. Stdlib only.
 BOOTSTRAP = r"""
@@ -59,7 +60,7 @@ def srun(job_id: str, node: str) -> list[str]:
 class NodeSteps:
     def __init__(self, shell: SlurmShell, spec: PoolSpec, reporter: PoolReporter):
         self._shell, self._spec, self._reporter = shell, spec, reporter
-        self._python = spec.slurm.remote_python or "python3"
+        self._python = spec.own(SlurmSpec).remote_python or "python3"
         self._steps: dict[str, Step] = {}
         self._workdirs: dict[str, str] = {}
         self._bundle: tuple[bytes, str] | None = None  # the controller's skytasks, tarred once
@@ -71,7 +72,7 @@ class NodeSteps:
         env = [f"{k}={v}" for k, v in self._spec.env.items()]
         argv = [*srun(job_id, name), "env", *env, self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *args]
         step = self._steps[name] = self._shell.open(argv, f"node {node_rank} {name}")
-        answer = _read_line(step, timeout=self._spec.slurm.ready_timeout_seconds)
+        answer = _read_line(step, timeout=self._spec.own(SlurmSpec).ready_timeout_seconds)
         if answer == b"need\n":
             step.outbound.write(bundle)
             step.outbound.flush()
@@ -95,7 +96,7 @@ class NodeSteps:
 
     def prepare_workdir(self, request, nodes: list[tuple[str, str]]) -> tuple[str, str | None]:
         """The workdir onto every node in parallel, content-addressed as for ssh nodes."""
-        from skytasks.providers.ssh_workdir import sync_workdir
+        from skytasks.providers.ssh.workdir import sync_workdir
         from skytasks.workdir import describe_sync, read_workdir
 
         tree = request.tree or read_workdir(request.root)

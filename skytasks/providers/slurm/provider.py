@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
-from skytasks.providers import NodeLink, agent_args
+from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.slurm import job as slurm_job
 from skytasks.providers.slurm.node_steps import NodeSteps
 from skytasks.providers.slurm.shell import SlurmShell
+from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.settings import settings
 
 POLL_SECONDS = 1.0
@@ -43,18 +44,18 @@ class AllocatedNode:
     job_id: str
 
 
-class SlurmProvider:
+class SlurmProvider(NodeProvider):
     reshape_is_cheap = False  # an allocation waits in a queue and is billed: never a second one per call
     runs_on_this_machine = False
     gpus_from_config = True
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
-        assert spec.slurm is not None
         self._spec = spec
+        self._slurm = spec.own(SlurmSpec)
         self.pool_id = f"{slurm_job.JOB_PREFIX}{uuid.uuid4().hex[:10]}"
         self.reporter = reporter or PoolReporter(spec.name, "slurm")
         self.reporter.key = self.pool_id
-        self.shell = SlurmShell(spec.slurm, self.reporter)
+        self.shell = SlurmShell(self._slurm, self.reporter)
         self.jobs: list[str] = []  # every job this pool submitted, cancelled at stop
         self.nodes: dict[int, AllocatedNode] = {}  # node id -> where it runs
         self.lost: set[str] = set()  # node names lost so far: never allocated again by this pool
@@ -108,7 +109,7 @@ class SlurmProvider:
 
     def _why_not_more(self, have: list[str]) -> str:
         """The partition's other nodes and their states, as SLURM says (sinfo)."""
-        part = self._spec.slurm.partition
+        part = self._slurm.partition
         done = self.shell.run(["sinfo", "-h", "-N", "-o", "%N|%T", *([f"--partition={part}"] if part else [])])
         others = sorted({ln.strip() for ln in done.stdout.splitlines() if ln.strip() and ln.split("|")[0] not in have})
         if not others:
@@ -117,7 +118,7 @@ class SlurmProvider:
 
     def _submit(self, nodes: int, exclude: tuple[str, ...] = (), fewest: int | None = None) -> str:
         args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=exclude, fewest=fewest)
-        done = self.shell.run(args, input=slurm_job.batch_script(self._spec.slurm.idle_minutes).encode())
+        done = self.shell.run(args, input=slurm_job.batch_script(self._slurm.idle_minutes).encode())
         if done.returncode != 0:
             said = slurm_job.slurm_message(done.stderr)
             field = slurm_job.refused_field(said) or "slurm_extra_args"
@@ -128,7 +129,7 @@ class SlurmProvider:
 
     def _wait_running(self, job_id: str, nodes: int, timeout: float | None = None) -> list[str]:
         """Until the job runs: its node names. Pending is said with SLURM's reason and position."""
-        timeout = timeout or self._spec.slurm.ready_timeout_seconds
+        timeout = timeout or self._slurm.ready_timeout_seconds
         deadline = time.monotonic() + timeout
         reason = "submitted"
         while True:
@@ -157,7 +158,7 @@ class SlurmProvider:
         return slurm_job.parse_queue_line(done.stdout)
 
     def _position(self, job_id: str) -> str:
-        part = self._spec.slurm.partition
+        part = self._slurm.partition
         done = self.shell.run(["squeue", "-h", "-t", "PD", "-o", "%i", "--sort=-p,i",
                                *([f"--partition={part}"] if part else [])])
         ids = done.stdout.split()

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
 from skytasks.errors import PoolStartError
-from skytasks.pool_spec import SlurmSpec
+from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers.processes import end_child
 from skytasks.providers.reporting import PoolReporter
-from skytasks.providers.ssh import load_known_hosts, parse_host
-from skytasks.providers.ssh_bridge import bridge_process
+from skytasks.providers.ssh.nodes import load_known_hosts, parse_host
+from skytasks.providers.ssh.bridge import bridge_process
 
 
 @dataclass

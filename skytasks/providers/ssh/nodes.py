@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from skytasks.errors import PoolConfigError, PoolStartError
-from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
-from skytasks.providers.ssh_bridge import bridge_process
+from skytasks.providers.ssh.bridge import bridge_process
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # skytasks/
 CHUNK = 1 << 20
 GROW_CONNECT_SECONDS = 15.0  # growing an elastic pool: how long one host may take to answer
 
@@ -183,7 +182,7 @@ class SSHNodes:
 
     def prepare_workdir(self, request) -> tuple[str, str | None]:
         """The workdir onto every node in parallel; only contents a node lacks travel."""
-        from skytasks.providers.ssh_workdir import sync_workdir
+        from skytasks.providers.ssh.workdir import sync_workdir
         from skytasks.workdir import describe_sync, read_workdir
 
         tree = request.tree or read_workdir(request.root)
@@ -287,21 +286,6 @@ class SSHNodes:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-
-
-class SSHProvider(SSHNodes):
-    """provider="ssh": the pool's own hosts, login and known_hosts."""
-
-    def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
-        ssh = spec.ssh
-        assert ssh is not None
-        super().__init__(SSHLogin(
-            targets=[parse_host(h, ssh.ssh_user) for h in ssh.hosts],
-            known_hosts=ssh.known_hosts or "",
-            private_key=ssh.ssh_private_key.get_secret_value() if ssh.ssh_private_key else None,
-            python=ssh.remote_python or "python3", pip_packages=list(ssh.pip_packages), env=dict(spec.env),
-            timeout=ssh.ready_timeout_seconds, min_nodes=spec.min_nodes,
-        ), reporter)
 
 
 def load_known_hosts(text: str | None, provider: str) -> Any:

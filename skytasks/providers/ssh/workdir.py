@@ -72,7 +72,7 @@ async def sync_workdir(conn: Any, python: str, tree: Workdir) -> SyncResult:
     if answer["built"]:
         return SyncResult(target, 0, 0)
     missing = set(answer["missing"])
-    first_with = {}
+    first_with: dict[str, Any] = {}
     for f in tree.files:
         if f.sha256 in missing:
             first_with.setdefault(f.sha256, f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
-from skytasks.providers import NodeLink, agent_args
+from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.providers.processes import end_child
 from skytasks.providers.reporting import PoolReporter
 from skytasks.wire import widen_pipe
@@ -17,7 +18,7 @@ from skytasks.wire import widen_pipe
 LOOPBACK = "127.0.0.1"
 
 
-class LocalProvider:
+class LocalProvider(NodeProvider):
     reshape_is_cheap = True  # processes on this machine: a call of another shape starts its own
     runs_on_this_machine = True  # a workdir is used in place
     gpus_from_config = False
@@ -81,7 +82,7 @@ class LocalProvider:
             outbound=proc.stdin,  # type: ignore[arg-type]
             env={"PYTHONPATH": self._path},
             machine="this machine",
-            close=lambda p=proc: end_child(p),
+            close=functools.partial(end_child, proc),
         )
 
     def abort(self) -> None:

@@ -1,0 +1,83 @@
+"""provider="aws": its block fields (what is launched, how it is reached, when it ends itself),
+their validation, and its frozen part of the spec. The credentials stay on the block: they are a
+prefect-aws block, and every provider's ranks get them as AWS variables."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+
+OWN = ("instance_type", "image_id", "subnet_id", "security_group_ids", "key_name", "spot", "root_volume_gb",
+       "iam_instance_profile", "tags", "ssh_ingress_cidr", "torch_version", "torch_cuda", "torchvision", "torchaudio")
+READS = OWN + ("ssh_user", "ssh_private_key", "remote_python", "pip_packages", "ready_timeout_seconds", "idle_minutes",
+               "max_lifetime_minutes")
+
+
+class AWSFields(BaseModel):
+    torch_version: str = Field("latest", description='aws: "latest", a bare version (pinned with ==) or a constraint.')
+    torch_cuda: str = Field("cu128", description="aws: CUDA wheel index suffix, used when the accelerator has CUDA.")
+    torchvision: Optional[str] = None
+    torchaudio: Optional[str] = None
+    instance_type: Optional[str] = None
+    image_id: Optional[str] = None
+    subnet_id: Optional[str] = None
+    security_group_ids: list[str] = Field(default_factory=list)
+    key_name: Optional[str] = None
+    spot: bool = False
+    root_volume_gb: int = Field(100, ge=8)
+    iam_instance_profile: Optional[str] = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    ssh_ingress_cidr: Optional[str] = Field(None, description="aws: who may reach SSH on launched nodes.")
+
+    @field_validator("ssh_ingress_cidr")
+    @classmethod
+    def _cidr_is_a_network(cls, cidr: Optional[str]) -> Optional[str]:
+        if cidr is not None:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"ssh_ingress_cidr: {cidr!r} is not a network such as 203.0.113.7/32") from None
+        return cidr
+
+
+@dataclass(frozen=True)
+class AWSSpec:
+    """provider="aws": what is launched, how it is reached, and when it ends itself."""
+
+    credentials: Any  # a prefect_aws.AwsCredentials block: it makes the boto3 clients
+    accelerator: Optional[str]
+    accelerators_per_node: Optional[int]
+    instance_type: Optional[str]
+    image_id: Optional[str]
+    subnet_id: Optional[str]
+    security_group_ids: tuple[str, ...]
+    key_name: Optional[str]
+    spot: bool
+    root_volume_gb: int
+    iam_instance_profile: Optional[str]
+    tags: Mapping[str, str]
+    ssh_ingress_cidr: Optional[str]
+    ssh_user: Optional[str]
+    ssh_private_key: Optional[SecretStr]
+    remote_python: Optional[str]
+    pip_packages: tuple[str, ...]
+    torch_version: str
+    torch_cuda: str
+    torchvision: Optional[str]
+    torchaudio: Optional[str]
+    ready_timeout_seconds: float
+    idle_minutes: float
+    max_lifetime_minutes: float
+
+
+def build(fields: Mapping[str, Any]) -> AWSSpec:
+    if fields["key_name"] and fields["ssh_private_key"] is None:
+        raise ValueError("ssh_private_key: key_name names your own key pair; give its private key too")
+    values = {name: fields[name] for name in READS}
+    values.update(security_group_ids=tuple(values["security_group_ids"]), tags=dict(values["tags"]),
+                  pip_packages=tuple(values["pip_packages"]))
+    return AWSSpec(credentials=fields["aws_credentials"], accelerator=fields["accelerator"],
+                   accelerators_per_node=fields["accelerators_per_node"], **values)

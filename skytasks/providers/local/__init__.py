@@ -1,0 +1,6 @@
+"""provider="local": node agents as child processes of this machine (`provider.py`). It reads
+no field beyond the pool's shape."""
+
+from skytasks.providers import ProviderPlugin
+
+PLUGIN = ProviderPlugin("local", "skytasks.providers.local.provider:LocalProvider")

@@ -1,0 +1,75 @@
+"""provider="slurm": its block fields (what the allocation asks for, where SLURM's commands run),
+their validation, and its frozen part of the spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+
+from skytasks.providers.remote_fields import host_field
+
+OWN = ("slurm_login", "slurm_partition", "slurm_account", "slurm_qos", "slurm_constraint", "slurm_gres",
+       "slurm_extra_args")
+READS = OWN + ("ssh_user", "ssh_private_key", "known_hosts", "remote_python", "ready_timeout_seconds", "idle_minutes",
+               "max_lifetime_minutes")
+
+
+class SlurmFields(BaseModel):
+    slurm_login: Optional[str] = Field(
+        None, description='slurm: "[user@]host[:port]" of a login node where SLURM commands run over SSH; None: here.')
+    slurm_partition: Optional[str] = Field(None, description="slurm: the allocation's --partition.")
+    slurm_account: Optional[str] = Field(None, description="slurm: the allocation's --account.")
+    slurm_qos: Optional[str] = Field(None, description="slurm: the allocation's --qos.")
+    slurm_constraint: Optional[str] = Field(None, description="slurm: the allocation's --constraint.")
+    slurm_gres: Optional[str] = Field(
+        None, description='slurm: GPUs per node as SLURM names them ("gpu:h100:8"); None: gpu:<accelerators_per_node>.')
+    slurm_extra_args: list[str] = Field(default_factory=list, description="slurm: further sbatch arguments, as written.")
+
+    @field_validator("slurm_login")
+    @classmethod
+    def _login_is_well_formed(cls, login: Optional[str]) -> Optional[str]:
+        return None if login is None else host_field("slurm_login", login)
+
+    @field_validator("slurm_extra_args")
+    @classmethod
+    def _extra_args_are_options(cls, args: list[str]) -> list[str]:
+        for a in args:
+            if not isinstance(a, str) or not a.startswith("-"):
+                raise ValueError(f"slurm_extra_args: {a!r} is not an sbatch option (each item is one argument, "
+                                 "such as '--exclusive' or '--mem=64G')")
+        return args
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """provider="slurm": what the allocation asks for, where SLURM's commands run, and when it ends."""
+
+    login: Optional[str]  # "[user@]host[:port]" of a login node; None: SLURM's commands run here
+    ssh_user: Optional[str]
+    ssh_private_key: Optional[SecretStr]
+    known_hosts: Optional[str]
+    remote_python: Optional[str]
+    partition: Optional[str]
+    account: Optional[str]
+    qos: Optional[str]
+    constraint: Optional[str]
+    gres: Optional[str]  # already defaulted from the accelerator
+    extra_args: tuple[str, ...]
+    ready_timeout_seconds: float
+    idle_minutes: float
+    max_lifetime_minutes: float
+
+
+def build(fields: Mapping[str, Any]) -> SlurmSpec:
+    if fields["slurm_login"] and not fields["known_hosts"]:
+        raise ValueError("known_hosts: slurm_login needs the login node's host key in known_hosts (text or a "
+                         "path); host keys are never trusted blindly")
+    gres = fields["slurm_gres"] or (f"gpu:{fields['accelerators_per_node']}" if fields["accelerator"] else None)
+    return SlurmSpec(
+        login=fields["slurm_login"], ssh_user=fields["ssh_user"], ssh_private_key=fields["ssh_private_key"],
+        known_hosts=fields["known_hosts"], remote_python=fields["remote_python"], partition=fields["slurm_partition"],
+        account=fields["slurm_account"], qos=fields["slurm_qos"], constraint=fields["slurm_constraint"], gres=gres,
+        extra_args=tuple(fields["slurm_extra_args"]), ready_timeout_seconds=fields["ready_timeout_seconds"],
+        idle_minutes=fields["idle_minutes"], max_lifetime_minutes=fields["max_lifetime_minutes"])

@@ -1,0 +1,21 @@
+"""provider="ssh": the pool's own hosts, login and known_hosts, on the shared SSH transport."""
+
+from __future__ import annotations
+
+from skytasks.pool_spec import PoolSpec
+from skytasks.providers import NodeProvider
+from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes, parse_host
+from skytasks.providers.ssh.spec import SSHSpec
+
+
+class SSHProvider(SSHNodes, NodeProvider):
+    def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
+        ssh = spec.own(SSHSpec)
+        super().__init__(SSHLogin(
+            targets=[parse_host(h, ssh.ssh_user) for h in ssh.hosts],
+            known_hosts=ssh.known_hosts or "",
+            private_key=ssh.ssh_private_key.get_secret_value() if ssh.ssh_private_key else None,
+            python=ssh.remote_python or "python3", pip_packages=list(ssh.pip_packages), env=dict(spec.env),
+            timeout=ssh.ready_timeout_seconds, min_nodes=spec.min_nodes,
+        ), reporter)

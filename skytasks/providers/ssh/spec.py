@@ -1,0 +1,46 @@
+"""provider="ssh": its block field (`hosts`), their validation, and its frozen part of the spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+
+from skytasks.providers.remote_fields import host_field
+
+READS = ("hosts", "ssh_user", "ssh_private_key", "known_hosts", "remote_python", "pip_packages",
+         "ready_timeout_seconds")
+
+
+class SSHFields(BaseModel):
+    hosts: list[str] = Field(default_factory=list, description='ssh: "[user@]host[:port]" per node, head first.')
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts_are_well_formed(cls, hosts: list[str]) -> list[str]:
+        return [host_field("hosts", h) for h in hosts]
+
+
+@dataclass(frozen=True)
+class SSHSpec:
+    """provider="ssh": machines you already have."""
+
+    hosts: tuple[str, ...]
+    ssh_user: Optional[str]
+    ssh_private_key: Optional[SecretStr]
+    known_hosts: Optional[str]
+    remote_python: Optional[str]
+    pip_packages: tuple[str, ...]
+    ready_timeout_seconds: float
+
+
+def build(fields: Mapping[str, Any]) -> SSHSpec:
+    hosts = fields["hosts"]
+    if not hosts:
+        raise ValueError("hosts: provider='ssh' needs one host per node, head first")
+    if len(hosts) != fields["nodes"]:
+        raise ValueError(f"hosts: {len(hosts)} host(s) given for nodes={fields['nodes']}; give one per node")
+    return SSHSpec(hosts=tuple(hosts), ssh_user=fields["ssh_user"], ssh_private_key=fields["ssh_private_key"],
+                   known_hosts=fields["known_hosts"], remote_python=fields["remote_python"],
+                   pip_packages=tuple(fields["pip_packages"]), ready_timeout_seconds=fields["ready_timeout_seconds"])

@@ -1,0 +1,70 @@
+"""One provider seam: each provider is a folder with a spec (its block fields, their checks, its
+part of the PoolSpec) and a class that declares `NodeProvider`; the registry is one table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from skytasks import GPUPool, PoolConfigError
+from skytasks.providers import SHAPE_FIELDS, NodeProvider
+from skytasks.providers.registry import PROVIDERS, provider_class, readers_of_fields
+
+# A value other than the block's default, for every provider-specific field.
+SET = {"hosts": ["a", "b"], "ssh_user": "me", "ssh_private_key": "k", "known_hosts": "kh", "remote_python": "py",
+       "pip_packages": ["x"], "ready_timeout_seconds": 5, "idle_minutes": 3, "max_lifetime_minutes": 9,
+       "slurm_login": "login", "slurm_partition": "gpu", "slurm_account": "a", "slurm_qos": "q",
+       "slurm_constraint": "c", "slurm_gres": "gpu:1", "slurm_extra_args": ["--exclusive"], "torch_version": "2.5",
+       "torch_cuda": "cu121", "torchvision": "0.20", "torchaudio": "2.5", "instance_type": "t3.micro",
+       "image_id": "ami-1", "subnet_id": "subnet-1", "security_group_ids": ["sg-1"], "key_name": "mine", "spot": True,
+       "root_volume_gb": 50, "iam_instance_profile": "role", "tags": {"team": "x"}, "ssh_ingress_cidr": "10.0.0.0/8"}
+FOREIGN = [(field, name) for field, readers in readers_of_fields().items() for name in PROVIDERS if name not in readers]
+
+
+def test_the_table_names_every_provider_once_and_each_class_declares_the_protocol():
+    assert list(PROVIDERS) == ["local", "ssh", "aws", "slurm"]
+    for name in PROVIDERS:
+        cls = provider_class(name)
+        assert NodeProvider in cls.__mro__, name  # declared, so a type checker holds it to the protocol
+        assert isinstance(cls.reshape_is_cheap, bool) and isinstance(cls.runs_on_this_machine, bool)
+
+
+def test_every_block_field_is_the_shape_or_read_by_some_provider():
+    readers = readers_of_fields()
+    assert set(GPUPool.model_fields) == set(SHAPE_FIELDS) | set(readers)
+    assert not set(SHAPE_FIELDS) & set(readers)
+    assert set(SET) == set(readers)  # the table below covers every provider-specific field
+
+
+@pytest.mark.parametrize("field, provider", FOREIGN, ids=[f"{f}-on-{p}" for f, p in FOREIGN])
+def test_a_field_of_another_provider_is_a_pool_config_error_naming_it(field, provider):
+    fields = {"provider": provider, field: SET[field]}
+    if provider == "ssh":
+        fields["hosts"] = ["a", "b"]
+    if provider == "aws" and field != "ssh_private_key":
+        fields["ssh_private_key"] = "k"
+    with pytest.raises(PoolConfigError) as caught:
+        GPUPool(**fields)
+    assert str(caught.value).startswith(f"{field}: only provider "), str(caught.value)
+    assert f"not provider={provider!r}" in str(caught.value)
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+def test_each_provider_takes_every_field_it_reads(provider):
+    reads = [f for f, readers in readers_of_fields().items() if provider in readers]
+    fields = {"provider": provider, "nodes": 2, **{f: SET[f] for f in reads}}
+    if provider == "slurm":
+        fields["known_hosts"] = "kh"  # slurm_login needs it
+    part = GPUPool(**fields).spec().part
+    assert (part is None) == (provider == "local")
+
+
+def test_a_local_pool_imports_no_other_providers_code_or_ssh_library():
+    # (boto3 comes with the block's AwsCredentials field, from prefect-aws, for every provider)
+    code = ("import sys; from skytasks import GPUPool; GPUPool(nodes=2).spec(); "
+            "print(sorted(m for m in ('asyncssh', 'skytasks.providers.aws.provider', "
+            "'skytasks.providers.ssh.nodes', 'skytasks.providers.slurm.provider') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
