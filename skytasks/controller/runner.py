@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextvars
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 from skytasks.call_options import CallOptions
 from skytasks.controller.packing import PackedCall
@@ -18,6 +18,7 @@ from skytasks.controller.outcome import CallOutcome, EndReason, FailurePolicy, R
 from skytasks.controller.rank_group import CallObserver, GroupSpec, RankOutcome
 from skytasks.devices import check_backend_before_launch
 from skytasks.errors import PoolStartError
+from skytasks.pool_spec import PoolSpec
 from skytasks.events import AttemptRestarted
 from skytasks.providers.registry import provider_class
 from skytasks.settings import settings
@@ -27,11 +28,41 @@ from skytasks.workdir import WorkdirRequest, read_workdir
 SHOW_RESOURCES: contextvars.ContextVar[bool] = contextvars.ContextVar("skytasks_show_resources", default=False)
 
 
+# -- the seam between the runner and the pool: what an attempt needs of it ---------------------
+
+
+class Session(Protocol):
+    """The pool's nodes for one attempt (`PoolSession`): membership mended before it, then the
+    call run on a rank group to its outcome."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def prepare(self, observer: CallObserver, *, first_attempt: bool) -> None: ...
+
+    def call(self, payload: PackedCall, spec: GroupSpec, *, attempt: int, deadline: float | None,
+             observer: CallObserver, label: str, hang_timeout: float | None = None) -> CallOutcome: ...
+
+
+class Sessions(Protocol):
+    """A call's way to its session (`CallSessions`): the pool's own, or one it starts."""
+
+    def get(self) -> Session: ...
+
+
+class Runtime(Protocol):
+    """A pool as the runner sees it (`PoolRuntime`): its spec, and sessions for one call."""
+
+    spec: PoolSpec
+
+    def calls(self) -> ContextManager[Sessions]: ...
+
+
 class PreparedCall:
     """What a call needs besides its arguments. A plain object: Prefect's input resolution
     treats it as one opaque value, and never walks into it."""
 
-    def __init__(self, fn: Callable, runtime: Any, options: CallOptions):
+    def __init__(self, fn: Callable, runtime: Runtime, options: CallOptions):
         self.fn, self.runtime, self.options = fn, runtime, options
 
     @property
@@ -53,7 +84,7 @@ class RunObserver(CallObserver, Protocol):
     def on_call_end(self, error: BaseException | None) -> None: ...
 
 
-def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: RunObserver) -> list[Any]:
+def run_call(runtime: Runtime, payload: PackedCall, options: CallOptions, observer: RunObserver) -> list[Any]:
     """Run the call on every rank of `runtime`'s pool (a `PoolRuntime`), restarting the whole
     group on failure up to `retries` times. Starting a call-scoped pool happens inside the
     attempt, so a pool that fails to start is retried like a failed attempt.
@@ -86,12 +117,13 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
                 try:
                     # Timed from here: the attempt's deadline covers starting a call-scoped pool.
                     deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
-                    session, outcome = _nodes(sessions, observer, attempt)
-                    world = world if session is None else session.world_size  # an elastic pool runs on what it has
+                    ready = _nodes(sessions, observer, attempt)
+                    if not isinstance(ready, CallOutcome):
+                        world = ready.world_size  # an elastic pool runs on what it has
                     observer.on_attempt_start(attempt, world)
                     started = True
-                    if outcome is None:
-                        outcome = _attempt(session, payload, group_spec, options, observer, attempt, deadline)
+                    outcome = ready if isinstance(ready, CallOutcome) else _attempt(
+                        ready, payload, group_spec, options, observer, attempt, deadline)
                 except BaseException as interrupted:  # Ctrl-C, SIGTERM, cancellation: never retried
                     if not started:
                         observer.on_attempt_start(attempt, world)
@@ -121,19 +153,19 @@ def run_call(runtime: Any, payload: PackedCall, options: CallOptions, observer: 
         observer.on_call_end(error)
 
 
-def _nodes(sessions: Any, observer: RunObserver, attempt: int) -> tuple[Any, CallOutcome | None]:
+def _nodes(sessions: Sessions, observer: RunObserver, attempt: int) -> Session | CallOutcome:
     """The session this attempt runs on, its lost or going nodes dealt with (and, on a call's
-    first attempt, an elastic pool grown back); or None and the attempt's outcome already, when
-    the pool or a node's replacement did not come up."""
+    first attempt, an elastic pool grown back); or the attempt's outcome already, when the pool
+    or a node's replacement did not come up."""
     try:
         session = sessions.get()
         session.prepare(observer, first_attempt=attempt == 1)
-        return session, None
+        return session
     except PoolStartError as exc:
-        return None, CallOutcome(EndReason.POOL_START, error=exc)
+        return CallOutcome(EndReason.POOL_START, error=exc)
 
 
-def _attempt(session: Any, payload: PackedCall, group_spec: GroupSpec, options: CallOptions,
+def _attempt(session: Session, payload: PackedCall, group_spec: GroupSpec, options: CallOptions,
              observer: RunObserver, attempt: int, deadline: float | None) -> CallOutcome:
     """One attempt on the session's nodes, to the ranks' end."""
     try:

@@ -16,6 +16,7 @@ from skytasks.controller.call_run import CallRun, drive
 from skytasks.controller.outcome import CallOutcome
 from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats
 from skytasks.controller.membership import Drop, GoneNode, Grow, MembershipPolicy, PoolStatus, Replace, policy_for
+from skytasks.controller.packing import PackedCall
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
 from skytasks.events import GrowFailed, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank, WorkdirSynced
@@ -116,7 +117,7 @@ class PoolSession:
                           now=time.monotonic(), grow_failed_at=self._grow_failed_at,
                           grow_retry_seconds=settings().grow_retry_seconds, before_call=before_call)
 
-    def call(self, payload: Any, spec: GroupSpec, *, attempt: int, deadline: float | None,
+    def call(self, payload: PackedCall, spec: GroupSpec, *, attempt: int, deadline: float | None,
              observer: CallObserver, label: str, hang_timeout: float | None = None) -> CallOutcome:
         # One call at a time on a pool's ranks: two calls cannot share one process group.
         with self._lock:
