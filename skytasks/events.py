@@ -185,6 +185,31 @@ class RanksStillRunning(_Said):
 # -- what a call or a provider says along the way ---------------------------------------------
 
 @dataclass(frozen=True)
+class LinesDropped(Event):
+    """The record fell behind the ranks' output: lines past the controller's backlog were dropped,
+    counted per rank, so the ranks never wait and the controller's memory stays bounded."""
+
+    LEVEL = logging.WARNING
+    PREFECT_EVENT = "skytasks.call.lines-dropped"
+    PAYLOAD = ("total", "ranks")
+    counts: tuple[tuple[int, int], ...]  # (rank, lines dropped), most first
+    backlog: int  # the most lines the controller holds waiting
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.counts)
+
+    def payload(self) -> dict[str, Any]:
+        return {"total": self.total, "ranks": len(self.counts)}
+
+    def text(self) -> str:
+        shown = "; ".join(f"rank {r}: {n:,}" for r, n in self.counts[:5])
+        more = f"; and {len(self.counts) - 5} more ranks" if len(self.counts) > 5 else ""
+        return (f"{self.total:,} output lines dropped: the record fell behind the ranks ({shown}{more}); the "
+                f"controller holds at most {self.backlog:,} waiting lines (SKYTASKS_LINE_BACKLOG)")
+
+
+@dataclass(frozen=True)
 class BackendChosen(_Said):
     """A backend fallback the user should know of (skytasks.devices)."""
 

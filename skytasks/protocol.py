@@ -18,9 +18,17 @@ Controller -> agent:
   PREEMPTION node_rank, address, reason, deadline, at
                                                 a node of the pool will be taken away: relayed to
                                                 every rank (rank_info().preempted)
+  PEERS   secret, address                       open the node's relay listener on `address` (the node's
+                                                own, as its peers see it), for peers with `secret`
+  ROUTE   group, children [{address, port, children}]
+                                                the next CALL frame also goes down this relay tree
+                                                (from the controller to the first node, or from a
+                                                node to its children over their peer connections)
   HEARTBEAT                                     both ways; never reaches the event queue
 Agent -> controller:
   HELLO   pid, python, gpus                     once, first: the node is ready, with its GPUs
+  PEER_READY port                               the relay listener is open on this port (0: none);
+                                                read by the channel, never reaches the event queue
   OUTPUT  group, rank, stream, line             a line a rank printed (its stdout/stderr pipe)
   EXITED  group, rank, returncode, at           a rank process ended
   STACK   group, rank, stack                    one rank's stack, for STACKS
@@ -58,7 +66,10 @@ class Op(StrEnum):
     CLOSE = "close"
     PREEMPTION = "preemption"
     HEARTBEAT = "heartbeat"
+    PEERS = "peers"
+    ROUTE = "route"
     HELLO = "hello"
+    PEER_READY = "peer_ready"
     OUTPUT = "output"
     EXITED = "exited"
     STACK = "stack"
@@ -124,6 +135,20 @@ class Preemption(TypedDict):
 
 class Heartbeat(TypedDict):
     pass
+
+
+class Peers(TypedDict):
+    secret: str  # hex; the pool's own, handed over this authenticated channel only
+    address: str
+
+
+class Route(TypedDict):
+    group: int  # the CALL is for this group's ranks: a node waits until it has spawned them
+    children: list[dict[str, Any]]  # [{address, port, children}]
+
+
+class PeerReady(TypedDict):
+    port: int
 
 
 class Hello(TypedDict):
@@ -225,6 +250,7 @@ MESSAGES: dict[Op, type] = {
     Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.NOTICE: Notice, Op.PREEMPTION: Preemption,
     Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
     Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
+    Op.PEERS: Peers, Op.ROUTE: Route, Op.PEER_READY: PeerReady,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})
 _FIELDS: dict[Op, tuple[frozenset[str], frozenset[str]]] = {}  # op -> (required, allowed), made on first use

@@ -35,6 +35,9 @@ class SkytasksSettings(BaseSettings):
     straggler_warn_seconds: float = Field(
         60.0, ge=0, description="Ranks still running this long after another returned get one WARNING naming "
                                 "where each is (0: never).")
+    line_backlog: int = Field(
+        100_000, gt=0, description="Output and log lines the controller holds waiting for the record; past it, "
+                                   "lines are dropped and counted per rank (said as LinesDropped).")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
 
     @property

@@ -19,7 +19,7 @@ import pickle
 import struct
 import threading
 import time
-from typing import Any, BinaryIO, Callable, NamedTuple, Protocol
+from typing import Any, BinaryIO, Callable, NamedTuple, Protocol, Sequence
 
 _HEADER = struct.Struct(">QIB")  # meta length, buffer count, flags
 RELAY = 1  # flag: a node agent streams this frame on to its ranks as it arrives
@@ -128,12 +128,15 @@ def read_body(stream: Readable, meta_len: int, count: int, flags: int = 0,
     return pickle.loads(meta, buffers=buffers)
 
 
-def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[FrameWriter]) -> None:
+def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[FrameWriter],
+                onward: Sequence[FrameWriter] = ()) -> None:
     """Stream one frame from `stream` to every target as it arrives (cut-through): a large
     payload crosses the agent without waiting for its last byte, and is never held whole.
+    `onward` targets (the next agents of a relay tree) get it still marked RELAY, to pass on.
     A target that has gone away is dropped; its rank's exit is reported elsewhere."""
     meta_len, count, flags = header
-    live = list(targets)
+    every = list(targets) + list(onward)
+    live = list(every)
 
     def fan_out(chunk: Any) -> None:
         for t in list(live):
@@ -142,10 +145,14 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
             except ChannelClosed:
                 live.remove(t)
 
-    for t in live:
+    for t in every:
         t.lock.acquire()
     try:
-        fan_out(_HEADER.pack(meta_len, count, flags & ~RELAY))
+        for t in list(live):  # the header: the ranks read a plain frame, the next agents relay it
+            try:
+                t.write_raw(_HEADER.pack(meta_len, count, flags if t in onward else flags & ~RELAY))
+            except ChannelClosed:
+                live.remove(t)
         fan_out(_read_exact(stream, meta_len))
         for _ in range(count):
             size_bytes = _read_exact(stream, _LENGTH.size)
@@ -161,7 +168,7 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
             except ChannelClosed:
                 pass
     finally:
-        for t in targets:
+        for t in every:
             t.lock.release()
 
 

@@ -98,3 +98,52 @@ def no_leaked_processes():
     left = wait_for_no_skytasks_processes()
     assert not left, f"leaked skytasks processes: {[(p.pid, p.cmdline()) for p in left]}"
     assert_no_orphaned_sshd()
+
+
+# -- the fleets' servers, shared by every module that uses them -------------------------------
+
+
+@pytest.fixture(scope="session")
+def moto():
+    """moto's EC2 server on loopback, with a loopback VPC and subnet: one for the session."""
+    from moto.server import ThreadedMotoServer
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    os.environ["MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION"] = "true"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1",
+                           aws_client_parameters=AwsClientParameters(endpoint_url=endpoint))
+    ec2 = creds.get_client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.0.0/24")["Subnet"]["SubnetId"]
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    yield {"endpoint": endpoint, "creds": creds, "ec2": ec2, "subnet": subnet, "vpc": vpc, "image": image}
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """The SLURM test cluster (three namespaced nodes): one for the session."""
+    from tests.slurm_cluster import SlurmCluster, available
+
+    why = available()
+    if why:
+        pytest.skip(why)
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, gpus_per_node=2)
+    # A partition that admits one account: an allocation for any other can never start.
+    c.extra_partitions = ["PartitionName=proj Nodes=n0,n1 AllowAccounts=proj42 State=UP"]
+    old = os.environ.get("SLURM_CONF")
+    c.start()
+    os.environ["SLURM_CONF"] = str(c.conf)
+    try:
+        yield c
+    finally:
+        c.stop()
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old

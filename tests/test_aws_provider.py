@@ -22,8 +22,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prefect_aws import AwsCredentials
-from prefect_aws.client_parameters import AwsClientParameters
 
 from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.errors import PoolConfigError, PoolStartError
@@ -32,25 +30,6 @@ from tests.sshd import SSHServer
 ROOT = Path(__file__).resolve().parent.parent
 REGION = "us-east-1"
 STATE_DIR = Path("/var/lib/skytasks")  # the node's state folder (bootstrap status, heartbeat)
-
-
-@pytest.fixture(scope="module")
-def moto():
-    from moto.server import ThreadedMotoServer
-
-    os.environ["MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION"] = "true"
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION,
-                           aws_client_parameters=AwsClientParameters(endpoint_url=endpoint))
-    ec2 = creds.get_client("ec2")
-    vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.0.0/24")["Subnet"]["SubnetId"]
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    yield {"endpoint": endpoint, "creds": creds, "ec2": ec2, "subnet": subnet, "vpc": vpc, "image": image}
-    server.stop()
 
 
 @pytest.fixture(autouse=True)

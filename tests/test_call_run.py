@@ -33,6 +33,9 @@ class FakeBus:
     def broadcast(self, msg, relay=False):
         self.sent.append(("all", msg))
 
+    def send_call(self, msg, group):
+        self.sent.append(("all", msg))
+
     def alive(self):
         return set(self.nodes_alive)
 

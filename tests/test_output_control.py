@@ -70,3 +70,46 @@ def test_c_level_output_is_muted_too(capsys):
 def test_a_bad_selector_is_refused_at_decoration():
     with pytest.raises(TypeError, match="only="):
         stdout(only="heads")
+
+
+# -- output at scale: the controller's backlog of lines is bounded, and what it drops is counted --
+
+
+def test_lines_past_the_backlog_are_dropped_counted_per_rank_and_other_messages_always_pass():
+    from skytasks.controller.backlog import NodeEvents
+    from skytasks.protocol import Op
+
+    events = NodeEvents(limit=3)
+    for i in range(5):
+        events.put((0, {"op": Op.OUTPUT, "rank": 1, "stream": "stdout", "line": f"a{i}"}))
+    events.put((0, {"op": Op.LOG, "rank": 0, "level": 20, "line": "b"}))
+    events.put((0, {"op": Op.RESULT, "rank": 1, "call": 1}))  # never dropped, however full
+    kept = [events.get_nowait()[1] for _ in range(4)]
+    assert [m.get("line") for m in kept] == ["a0", "a1", "a2", None] and kept[-1]["op"] == Op.RESULT
+    assert events.take_dropped() == ((1, 2), (0, 1))  # most first
+    assert events.take_dropped() == ()  # counted once
+
+
+def chatter(lines: int) -> int:
+    for i in range(lines):
+        print(f"line {i}")
+    return rank_info().rank
+
+
+def test_a_flood_of_output_never_stalls_the_ranks_and_every_line_is_printed_or_counted(capsys, monkeypatch):
+    monkeypatch.setenv("SKYTASKS_LINE_BACKLOG", "20")  # a record far slower than the ranks
+    lines = 20_000
+    with GPUPool(nodes=2) as pool:
+        assert distributed_task(chatter, pool=pool, init_torch=False)(lines) == [0, 1]
+    captured = capsys.readouterr()
+    printed = {r: captured.out.count(f"[rank {r}] line ") for r in (0, 1)}
+    notes = [line for line in captured.err.splitlines() if "output lines dropped" in line]
+    assert notes, captured.err[-2000:]
+    dropped = {0: 0, 1: 0}
+    for note in notes:  # "[skytasks] 12,800 output lines dropped: ... (rank 1: 7,000; rank 0: 5,800); ..."
+        for part in note.split("(", 1)[1].split(")", 1)[0].split("; "):
+            rank, count = part.removeprefix("rank ").split(": ")
+            dropped[int(rank)] += int(count.replace(",", ""))
+    assert sum(dropped.values()) > 0
+    assert {r: printed[r] + dropped[r] for r in (0, 1)} == {0: lines, 1: lines}  # nothing lost silently
+    assert "SKYTASKS_LINE_BACKLOG" in notes[0]

@@ -19,31 +19,9 @@ import pytest
 
 from skytasks import GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.providers.slurm import job as slurm_job
-from tests.slurm_cluster import SlurmCluster, available
 from tests.sshd import SSHServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = available()
-    if why:
-        pytest.skip(why)
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, gpus_per_node=2)
-    # A partition that admits one account: an allocation for any other can never start.
-    c.extra_partitions = ["PartitionName=proj Nodes=n0,n1 AllowAccounts=proj42 State=UP"]
-    old = os.environ.get("SLURM_CONF")
-    c.start()
-    os.environ["SLURM_CONF"] = str(c.conf)
-    try:
-        yield c
-    finally:
-        c.stop()
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
 
 
 @pytest.fixture(autouse=True)

@@ -25,12 +25,13 @@ import time
 from enum import Enum
 from typing import Any
 
+from skytasks.controller.backlog import NodeEvents
 from skytasks.controller.failures import failure_error, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.controller.stragglers import StragglerWatch
 from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.events import BackendChosen, NodeLost, NodePreempted, RanksStillRunning
+from skytasks.events import BackendChosen, LinesDropped, NodeLost, NodePreempted, RanksStillRunning
 from skytasks.preemption import Preempted
 from skytasks.protocol import SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
@@ -88,7 +89,7 @@ class CallRun:
         if self.group.notice is not None and self.group.calls == 0:
             self.observer.on_event(BackendChosen(self.group.notice))
         self.group.calls += 1
-        self.bus.broadcast(self.group.call_message(self.id, payload, self.attempt), relay=True)
+        self.bus.send_call(self.group.call_message(self.id, payload, self.attempt), group=self.group.id)
 
     @property
     def done(self) -> bool:
@@ -365,11 +366,18 @@ class CallRun:
                             f"ranks {missing} never joined; ranks {waiting} were waiting for them")
 
 
-def drive(call: CallRun, events: queue.Queue, payload: Any) -> CallOutcome:
+DROPPED_NOTE_SECONDS = 2.0  # how often lines dropped for the backlog are said, at most
+
+
+def drive(call: CallRun, events: NodeEvents, payload: Any) -> CallOutcome:
     """Run a call to its end on the session's event queue; how it ended (interrupts raise)."""
+    said_dropped = time.monotonic()
     try:
         call.start(payload)
         while not call.done:
+            if time.monotonic() - said_dropped >= DROPPED_NOTE_SECONDS:
+                said_dropped = time.monotonic()
+                _say_dropped(call, events)
             now = time.monotonic()
             wake = call.wake_at()
             try:
@@ -383,4 +391,12 @@ def drive(call: CallRun, events: queue.Queue, payload: Any) -> CallOutcome:
     except BaseException:
         call.interrupt(time.monotonic())
         raise
+    finally:
+        _say_dropped(call, events)
     return call.outcome()
+
+
+def _say_dropped(call: CallRun, events: NodeEvents) -> None:
+    dropped = events.take_dropped()
+    if dropped:
+        call.observer.on_event(LinesDropped(dropped, events.limit))

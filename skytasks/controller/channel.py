@@ -8,23 +8,35 @@ heartbeat timeout; the agent at the far end applies the same rule to us and stop
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 from typing import Any
 
+from skytasks.controller.backlog import NodeEvents
+from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, check, message
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
 from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20
+# A CALL at least this large, on a pool of at least RELAY_TREE_NODES nodes, goes down the relay tree
+# (skytasks.node.peers): it leaves the controller once, not once per node.
+RELAY_TREE_BYTES = 1 << 20
+RELAY_TREE_NODES = 3
 _serials = itertools.count(1)
+_sent = [0]  # bytes this process wrote to node streams: what a broadcast costs the controller's link
+_sent_lock = threading.Lock()
+
+
+def bytes_sent() -> int:
+    """Bytes the controller has written to node streams so far (a counter for benchmarks)."""
+    return _sent[0]
 
 
 class NodeChannel:
     """One agent stream: a writer, and a reader thread that feeds the session's event queue."""
 
-    def __init__(self, link: NodeLink, events: queue.Queue):
+    def __init__(self, link: NodeLink, events: NodeEvents):
         self.link = link
         self.inbound = HeardStream(link.inbound)
         self._writer = FrameWriter(link.outbound)
@@ -34,6 +46,8 @@ class NodeChannel:
         self.serial = next(_serials)  # events say which channel they came from: a replaced
         # node's old channel may still have news in the queue
         self.gpus: list[str] = []  # what the agent reported in its hello
+        self.peer_port = 0  # its relay listener (PEER_READY); 0: none, it gets calls straight
+        self.pid: int | None = None  # the agent's process id on its node, from its hello
         self.notice: dict[str, Any] | None = None  # its preemption notice: it runs, but not for long
         self.lost_reason = ""
         self.said = False  # its loss or notice was reported (NodeLost / NodePreempted): not twice
@@ -56,6 +70,9 @@ class NodeChannel:
                 except ValueError as exc:
                     raise ValueError(f"node {self.link.node_rank} ({self.link.address}) sent a malformed message: "
                                      f"{exc}") from None
+                if msg["op"] == Op.PEER_READY:  # the channel's own news: never a call's
+                    self.peer_port = msg["port"]
+                    continue
                 if msg["op"] != Op.HEARTBEAT:
                     msg["channel"] = self.serial
                     self._events.put((self.link.node_rank, msg))
@@ -103,6 +120,10 @@ class NodeChannel:
             self._writer.send_encoded(chunks)
         except ChannelClosed as exc:
             self.mark_lost(str(exc))
+            return
+        size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
+        with _sent_lock:
+            _sent[0] += size
 
     def send_heartbeat(self) -> None:
         if self.alive:
@@ -126,6 +147,19 @@ def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False
         t.start()
     for t in threads:
         t.join()
+
+
+def send_call(nodes: list[NodeChannel], msg: dict[str, Any], group: int) -> None:
+    """A CALL to every node, relayed on to its ranks. A large one on a pool of several nodes goes
+    to the first node only, with the relay tree (ROUTE): each node passes it to its children."""
+    chunks = encode(msg, relay=True)
+    size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
+    if size < RELAY_TREE_BYTES or len(nodes) < RELAY_TREE_NODES or not all(n.peer_port for n in nodes):
+        broadcast(nodes, msg, relay=True)
+        return
+    tree = relay_tree([(n.link.address, n.peer_port) for n in nodes])
+    nodes[0].send(message(Op.ROUTE, group=group, children=tree))
+    nodes[0].send_encoded(chunks)
 
 
 def keep_heartbeats(nodes: list[NodeChannel], closed: threading.Event) -> None:

@@ -8,19 +8,21 @@ failed, or whose spec (backend, workdir, ...) differs, with a fresh one.
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 from typing import Any
 
+from skytasks.controller.backlog import NodeEvents
 from skytasks.controller.call_run import CallRun, drive
 from skytasks.controller.outcome import CallOutcome
-from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats
+from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats, send_call
 from skytasks.controller.membership import Drop, GoneNode, Grow, MembershipPolicy, PoolStatus, Replace, policy_for
 from skytasks.controller.packing import PackedCall
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
 from skytasks.events import GrowFailed, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank, WorkdirSynced
-from skytasks.protocol import NODE_FAILURES, Op
+from skytasks.protocol import NODE_FAILURES, Op, message
 from skytasks.providers import NodeProvider
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest
@@ -38,6 +40,9 @@ class ChannelBus:
     def broadcast(self, msg: dict[str, Any], relay: bool = False) -> None:
         broadcast(self.nodes, msg, relay=relay)
 
+    def send_call(self, msg: dict[str, Any], group: int) -> None:
+        send_call(self.nodes, msg, group)
+
     def alive(self) -> set[int]:
         return {n.link.node_rank for n in self.nodes if n.alive}
 
@@ -54,7 +59,7 @@ class PoolSession:
         self.procs_per_node = procs_per_node
         self.env = dict(env)
         self.counts = nodes  # (min, max): an elastic pool runs on what it has between the two
-        self.events: queue.Queue = queue.Queue()
+        self.events = NodeEvents(settings().line_backlog)  # what the nodes say; waiting lines bounded
         self._lock = threading.Lock()
         self.group: RankGroup | None = None
         self.nodes: list[NodeChannel] = []
@@ -63,6 +68,7 @@ class PoolSession:
         self._members: tuple[int, ...] = ()  # the channels the group was placed on
         self._grow_failed_at: float | None = None  # when an elastic pool last tried to grow and came up short
         self.policy: MembershipPolicy = policy_for(nodes)
+        self._peer_secret = secrets.token_bytes(32)  # the relay tree's: only the pool's agents know it
 
     @property
     def world_size(self) -> int:
@@ -97,6 +103,11 @@ class PoolSession:
                 continue  # another node's news, or a replaced channel's
             if msg["op"] == Op.HELLO:
                 node.gpus = list(msg.get("gpus") or [])
+                node.pid = msg.get("pid")
+                # Its relay listener, for large calls (skytasks.node.peers): on its own address,
+                # for the pool's members only, with the secret handed over this channel.
+                # Its PEER_READY sets the channel's peer_port; calls go straight until it has.
+                node.send(message(Op.PEERS, secret=self._peer_secret.hex(), address=node.link.address))
                 del waiting[node_rank]
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")

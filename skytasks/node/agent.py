@@ -31,9 +31,9 @@ from skytasks.devices import visible_gpus
 from skytasks.preemption import NOTICE_SIGNAL
 from skytasks.node.resources import Sampler
 from skytasks.protocol import Op, message
-from skytasks.wire import (RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header,
-                           relay_frame)
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header
 
+from skytasks.node.peers import RelayNode
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess
 
 
@@ -51,7 +51,9 @@ class NodeAgent:
         # PREEMPTION (a node of the pool is going, maybe this one) goes on to every rank at once.
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
                           Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward,
-                          Op.HEARTBEAT: _heard}
+                          Op.HEARTBEAT: _heard, Op.PEERS: self._open_to_peers}
+        self._spawned = threading.Condition(self._lock)  # a group's ranks were started
+        self._relay = RelayNode(self._ranks_of)  # this node's part in the relay tree of large calls
         self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
         self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
 
@@ -120,14 +122,19 @@ class NodeAgent:
         self.emit(message(Op.HELLO, pid=os.getpid(), python=sys.executable, gpus=visible_gpus()))
         for target in (self._send_heartbeats, self._watch_controller, self._sample_ranks):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
+        route: dict[str, Any] | None = None  # the relay tree the next CALL frame also goes down
         try:
             while True:
                 header = read_header(self._inbound)
                 if header[2] & RELAY:  # a call: streamed to the ranks, never held whole here
-                    relay_frame(self._inbound, header, [rp.to_rank for rp in list(self._ranks.values())])
+                    self._relay.relay_call(self._inbound, header, route)
+                    route = None
                     continue
                 msg = read_body(self._inbound, *header)
                 op = msg["op"]
+                if op == Op.ROUTE:
+                    route = msg
+                    continue
                 try:
                     self._dispatch(op, msg)
                 except Exception:  # noqa: BLE001 - reported, then this node's ranks are stopped
@@ -174,6 +181,22 @@ class NodeAgent:
         self.stop_ranks(grace=grace)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
+    def _open_to_peers(self, msg: dict[str, Any]) -> None:
+        try:
+            port = self._relay.open(bytes.fromhex(msg["secret"]), msg["address"])
+        except OSError as exc:  # not an address of this machine (NAT): calls come straight, as before
+            print(f"skytasks agent: no relay listener on {msg['address']}: {exc}", file=sys.stderr, flush=True)
+            port = 0
+        self.emit(message(Op.PEER_READY, port=port))
+
+    def _ranks_of(self, group: int | None, wait: float = 0.0) -> list[FrameWriter]:
+        """The pipes to the ranks of `group` (None: every rank here), waiting up to `wait` for its
+        SPAWN: a CALL from a peer may overtake the controller's SPAWN."""
+        with self._spawned:
+            self._spawned.wait_for(lambda: group is None or any(rp.group == group for rp in self._ranks.values()),
+                                   timeout=wait)
+            return [rp.to_rank for rp in self._ranks.values() if group is None or rp.group == group]
+
     def _dispatch(self, op: str, msg: dict[str, Any]) -> None:
         self._handlers[Op(op)](msg)
 
@@ -191,6 +214,7 @@ class NodeAgent:
             for spec in msg["ranks"]:
                 rp = RankProcess(self, group, spec["rank"], {**msg["env"], **spec["env"]})
                 self._ranks[spec["rank"]] = rp
+            self._spawned.notify_all()
 
     def _send_stacks(self, msg: dict[str, Any]) -> None:
         ranks = [rp for rp in list(self._ranks.values()) if rp.group == msg.get("group")]

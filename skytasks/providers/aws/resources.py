@@ -101,7 +101,8 @@ class PoolResources:
 
     def delete_key_pair(self) -> None:
         if self.key_name:
-            self.ec2.delete_key_pair(KeyName=self.key_name)
+            name = self.key_name
+            _retry_dependency(lambda: self.ec2.delete_key_pair(KeyName=name))
             self.key_name = None
 
     def delete_placement_group(self) -> None:
@@ -109,6 +110,10 @@ class PoolResources:
             name = self.placement_group
             _retry_dependency(lambda: self.ec2.delete_placement_group(GroupName=name))
             self.placement_group = None
+
+
+# Already gone (`skytasks gc` or a person deleted it first): for a teardown, that is done.
+GONE_CODES = frozenset({"InvalidGroup.NotFound", "InvalidKeyPair.NotFound", "InvalidPlacementGroup.Unknown"})
 
 
 def _retry_dependency(call: Callable[[], Any], attempts: int = 30) -> None:
@@ -120,6 +125,8 @@ def _retry_dependency(call: Callable[[], Any], attempts: int = 30) -> None:
             call()
             return
         except ClientError as exc:
+            if exc.response["Error"]["Code"] in GONE_CODES:
+                return
             if exc.response["Error"]["Code"] not in ("DependencyViolation", "InvalidPlacementGroup.InUse") \
                     or attempt == attempts - 1:
                 raise
