@@ -68,7 +68,13 @@ def test_deploy_schedule_and_run_through_a_worker(prefect_server):
     # The package's prefect.collections entry point: the server knows GPU Pool unasked.
     assert httpx.get(f"{api}/block_types/slug/gpu-pool").status_code == 200
 
-    prefect(env, "work-pool", "create", "skytasks-local", "--type", "process")
+    # The work pool, as `prefect work-pool create skytasks-local --type process` makes it (through
+    # the API: one Prefect start-up fewer; deploying and running are the CLI's, below).
+    from prefect.workers.process import ProcessWorker
+
+    made = httpx.post(f"{api}/work_pools/", json={"name": "skytasks-local", "type": "process",
+                                                  "base_job_template": ProcessWorker.get_default_base_job_template()})
+    assert made.status_code == 201, made.text
     out = prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
     assert "ddp-train/ddp-train-nightly" in out
 
