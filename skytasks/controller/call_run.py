@@ -19,19 +19,17 @@ result and no recorded cause" cannot happen. `outcome()` checks it anyway.
 from __future__ import annotations
 
 import itertools
-import queue
 import signal
 import time
 from enum import Enum
 from typing import Any
 
-from skytasks.controller.backlog import NodeEvents
 from skytasks.controller.failures import failure_error, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.controller.stragglers import StragglerWatch
 from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.events import BackendChosen, LinesDropped, NodeLost, NodePreempted, RanksStillRunning
+from skytasks.events import BackendChosen, NodeLost, NodePreempted, RanksStillRunning
 from skytasks.preemption import Preempted
 from skytasks.protocol import SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
@@ -364,39 +362,3 @@ class CallRun:
         waiting = sorted(g.joining - g.ready)
         return TimeoutError(f"process group initialisation timed out after {g.spec.init_timeout_seconds:g}s: "
                             f"ranks {missing} never joined; ranks {waiting} were waiting for them")
-
-
-DROPPED_NOTE_SECONDS = 2.0  # how often lines dropped for the backlog are said, at most
-
-
-def drive(call: CallRun, events: NodeEvents, payload: Any) -> CallOutcome:
-    """Run a call to its end on the session's event queue; how it ended (interrupts raise)."""
-    said_dropped = time.monotonic()
-    try:
-        call.start(payload)
-        while not call.done:
-            if time.monotonic() - said_dropped >= DROPPED_NOTE_SECONDS:
-                said_dropped = time.monotonic()
-                _say_dropped(call, events)
-            now = time.monotonic()
-            wake = call.wake_at()
-            try:
-                node_rank, msg = events.get(timeout=None if wake is None else max(0.0, wake - now))
-            except queue.Empty:
-                call.tick(time.monotonic())
-                continue
-            call.handle(node_rank, msg, time.monotonic())
-            if (wake := call.wake_at()) is not None and time.monotonic() >= wake:
-                call.tick(time.monotonic())  # a busy stream must not starve the clocks
-    except BaseException:
-        call.interrupt(time.monotonic())
-        raise
-    finally:
-        _say_dropped(call, events)
-    return call.outcome()
-
-
-def _say_dropped(call: CallRun, events: NodeEvents) -> None:
-    dropped = events.take_dropped()
-    if dropped:
-        call.observer.on_event(LinesDropped(dropped, events.limit))
