@@ -63,6 +63,18 @@ def lose_a_node(marker_dir: str) -> float:
     return time.time()
 
 
+def chatter(seconds: float) -> int:
+    """10 lines a second, as a chatty training loop prints."""
+    n = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(10):
+            print(f"step {n}: loss 0.{n % 1000:03d}")
+            n += 1
+        time.sleep(1)
+    return n
+
+
 def hang_forever() -> None:
     time.sleep(600)
 
@@ -145,6 +157,17 @@ def measure(ranks: int, repeats: int) -> dict:
         except DistributedTaskError:
             pass
     out["hang_to_error_s"] = time.perf_counter() - t - hang
+    # Every rank printing 10 lines a second: the ranks must not wait on the record, and what the
+    # record cannot take is dropped and counted (LinesDropped), never held without bound.
+    from skytasks.events import LinesDropped, listen
+
+    flood_s = 5.0
+    t = time.perf_counter()
+    with listen() as heard, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        printed = sum(distributed_task(chatter, pool=pool, init_torch=False)(flood_s))
+    out["flood_lines"] = printed
+    out["flood_call_over_its_length_s"] = time.perf_counter() - t - flood_s
+    out["flood_lines_dropped"] = sum(e.total for e in heard if isinstance(e, LinesDropped))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["controller_peak_rss_mb"] = usage.ru_maxrss / 1024
     out["controller_cpu_s"] = usage.ru_utime + usage.ru_stime

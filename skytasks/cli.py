@@ -59,6 +59,22 @@ def _utc_time(text: str):
         raise argparse.ArgumentTypeError(f"--now: {text!r} is not a UTC time such as 2026-01-31T12:00:00Z") from None
 
 
+def _aws_gc(args: argparse.Namespace) -> list[str]:
+    """`skytasks gc`: the credentials (a saved AwsCredentials block, or the region and endpoint
+    given), then the sweep by tags (skytasks.providers.aws.gc)."""
+    from prefect_aws import AwsCredentials
+
+    from skytasks.providers.aws.gc import sweep
+
+    if args.aws_credentials:
+        creds = AwsCredentials.load(args.aws_credentials)
+    else:
+        params = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+        creds = AwsCredentials(region_name=args.region, aws_client_parameters=params)
+    return sweep(creds.get_client("ec2"), now=args.now, grace_minutes=args.grace_minutes, dry_run=args.dry_run,
+                 log=print)
+
+
 def _slurm_gc(args: argparse.Namespace) -> int:
     from skytasks.blocks.gpu_pool import GPUPool
     from skytasks.providers.reporting import PoolReporter
@@ -87,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
     if args.slurm:
         return _slurm_gc(args)
-    from skytasks.providers.aws.gc import run_gc
-
-    swept = run_gc(args, log=print)
+    swept = _aws_gc(args)
     print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
     return 0
 

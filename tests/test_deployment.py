@@ -1,13 +1,12 @@
-"""A real `prefect server start`, `prefect deploy` from deployments/prefect.yaml, and a worker run."""
+"""`prefect deploy` from deployments/prefect.yaml, a deployment run, and a process worker that runs
+it, against the session's real Prefect server on loopback."""
 
 from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,45 +15,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def prefect_server(tmp_path):
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-    )
-    api = env["PREFECT_API_URL"]
-    deadline = time.monotonic() + 120
-    while True:
-        assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-        try:
-            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "prefect server did not start"
-        time.sleep(0.5)
-    try:
-        yield api, env
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    """The session's Prefect server (a real one, on loopback: what `prefect server start` runs),
+    and the environment the `prefect` commands below get: its API, a home of their own."""
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": api}
+    yield api, env
 
 
 def prefect(env, *args, timeout=300) -> str:

@@ -49,11 +49,16 @@ def test_example_flow_resumes_a_failed_attempt_from_its_checkpoint(tmp_path, mon
 
 
 def test_example_flow_runs_as_a_script():
-    """`python flows/ddp_train.py` works from a clone: embedded Prefect, readable summary."""
+    """`python flows/ddp_train.py` works from a clone, with a readable summary. It records to this
+    session's API; Prefect's own temporary server (what `make run` gets with no API set) is
+    tested by test_cli_record's no-API test."""
+    from prefect.settings import PREFECT_API_URL
+
     proc = subprocess.run(
         [sys.executable, str(ROOT / "flows" / "ddp_train.py")],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
-        env={**__import__("os").environ, "SKYTASKS_EXAMPLE_EPOCHS": "2", "SKYTASKS_EXAMPLE_SAMPLES": "256"},
+        env={**__import__("os").environ, "SKYTASKS_EXAMPLE_EPOCHS": "2", "SKYTASKS_EXAMPLE_SAMPLES": "256",
+             "PREFECT_API_URL": PREFECT_API_URL.value()},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr

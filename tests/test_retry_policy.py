@@ -126,7 +126,7 @@ def test_the_init_timeout_is_retried_like_any_failure(tmp_path, monkeypatch):
         f"if os.environ.get('RANK') == '1' and not os.path.exists({str(marker)!r}):\n"
         f"    open({str(marker)!r}, 'w').close()\n"
         "    time.sleep(30)\n")
-    monkeypatch.setenv("SKYTASKS_INIT_TIMEOUT_SECONDS", "3")
+    monkeypatch.setenv("SKYTASKS_INIT_TIMEOUT_SECONDS", "2")
     pool = GPUPool(nodes=2, env={"PYTHONPATH": str(site)})
 
     @distributed_task(pool=pool, retries=1)

@@ -10,7 +10,6 @@ schedule.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
@@ -91,18 +90,3 @@ def sweep(ec2: Any, *, now: datetime | None = None, grace_minutes: float = 15, d
                 log(f"skytasks gc: {pool_id}: {error}")
         swept.append(pool_id)
     return swept
-
-
-def credentials_from(args: argparse.Namespace) -> Any:
-    from prefect_aws import AwsCredentials
-
-    if args.aws_credentials:
-        return AwsCredentials.load(args.aws_credentials)
-    params = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
-    return AwsCredentials(region_name=args.region, aws_client_parameters=params)
-
-
-def run_gc(args: argparse.Namespace, log: Callable[[str], None]) -> list[str]:
-    """`skytasks gc` (its arguments are parsed, and its lines printed, by `skytasks.cli`)."""
-    ec2 = credentials_from(args).get_client("ec2")
-    return sweep(ec2, now=args.now, grace_minutes=args.grace_minutes, dry_run=args.dry_run, log=log)
