@@ -19,9 +19,7 @@ system-deps:
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	@# --no-compile: Python compiles what is imported, when it is first imported; compiling every
-	@# file of torch, prefect and lightning up front was a third of the install's time.
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	@# The lowest cloudpickle pyproject.toml allows, beside the newest: tests/test_user_frames.py
 	@# runs a user's script on each (PYTHONPATH puts this one first).
 	$(PY) -m pip install -q --no-deps --target $(VENV)/cloudpickle-lowest "cloudpickle==$$(sed -n 's/.*"cloudpickle>=\([0-9.]*\)".*/\1/p' pyproject.toml)"

@@ -368,7 +368,7 @@ def test_a_job_that_cannot_be_cancelled_is_an_error_naming_it_not_a_silent_leak(
         cluster.run("scancel", job, check=False)
         # The steps ended while the controller was frozen, so it still waits to hear of them:
         # an administrator's way out is to down the nodes and resume them, which ends the job.
-        if cluster.wait_queue_empty(timeout=5):
+        if cluster.wait_queue_empty(timeout=1):
             cluster.run("scontrol", "update", "nodename=n0,n1,n2", "state=down", "reason=test cleanup", check=False)
             cluster.run("scontrol", "update", "nodename=n0,n1,n2", "state=resume", check=False)
             cluster.wait_idle()

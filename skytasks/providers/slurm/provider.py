@@ -17,6 +17,7 @@ skytasks jobs past their expiry.
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
 import threading
 import time
 import uuid
@@ -279,7 +280,11 @@ class SlurmProvider(NodeProvider):
     def _wait_gone(self, jobs: list[str]) -> list[str]:
         deadline = time.monotonic() + settings().teardown_wait_seconds
         while True:
-            done = self.shell.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)])
+            try:  # bounded by what is left of the wait: a slurmctld that does not answer is no reason to wait longer
+                done = self.shell.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)],
+                                      timeout=max(1.0, deadline - time.monotonic()))
+            except (subprocess.TimeoutExpired, TimeoutError, concurrent.futures.TimeoutError):
+                return jobs
             left = [j for j in done.stdout.split() if j in jobs] if done.returncode == 0 else []
             if done.returncode != 0 and "Invalid job id" not in done.stderr:
                 left = jobs
