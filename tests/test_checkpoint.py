@@ -67,23 +67,11 @@ def test_a_failed_attempt_resumes_from_the_newest_local_checkpoint(tmp_path, uni
 
 
 @pytest.fixture(scope="module")
-def s3():
-    import boto3
-    from moto.server import ThreadedMotoServer
-    from prefect_aws import AwsCredentials
-    from prefect_aws.client_parameters import AwsClientParameters
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1",
-                           aws_client_parameters=AwsClientParameters(endpoint_url=endpoint))
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                          aws_secret_access_key="testing")
+def s3(moto):
+    """A bucket on the session's moto server (one server answers for every AWS service)."""
+    client = moto["creds"].get_client("s3")
     client.create_bucket(Bucket="ckpts")
-    yield {"client": client, "creds": creds}
-    server.stop()
+    return {"client": client, "creds": moto["creds"]}
 
 
 def test_resume_from_s3_with_the_pools_aws_credentials(s3, uninterrupted):
