@@ -58,6 +58,11 @@ class BlobRef(NamedTuple):
     slot: int  # into the call's blob references
 
 
+def encoded_size(chunks: list[Any]) -> int:
+    """The bytes an encoded frame puts on a stream."""
+    return sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
+
+
 class ChannelClosed(EOFError):
     """The other end of the stream has gone away."""
 

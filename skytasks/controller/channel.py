@@ -16,7 +16,7 @@ from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, check, message
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
-from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, read_frame
+from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, encoded_size, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20
 # A CALL at least this large, on a pool of at least RELAY_TREE_NODES nodes, goes down the relay tree
@@ -121,9 +121,8 @@ class NodeChannel:
         except ChannelClosed as exc:
             self.mark_lost(str(exc))
             return
-        size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
         with _sent_lock:
-            _sent[0] += size
+            _sent[0] += encoded_size(chunks)
 
     def send_heartbeat(self) -> None:
         if self.alive:
@@ -136,9 +135,11 @@ class NodeChannel:
 def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False) -> None:
     """One message to every node, encoded once; large ones go to all nodes at the same time.
     With `relay`, each agent streams it on to its ranks as it arrives."""
-    chunks = encode(msg, relay=relay)
-    size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
-    if len(nodes) < 2 or size < BROADCAST_IN_PARALLEL_BYTES:
+    _send_to_all(nodes, encode(msg, relay=relay))
+
+
+def _send_to_all(nodes: list[NodeChannel], chunks: list[Any]) -> None:
+    if len(nodes) < 2 or encoded_size(chunks) < BROADCAST_IN_PARALLEL_BYTES:
         for node in nodes:
             node.send_encoded(chunks)
         return
@@ -152,10 +153,9 @@ def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False
 def send_call(nodes: list[NodeChannel], msg: dict[str, Any], group: int) -> None:
     """A CALL to every node, relayed on to its ranks. A large one on a pool of several nodes goes
     to the first node only, with the relay tree (ROUTE): each node passes it to its children."""
-    chunks = encode(msg, relay=True)
-    size = sum(len(c) if isinstance(c, (bytes, bytearray)) else c.nbytes for c in chunks)
-    if size < RELAY_TREE_BYTES or len(nodes) < RELAY_TREE_NODES or not all(n.peer_port for n in nodes):
-        broadcast(nodes, msg, relay=True)
+    chunks = encode(msg, relay=True)  # once, whichever way it goes
+    if encoded_size(chunks) < RELAY_TREE_BYTES or len(nodes) < RELAY_TREE_NODES or not all(n.peer_port for n in nodes):
+        _send_to_all(nodes, chunks)
         return
     tree = relay_tree([(n.link.address, n.peer_port) for n in nodes])
     nodes[0].send(message(Op.ROUTE, group=group, children=tree))

@@ -283,7 +283,7 @@ class SlurmProvider(NodeProvider):
             try:  # bounded by what is left of the wait: a slurmctld that does not answer is no reason to wait longer
                 done = self.shell.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)],
                                       timeout=max(1.0, deadline - time.monotonic()))
-            except (subprocess.TimeoutExpired, TimeoutError, concurrent.futures.TimeoutError):
+            except (subprocess.TimeoutExpired, TimeoutError):  # here, or over SSH to the login node
                 return jobs
             left = [j for j in done.stdout.split() if j in jobs] if done.returncode == 0 else []
             if done.returncode != 0 and "Invalid job id" not in done.stderr:
