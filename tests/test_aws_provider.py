@@ -512,14 +512,13 @@ async def _flow_run_errors(flow_run_id: str) -> list[str]:
             await asyncio.sleep(0.3)
 
 
-@pytest.fixture
-def ec2_capacity(monkeypatch):
-    """moto's EC2 with a capacity: a RunInstances for more instances than are left is refused with
-    EC2's own InsufficientInstanceCapacity, as a real region says when it has no more."""
+def limit_ec2_capacity(patch, left: dict) -> None:
+    """moto's EC2 with a capacity: a RunInstances for more instances than `left["instances"]` is
+    refused with EC2's own InsufficientInstanceCapacity, as a real region says when it has no
+    more. `patch` is a pytest monkeypatch (or one of its contexts)."""
     from moto.ec2.exceptions import EC2ClientError
     from moto.ec2.models.instances import InstanceBackend
 
-    left = {"instances": 2}
     launch = InstanceBackend.run_instances
 
     def run_instances(self, image_id, count, *args, **kwargs):
@@ -530,7 +529,13 @@ def ec2_capacity(monkeypatch):
         left["instances"] -= count
         return launch(self, image_id, count, *args, **kwargs)
 
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    patch.setattr(InstanceBackend, "run_instances", run_instances)
+
+
+@pytest.fixture
+def ec2_capacity(monkeypatch):
+    left = {"instances": 2}
+    limit_ec2_capacity(monkeypatch, left)
     return left
 
 

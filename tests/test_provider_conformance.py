@@ -100,20 +100,10 @@ class AWSFleet(Fleet):
     @contextlib.contextmanager
     def room_for(self, count: int) -> Iterator[None]:
         """EC2's own InsufficientInstanceCapacity past `count` instances, as a full region says."""
-        from moto.ec2.exceptions import EC2ClientError
-        from moto.ec2.models.instances import InstanceBackend
-
-        left = {"instances": count}
-        launch = InstanceBackend.run_instances
-
-        def run_instances(backend, image_id, n, *args, **kwargs):
-            if n > left["instances"]:
-                raise EC2ClientError("InsufficientInstanceCapacity", f"no capacity for {n} instances")
-            left["instances"] -= n
-            return launch(backend, image_id, n, *args, **kwargs)
+        from tests.test_aws_provider import limit_ec2_capacity
 
         with self.monkeypatch.context() as m:
-            m.setattr(InstanceBackend, "run_instances", run_instances)
+            limit_ec2_capacity(m, {"instances": count})
             yield
 
     def leftovers(self) -> list[str]:
