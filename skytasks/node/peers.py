@@ -171,10 +171,6 @@ class RelayNode:
             self._listener = PeerListener(address, secret, self.serve_peer)
         return self._listener.port
 
-    @property
-    def refused(self) -> int:
-        return self._listener.refused if self._listener is not None else 0
-
     def serve_peer(self, stream: Readable) -> None:
         """Frames from the parent: a ROUTE, then the CALL frame it announces."""
         route: dict[str, Any] | None = None

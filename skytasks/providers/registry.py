@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import TYPE_CHECKING, Literal
 
@@ -34,8 +35,10 @@ def plugin(name: str) -> ProviderPlugin:
     return found
 
 
+@functools.cache
 def readers_of_fields() -> dict[str, tuple[str, ...]]:
-    """Each provider-specific block field and the providers that read it."""
+    """Each provider-specific block field and the providers that read it (from the table: made
+    once, not at every GPUPool)."""
     readers: dict[str, tuple[str, ...]] = {}
     for p in PROVIDERS.values():
         for name in p.reads:
