@@ -8,6 +8,8 @@ arguments, rank environment), so nodes need nothing but the standard library and
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -38,6 +40,9 @@ class SkytasksSettings(BaseSettings):
     line_backlog: int = Field(
         100_000, gt=0, description="Output and log lines the controller holds waiting for the record; past it, "
                                    "lines are dropped and counted per rank (said as LinesDropped).")
+    rank_start: Literal["fork", "exec"] = Field(
+        "fork", description="How a node starts its ranks: forked from one warm template process per node "
+                            "(milliseconds each), or each as a fresh interpreter (exec).")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
 
     @property

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 # ignored signal: the tests that press Ctrl-C on a CLI they start need it delivered.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-ROLES = ("skytasks.node.agent", "skytasks.node.worker")
+ROLES = ("skytasks.node.agent", "skytasks.node.rank_template", "skytasks.node.worker")
 SESSION_STARTED = psutil.Process().create_time()  # psutil's clock: comparable with its create_time()
 
 

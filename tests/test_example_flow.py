@@ -96,8 +96,11 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not list(tmp_path.glob("checkpoints/runs/*/step-000000000000.pt")):
             time.sleep(0.05)
-        agent = next(p.parent() for p in psutil.Process().children(recursive=True)
-                     if "skytasks.node.worker" in " ".join(p.cmdline()) and p.environ().get("NODE_RANK") == "1")
+        # The agents start in node order. (A rank's /proc environ would not say: ranks are forked
+        # from a template, and /proc shows the environment a process was exec'd with.)
+        agents = sorted((p for p in psutil.Process().children(recursive=True)
+                         if "skytasks.node.agent" in " ".join(p.cmdline())), key=lambda p: p.create_time())
+        agent = agents[1]
         sent["at"] = time.time()
         os.kill(agent.pid, signal.SIGUSR2)  # the notice
         time.sleep(2.0)

@@ -238,6 +238,7 @@ def test_a_peer_that_never_arrives_fails_initialisation_naming_the_missing_rank(
         "import os, time\nif os.environ.get('SKYTASKS_RANK') == '1':\n    time.sleep(120)\n"
     )
     monkeypatch.setenv("SKYTASKS_INIT_TIMEOUT_SECONDS", "4")
+    monkeypatch.setenv("SKYTASKS_RANK_START", "exec")  # a fresh interpreter per rank: a forked one runs no sitecustomize
     task = distributed_task(lambda: 1, pool=GPUPool(nodes=3, env={"PYTHONPATH": str(tmp_path)}))
     with pytest.raises(DistributedTaskError) as caught:
         task()

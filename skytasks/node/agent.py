@@ -35,11 +35,14 @@ from skytasks.wire import RELAY, ChannelClosed, FrameWriter, HeardStream, encode
 
 from skytasks.node.peers import RelayNode
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess
+from skytasks.node.rank_template import RankStarter
 
 
 class NodeAgent:
     def __init__(self, inbound: BinaryIO, outbound: BinaryIO, heartbeat_seconds: float, heartbeat_timeout: float,
-                 sample_seconds: float, heartbeat_file: str | None = None, notice_file: str | None = None):
+                 sample_seconds: float, heartbeat_file: str | None = None, notice_file: str | None = None,
+                 starter: RankStarter | None = None):
+        self.starter = starter or RankStarter()  # a warm template forks the ranks (see rank_template)
         self._inbound = HeardStream(inbound)
         self._out = FrameWriter(outbound)
         self._ranks: dict[int, RankProcess] = {}
@@ -88,6 +91,7 @@ class NodeAgent:
                 self._controller_gone(f"no word from the controller for {silent:.0f}s")
             if self._notice_file and not self._noticed.is_set():
                 self._read_notice_file()
+            self.starter.reap_orphans()  # the agent is a subreaper (see rank_template)
             if self._heartbeat_file and self._inbound.last_heard != touched:
                 touched = self._inbound.last_heard
                 try:
@@ -179,6 +183,7 @@ class NodeAgent:
     def _end_ranks(self, grace: float) -> None:
         """The agent is leaving: its ranks go, and so does its scratch folder."""
         self.stop_ranks(grace=grace)
+        self.starter.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _open_to_peers(self, msg: dict[str, Any]) -> None:
@@ -321,7 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-seconds", type=float, required=True)
     parser.add_argument("--heartbeat-file", default=None)
     parser.add_argument("--notice-file", default=None, help="where the node's watchdog writes a preemption notice")
+    parser.add_argument("--rank-start", choices=("fork", "exec"), default="fork",
+                        help="fork ranks from a warm template, or start each as a fresh interpreter")
     args = parser.parse_args(argv)
+    # First, while this process has no thread: fork is safe only then.
+    starter = RankStarter.fork_template() if args.rank_start == "fork" else RankStarter()
     # Frames own the real stdout; anything else printed here (a warning, a stray print) goes to
     # stderr so it cannot corrupt the stream.
     outbound = os.fdopen(os.dup(1), "wb")
@@ -340,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     # worker registers faulthandler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     agent = NodeAgent(inbound, outbound, args.heartbeat_seconds, args.heartbeat_timeout, args.sample_seconds,
-                      args.heartbeat_file, args.notice_file)
+                      args.heartbeat_file, args.notice_file, starter)
 
     def on_notice_signal(signum: int, frame: object) -> None:
         # SIGUSR2: SLURM's --signal=USR2@<seconds> before the time limit, `scancel --signal=USR2`,

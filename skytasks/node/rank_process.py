@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, BinaryIO, Protocol
 
 from skytasks.wire import ChannelClosed, FrameWriter, Readable, read_frame, widen_pipe
+from skytasks.node.rank_template import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
 
@@ -21,6 +20,7 @@ class RankHost(Protocol):
 
     scratch: str  # where the ranks' stack files live
     leaving_known: threading.Event  # set once the node is going away
+    starter: RankStarter  # forks ranks from the node's warm template, or starts them cold
 
     def emit(self, msg: dict[str, Any]) -> None: ...
     def give_notice(self, reason: str, deadline: float | None = None) -> None: ...
@@ -37,20 +37,9 @@ class RankProcess:
         ctrl_read, ctrl_write = os.pipe()
         # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).
         self.stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
-        full_env = {**os.environ, **env, "SKYTASKS_CTRL_FD": str(ctrl_write), "PYTHONUNBUFFERED": "1",
-                    "SKYTASKS_STACK_FILE": self.stack_file}
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "SKYTASKS_STACK_FILE": self.stack_file}
         full_env.update(slurm_task_environment(full_env))  # inside a SLURM step: this rank's task variables
-        # A session of its own, so stopping a rank also stops its DataLoader workers and any
-        # other children it made (killpg).
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skytasks.node.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=full_env,
-            pass_fds=(ctrl_write,),
-            start_new_session=True,
-        )
+        self.proc = agent.starter.start(full_env, ctrl_write)
         os.close(ctrl_write)
         widen_pipe(ctrl_read)  # results
         widen_pipe(self.proc.stdin)  # calls and their arguments

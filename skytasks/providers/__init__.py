@@ -49,7 +49,7 @@ def agent_args(heartbeat_file: str | None = None, notice_file: str | None = None
     knobs = settings()
     interval, timeout = knobs.heartbeat
     args = ["-m", "skytasks.node.agent", "--heartbeat-seconds", f"{interval:g}", "--heartbeat-timeout", f"{timeout:g}",
-            "--sample-seconds", f"{knobs.resource_sample_seconds:g}"]
+            "--sample-seconds", f"{knobs.resource_sample_seconds:g}", "--rank-start", knobs.rank_start]
     args += ["--heartbeat-file", heartbeat_file] if heartbeat_file else []
     return args + (["--notice-file", notice_file] if notice_file else [])
 

@@ -1,0 +1,320 @@
+"""A node's ranks forked from one warm template process, not started as fresh interpreters.
+
+Why: a fresh interpreter that imports the rank's side of skytasks costs about 50 ms of CPU. At
+1,024 ranks on 128 nodes that is most of the pool's start, and all of a lost node's restart.
+torch's forkserver answers the same cost the same way.
+
+How:
+- The agent forks the template at its very start, before it has any thread (fork is safe only
+  then), and makes itself a subreaper. The template imports `skytasks.node.worker` and cloudpickle
+  once.
+- For each rank, the agent makes its pipes and hands their descriptors over a socketpair
+  (SCM_RIGHTS). The template forks twice; the middle process exits at once, so the rank is
+  reparented to the agent, as a cold rank is its child. The rank puts the pipes on fds 0-3, takes
+  its environment and runs the worker's `main()`.
+- The agent holds a `ForkedProcess` that behaves like the `subprocess.Popen` of a cold start: it
+  reaps its own child, and `os.getppid()` in a rank is the agent either way.
+- A dying agent takes the template and the ranks with it (PDEATHSIG).
+
+A rank is started cold instead when the template cannot serve it:
+- the agent was told `--rank-start exec`;
+- the rank's environment changes what an interpreter reads only as it starts (`PYTHON*`, `LD_*`,
+  `MALLOC_*`);
+- the template has gone, or a thread appeared in it.
+
+Standard library only: this runs in the agent too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import BinaryIO
+
+# Read only as an interpreter (or the dynamic loader) starts: a forked rank would not see a change.
+STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
+_UNBUFFERED = "PYTHONUNBUFFERED"  # every rank gets it; a forked rank's streams are made unbuffered
+_CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL_FD)
+_MAX_MESSAGE = 1 << 20
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def retitle(*words: str) -> None:
+    """Make `ps` show this process as `<python> <words>`: a forked rank is `-m skytasks.node.worker`,
+    as a cold one is, and the template says what it is. Writes over the process's own argv area
+    (as setproctitle does); a no-op where /proc has no such fields."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
+        with open("/proc/self/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0", 1)[0]
+        title = b"\0".join([argv0, *(w.encode() for w in words)]) + b"\0"
+        if len(title) <= end - start:
+            ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+class ForkedProcess:
+    """A rank the template forked, as the agent sees it: what the agent used of `Popen`. The rank
+    is the agent's own child (the agent is a subreaper), so the agent reaps it as Popen would."""
+
+    def __init__(self, pid: int, stdin: BinaryIO, stdout: BinaryIO, stderr: BinaryIO):
+        self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+        threading.Thread(target=self._reap, daemon=True, name=f"reap-{pid}").start()
+
+    def _reap(self) -> None:
+        try:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:  # not ours after all: the template's report was wrong
+            self.returncode = -signal.SIGKILL
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class RankStarter:
+    """Starts a node's rank processes: forked from the template while it serves, else cold."""
+
+    def __init__(self, template: socket.socket | None = None, template_pid: int | None = None,
+                 template_env: dict[str, str] | None = None):
+        self._sock, self._template_pid = template, template_pid
+        self._template_env = template_env or {}
+        self._lock = threading.Lock()  # one fork request in flight at a time
+        self._started: set[int] = set()  # every rank pid this started: someone else reaps those
+
+    @classmethod
+    def fork_template(cls) -> RankStarter:
+        """Call first thing in the agent, before any thread. Falls back to cold starts where it cannot."""
+        if sys.platform != "linux":  # /proc, SOCK_SEQPACKET, PDEATHSIG and subreapers are Linux's
+            return cls()
+        try:
+            # The ranks' parent is then the agent, as a cold rank's is: reparented to it when the
+            # template's short-lived middle process exits.
+            if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1) != 0:
+                return cls()
+        except (OSError, AttributeError):
+            return cls()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        agent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ours.detach())  # the agent's end: held here, the agent's close would never be heard
+            _serve_as_template(theirs, agent)  # never returns
+        theirs.close()
+        return cls(ours, pid, dict(os.environ))
+
+    @property
+    def forks(self) -> bool:
+        return self._sock is not None
+
+    def start(self, env: dict[str, str], ctrl_write: int) -> subprocess.Popen | ForkedProcess:
+        """A rank process with `env` (whole), stdin/stdout/stderr as pipes and `ctrl_write` as its
+        channel to the agent. The caller closes `ctrl_write` afterwards."""
+        if self._sock is not None and not self._changes_startup(env):
+            forked = self._fork(env, ctrl_write)
+            if forked is not None:
+                return forked
+        cold = subprocess.Popen(
+            [sys.executable, "-m", "skytasks.node.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**env, "SKYTASKS_CTRL_FD": str(ctrl_write)}, pass_fds=(ctrl_write,),
+            # A session of its own, so stopping a rank also stops its DataLoader workers and any
+            # other children it made (killpg).
+            start_new_session=True,
+        )
+        self._started.add(cold.pid)
+        return cold
+
+    def _changes_startup(self, env: dict[str, str]) -> bool:
+        keys = (set(env) | set(self._template_env)) - {_UNBUFFERED}
+        return any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != self._template_env.get(k) for k in keys)
+
+    def _fork(self, env: dict[str, str], ctrl_write: int) -> ForkedProcess | None:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        stderr_r, stderr_w = os.pipe()
+        request = json.dumps({"env": {**env, "SKYTASKS_CTRL_FD": str(_CTRL_FD)}}).encode()
+        try:
+            with self._lock:
+                if self._sock is None:
+                    raise OSError("the template has gone")
+                self._sock.settimeout(10.0)
+                socket.send_fds(self._sock, [request], [stdin_r, stdout_w, stderr_w, ctrl_write])
+                reply = json.loads(self._sock.recv(_MAX_MESSAGE) or b'{"error": "the template has gone"}')
+                if "pid" not in reply:
+                    self._sock = None  # it is not to be trusted with another
+                    raise OSError(reply["error"])
+                self._started.add(reply["pid"])
+            return ForkedProcess(reply["pid"], os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"),
+                                 os.fdopen(stderr_r, "rb"))
+        except OSError as exc:  # a timeout is one
+            for fd in (stdin_w, stdout_r, stderr_r):
+                os.close(fd)
+            print(f"skytasks agent: starting a rank cold: {exc}", file=sys.stderr, flush=True)
+            return None
+        finally:
+            for fd in (stdin_r, stdout_w, stderr_w):
+                os.close(fd)
+
+    def reap_orphans(self) -> None:
+        """A subreaper inherits every orphan below it (a dead rank's DataLoader workers, a user's
+        daemon): reap those that ended, and a template that died; never a rank, whose owner reaps it."""
+        with self._lock:  # a rank being started is in `_started` before it can be seen here
+            children: set[int] = set()
+            try:
+                for task in os.listdir("/proc/self/task"):  # an orphan may land on any thread
+                    with open(f"/proc/self/task/{task}/children") as f:
+                        children.update(int(p) for p in f.read().split())
+            except OSError:
+                return
+            self._started &= children  # the rest were reaped by their owners: the numbers may come back
+            orphans = children - self._started
+        for pid in orphans:
+            try:
+                reaped, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if reaped and reaped == self._template_pid:
+                self._template_pid = None
+
+    def close(self) -> None:
+        """The template leaves (its ranks were stopped first) and is reaped."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        if self._template_pid is not None:
+            try:
+                os.waitpid(self._template_pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _die_with(parent: int) -> None:
+    """PDEATHSIG: when `parent` (this process's parent now) dies, the kernel kills this one too."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _serve_as_template(sock: socket.socket, agent: int) -> None:
+    """The template's life: a rank for each request, until the agent closes or dies."""
+    code = 1
+    try:
+        _die_with(agent)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)  # never hold the agent's frame streams: their end is how deaths are seen
+        os.dup2(2, 1)
+        os.close(devnull)
+        # As a cold rank inherits them from the agent (see agent.main): Ctrl-C is the controller's,
+        # and SIGUSR1 is ignored until the worker's faulthandler takes it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        retitle("-m", "skytasks.node.rank_template")
+        import cloudpickle  # noqa: F401 - warm: every rank unpickles its call with it
+        import skytasks.node.worker  # noqa: F401
+
+        while True:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 4)
+            if not data:
+                code = 0
+                return  # the agent closed: it stopped its ranks first
+            reply: dict[str, object]
+            try:
+                reply = {"pid": _fork_rank(sock, json.loads(data)["env"], fds, agent)}
+            except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the rank cold
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            sock.send(json.dumps(reply).encode())
+    except BaseException:  # noqa: BLE001 - the agent then starts its ranks cold
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _fork_rank(sock: socket.socket, env: dict[str, str], fds: list[int], agent: int) -> int:
+    """Fork twice: the middle process exits at once, so the rank is reparented to the agent
+    (the subreaper) and the template keeps no children. Returns the rank's pid."""
+    if threading.active_count() > 1 or len(os.listdir("/proc/self/task")) > 1:
+        # fork copies only the calling thread: a lock another thread held would stay held forever
+        raise RuntimeError("a thread appeared in the template")
+    pid_r, pid_w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(pid_r)
+            me = os.getpid()
+            rank = os.fork()
+            if rank == 0:
+                os.close(pid_w)
+                _become_rank(sock, env, fds, me, agent)  # never returns
+            os.write(pid_w, str(rank).encode())
+        finally:
+            os._exit(0)
+    os.close(pid_w)
+    with os.fdopen(pid_r, "rb") as f:
+        said = f.read()
+    os.waitpid(middle, 0)  # once it is reaped, the rank's parent is the agent
+    return int(said)
+
+
+def _become_rank(sock: socket.socket, env: dict[str, str], fds: list[int], middle: int, agent: int) -> None:
+    """In the forked child: what `python -m skytasks.node.worker` with these pipes would be."""
+    code = 1
+    try:
+        while os.getppid() == middle:  # until the middle process has exited (microseconds)
+            time.sleep(0.0002)
+        _die_with(agent)  # now the agent is the parent: die with it, as a cold rank does
+        os.setsid()  # its own session, as a cold rank's: killpg stops its children too
+        sock.detach()  # closed below with the rest; the object must never close a reused number
+        high = [os.dup(fd) for fd in fds]  # out of the way of 0-3 before they are filled
+        for target, fd in enumerate(high):
+            os.dup2(fd, target)
+        for name in os.listdir("/proc/self/fd"):  # the template's own and the copies above
+            if int(name) > _CTRL_FD:
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass  # the listing's own descriptor
+        os.environ.clear()
+        os.environ.update(env)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+        from skytasks.node import worker
+
+        sys.argv = [worker.__file__]
+        retitle("-m", "skytasks.node.worker")
+        worker.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        os._exit(code)

@@ -1,0 +1,126 @@
+"""A node forks its ranks from one warm template (milliseconds each), and a forked rank is what a
+cold one is: the agent's child, in a session of its own, with its own environment and random
+state. Where forking would not be faithful, the rank starts cold."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from skytasks import DistributedTaskError, GPUPool, distributed_task
+
+FORKED_CTRL_FD = "3"  # a forked rank finds its channel on fd 3; a cold one on whatever the agent had
+
+
+def what_a_rank_is() -> dict:
+    me = psutil.Process()
+    parent = me.parent()
+    return {
+        "rank": int(os.environ["RANK"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "pid": me.pid,
+        "parent": " ".join(parent.cmdline()),
+        "parent_children": [" ".join(c.cmdline()) for c in parent.children()],
+        "cmdline": " ".join(me.cmdline()).split(),
+        "own_session": os.getsid(0) == me.pid,
+        "ctrl_fd": os.environ["SKYTASKS_CTRL_FD"],
+        "random": random.random(),
+        "stdin": sys.stdin.read(),
+        "hash": hash("skytasks"),
+    }
+
+
+def test_ranks_are_forked_from_a_warm_template_and_are_still_the_agents_children():
+    pool = GPUPool(nodes=2, procs_per_node=2)
+    with pool:
+        ranks = distributed_task(what_a_rank_is, pool=pool, init_torch=False)()
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert [r["local_rank"] for r in ranks] == [0, 1, 0, 1]
+    for r in ranks:
+        assert r["ctrl_fd"] == FORKED_CTRL_FD  # forked, not a fresh interpreter
+        assert "skytasks.node.agent" in r["parent"]  # os.getppid() is the node agent, as before
+        templates = [c for c in r["parent_children"] if "skytasks.node.rank_template" in c]
+        assert len(templates) == 1  # one template per node, beside the ranks
+        assert r["cmdline"][1:] == ["-m", "skytasks.node.worker"]  # `ps` shows a rank as a rank
+        assert r["own_session"] and r["stdin"] == ""
+    assert len({r["random"] for r in ranks}) == 4  # each rank's random state is its own
+
+
+def test_an_environment_read_only_at_interpreter_start_starts_the_rank_cold():
+    pool = GPUPool(nodes=1, procs_per_node=2, env={"PYTHONHASHSEED": "7"})
+    with pool:
+        ranks = distributed_task(what_a_rank_is, pool=pool, init_torch=False)()
+    expected = subprocess.run([sys.executable, "-c", "print(hash('skytasks'))"], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": "7"}).stdout.strip()
+    for r in ranks:
+        assert r["ctrl_fd"] != FORKED_CTRL_FD
+        assert str(r["hash"]) == expected  # the seed took effect: a forked rank could not have it
+        assert "skytasks.node.agent" in r["parent"]
+
+
+def test_rank_start_exec_starts_every_rank_as_a_fresh_interpreter(monkeypatch):
+    monkeypatch.setenv("SKYTASKS_RANK_START", "exec")
+    pool = GPUPool(nodes=1, procs_per_node=2)
+    with pool:
+        ranks = distributed_task(what_a_rank_is, pool=pool, init_torch=False)()
+    for r in ranks:
+        assert r["ctrl_fd"] != FORKED_CTRL_FD
+        assert not any("skytasks.node.rank_template" in c for c in r["parent_children"])
+
+
+def fail_once(flag: str) -> None:
+    if not os.path.exists(flag):
+        open(flag, "w").close()
+        raise RuntimeError("a failed call: the next one starts a new group")
+
+
+def test_a_node_whose_template_died_keeps_its_ranks_and_starts_new_ones_cold(tmp_path):
+    pool = GPUPool(nodes=1, procs_per_node=2)
+    task = distributed_task(what_a_rank_is, pool=pool, init_torch=False)
+    with pool:
+        first = task()
+        agent = psutil.Process(psutil.Process(first[0]["pid"]).ppid())
+        template = next(c for c in agent.children() if "skytasks.node.rank_template" in " ".join(c.cmdline()))
+        template.kill()
+        template.wait(5)
+        # The ranks are the agent's, not the template's: the warm group goes on.
+        assert [r["pid"] for r in task()] == [r["pid"] for r in first]
+        with pytest.raises(DistributedTaskError):
+            distributed_task(fail_once, pool=pool, init_torch=False)(str(tmp_path / "flag"))
+        after = task()  # a new group, started cold
+    assert {r["ctrl_fd"] for r in after} != {FORKED_CTRL_FD}
+    assert not {r["pid"] for r in after} & {r["pid"] for r in first}
+
+
+def leave_an_orphan() -> tuple[int, int]:
+    """A daemon made the classic way (fork twice): its parent is gone, so it is the agent's now.
+    It ends at once; unreaped, it would stay a zombie child of the agent for the pool's life."""
+    read, write = os.pipe()
+    if os.fork() == 0:
+        orphan = os.fork()
+        if orphan == 0:
+            time.sleep(0.5)  # by then its parent is gone and the agent has it
+            os._exit(0)
+        os.write(write, str(orphan).encode())
+        os._exit(0)
+    os.close(write)
+    os.wait()
+    return psutil.Process().ppid(), int(os.read(read, 64))
+
+
+def test_orphans_that_the_agent_inherits_are_reaped():
+    pool = GPUPool(nodes=1, procs_per_node=1)
+    with pool:
+        agent_pid, orphan = distributed_task(leave_an_orphan, pool=pool, init_torch=False)()[0]
+        agent = psutil.Process(agent_pid)
+        assert orphan in [c.pid for c in agent.children()]  # the agent (a subreaper) inherited it
+        deadline = time.monotonic() + 5
+        while orphan in [c.pid for c in agent.children()] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert orphan not in [c.pid for c in agent.children()]  # it ended, and was reaped
