@@ -8,6 +8,8 @@ arguments, rank environment), so nodes need nothing but the standard library and
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Literal
 
 from pydantic import Field
@@ -15,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class SkytasksSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SKYTASKS_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SKYTASKS_", extra="ignore", frozen=True)  # shared (see settings())
 
     heartbeat_seconds: float = Field(5.0, gt=0, description="Both ends of a node stream send a heartbeat this often.")
     heartbeat_timeout_seconds: float = Field(
@@ -52,4 +54,12 @@ class SkytasksSettings(BaseSettings):
 
 
 def settings() -> SkytasksSettings:
+    """The settings as the environment has them now. Built again only when a SKYTASKS_ variable
+    changed: pydantic-settings takes a millisecond or more, and a call reads them several times."""
+    ours = tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith("SKYTASKS_")))
+    return _settings_for(ours)
+
+
+@functools.lru_cache(maxsize=8)
+def _settings_for(environment: tuple[tuple[str, str], ...]) -> SkytasksSettings:
     return SkytasksSettings()

@@ -24,7 +24,8 @@ class NodeEvents:
     """The session's event queue with a bound on waiting lines: `put` is what the node readers call."""
 
     def __init__(self, limit: int):
-        self.queue: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        # SimpleQueue: C-implemented, with no Condition for 128 reader threads to queue up on.
+        self.queue: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
         self.limit = limit
         self._lock = threading.Lock()
         self._dropped: Counter[int] = Counter()
