@@ -38,6 +38,12 @@ RESOURCES_ARTIFACT_EVERY_SECONDS = 5.0  # the live resources table and events: a
 METRICS_ROWS_KEPT = 500  # the live metrics table shows the newest reports (an hour at 2 a second would be 7,200)
 
 
+# When each rank's figures last went out as an event, across calls: a warm pool's short calls
+# would otherwise send every sampled rank's figures at every call's end (hundreds of events a
+# call at 1,024 ranks), where the promise is every few seconds.
+_RESOURCES_SAID: dict[tuple[str, str, int], float] = {}
+
+
 def artifact_key(label: str, suffix: str) -> str:
     # Artifact keys: lowercase letters, digits and dashes only.
     return re.sub(r"[^a-z0-9-]+", "-", f"{label}-{suffix}".lower()).strip("-")
@@ -172,7 +178,7 @@ class PrefectObserver:
 
     def _write_resources(self) -> None:
         """The latest figures per rank: a table artifact (a new version of the same key each time)
-        and one `skytasks.rank.resources` event per rank."""
+        and a `skytasks.rank.resources` event per rank, at most every few seconds a rank."""
         with self._lock:
             usages = [self._usage[r] for r in sorted(self._usage)]
             self._resources_written_at = time.monotonic()
@@ -180,7 +186,12 @@ class PrefectObserver:
             return
         rows = [{"rank": u.rank, "latest": u.line(), **u.columns()} for u in usages]
         self._resources_table.set(rows)
+        now = time.monotonic()
         for u in usages:
+            said = (self.pool_name, self.label, u.rank)
+            if now - _RESOURCES_SAID.get(said, -RESOURCES_ARTIFACT_EVERY_SECONDS) < RESOURCES_ARTIFACT_EVERY_SECONDS:
+                continue
+            _RESOURCES_SAID[said] = now
             emit("skytasks.rank.resources", rank_resource(self.label, u.rank), related=[pool_resource(self.pool_name)],
                  payload={"task": self.label, "rank": u.rank, "latest": u.latest, "summary": u.columns()})
 
