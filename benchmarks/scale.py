@@ -203,7 +203,7 @@ def _plot(rows: list[dict]) -> None:
     except ImportError:
         print("   (no matplotlib: docs/scale.png not drawn)")
         return
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    fig, axes = plt.subplots(3, 3, figsize=(14, 10))
     xs = [r["ranks"] for r in rows]
     for ax, (key, title) in zip(axes.flat, FIGURES):
         ax.plot(xs, [r[key] for r in rows], marker="o")

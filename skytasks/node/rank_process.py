@@ -122,6 +122,8 @@ class RankProcess:
                 continue
             if now and now == text:
                 break  # written and no longer growing: the dump is whole
+            if not now and self.proc.poll() is not None:
+                break  # it was already leaving (the rank that failed): no dump is coming
             text = now
         self.stack_offset = before + len(text.encode())
         return text.strip()
