@@ -207,7 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
     parser.add_argument("--only", choices=["cli", "dispatch", "broadcast", "ssh", "slurm", "recovery", "preemption",
-                                           "flow", "scale"],
+                                           "flow", "scale", "load"],
                         help="run one figure (flow: warm calls and fan-out inside a flow) and update results.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
@@ -279,6 +279,17 @@ def main() -> None:
         print("\nscale: real agents and ranks, 8 per node, init_torch=False")
         rows = scale([16, 64, 256] if args.quick else [16, 64, 256, 1024], repeats)
         return update_results(out, scale=rows)
+
+    if args.only == "load":
+        from load import load
+
+        flows, calls = (4, 10) if args.quick else (16, 50)
+        print(f"\nload: {flows} flows at once x {calls} warm calls, {4} ranks each, Prefect server on PostgreSQL")
+        row = load(flows, calls)
+        print(f"   flows took {row['flows_took_s']:.1f}s; the record settled {row['settled_after_flows_s']:.1f}s after "
+              f"the last ended; task runs {row['task_runs']} of {row['task_runs_expected']} "
+              f"({row['task_runs_final']} final), logs {row['logs']} ({row['logs_per_call']:.1f} a call)")
+        return update_results(out, load=row)
 
     if args.only == "flow":
         from prefect.testing.utilities import prefect_test_harness

@@ -74,3 +74,37 @@ def test_a_run_per_node_or_the_heads_only_with_the_failed_ranks_lines_in_the_par
     parent = asyncio.run(_logs(runs["by-head"].id))
     assert "[rank 3] hello from rank 3" in parent and any("[rank 3] failed" in m for m in parent), parent
     assert "[rank 1] hello from rank 1" not in parent
+
+
+def quick_or_slow(slow: bool) -> int:
+    time.sleep(1.6 if slow else 0.0)
+    return rank_info().rank
+
+
+async def _state_names(task_run_id) -> list[str]:
+    async with get_client() as client:
+        states = await client.read_task_run_states(task_run_id)
+        return [s.name for s in sorted(states, key=lambda s: s.timestamp)]
+
+
+def test_a_rank_run_that_ends_at_once_sends_only_its_end_and_a_lasting_one_shows_running_first():
+    """A warm call takes milliseconds: its rank runs go to the server as one final state each (a
+    third fewer events at load). A call that lasts shows its runs Running in the UI meanwhile."""
+    pool = GPUPool(nodes=1, procs_per_node=2)
+    task = distributed_task(quick_or_slow, pool=pool, init_torch=False)
+
+    @flow
+    def calls() -> tuple:
+        from prefect.context import get_run_context
+
+        with pool:
+            task(False)
+            task(True)
+        return get_run_context().flow_run.id
+
+    flow_run_id = calls()
+    runs = [r for r in settled_task_runs(flow_run_id, expect=6) if "[rank " in r.name]
+    assert len(runs) == 4
+    histories = sorted(asyncio.run(_state_names(r.id)) for r in runs)
+    assert histories == [["Completed"], ["Completed"], ["Running", "Completed"], ["Running", "Completed"]]
+    assert all(r.start_time is not None and r.end_time is not None and r.state_name == "Completed" for r in runs)

@@ -1,0 +1,208 @@
+"""The Prefect record under load: 16 flows at once, each making 50 warm calls on a pool of its own,
+against `prefect server start` backed by PostgreSQL, both on loopback, started here and stopped after.
+
+    .venv/bin/python benchmarks/run.py --only load [--quick]
+
+It reports how long after the last flow ended the record settled. Settled means three things:
+- every task run of those flows is in a final state;
+- they number what the calls made: a parent run, plus a run per rank, for each call;
+- their count and the logs' count stopped growing.
+
+It also reports what the server was sent per call (task runs, logs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RANKS_PER_FLOW = 4  # 2 nodes x 2: one task run per rank ("rank" runs up to 64 ranks)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_postgres(cmd: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: as root, run its programs as the `postgres` user."""
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for version in sorted(Path("/usr/lib/postgresql").glob("*"), reverse=True):
+        if (version / "bin" / name).exists():
+            return str(version / "bin" / name)
+    raise RuntimeError(f"PostgreSQL's {name} is not installed (apt-get install postgresql)")
+
+
+class Servers:
+    """PostgreSQL and a Prefect server on it, on loopback; both stopped and removed on exit."""
+
+    def __enter__(self) -> Servers:
+        self.tmp = tempfile.mkdtemp(prefix="skytasks-load-")
+        os.chmod(self.tmp, 0o777)
+        self.procs: list[subprocess.Popen] = []
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
+        data = os.path.join(self.tmp, "pg")
+        subprocess.run(_as_postgres([_pg_bin("initdb"), "-D", data, "-A", "trust", "-U", "postgres"]),
+                       check=True, capture_output=True)
+        pg_port = _free_port()
+        self.procs.append(subprocess.Popen(
+            _as_postgres([_pg_bin("postgres"), "-D", data, "-h", "127.0.0.1", "-p", str(pg_port), "-k", self.tmp,
+                          "-c", "max_connections=200", "-c", "fsync=off"]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", str(pg_port)], capture_output=True).returncode:
+            if time.monotonic() > deadline:
+                raise RuntimeError("PostgreSQL did not start")
+            time.sleep(0.2)
+        port = _free_port()
+        self.api = f"http://127.0.0.1:{port}/api"
+        self.env = {**os.environ, "PREFECT_API_URL": self.api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                    "PREFECT_HOME": os.path.join(self.tmp, "prefect-home")}
+        server_env = {**self.env, "PREFECT_API_DATABASE_CONNECTION_URL":
+                      f"postgresql+asyncpg://postgres@127.0.0.1:{pg_port}/postgres"}
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.api}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Prefect server did not start")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in reversed(self.procs):  # the server first, then its database
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _flow_process(calls: int) -> None:
+    """One of the flows (run in a process of its own): `calls` warm calls on a 2-node pool."""
+    from prefect import flow
+    from prefect.context import get_run_context
+
+    from skytasks import GPUPool, distributed_task
+
+    def step(i: int) -> int:
+        print(f"call {i}")  # one line per rank per call: the record carries logs too
+        return i
+
+    pool = GPUPool(nodes=2, procs_per_node=2)
+    task = distributed_task(step, pool=pool, init_torch=False)
+
+    @flow
+    def many_calls() -> str:
+        with pool:
+            for i in range(calls):
+                task(i)
+        return str(get_run_context().flow_run.id)
+
+    print(f"FLOW {many_calls()} {time.time()!r}", flush=True)
+
+
+async def _counts(api: str, flow_run_ids: list[str]) -> tuple[int, int, int, int]:
+    from uuid import UUID
+
+    from prefect.client.orchestration import PrefectClient
+
+    from skytasks.prefect_records.rank_runs import RANK_TASK
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    ids = [UUID(i) for i in flow_run_ids]
+    runs: list = []
+    logs = 0
+    async with PrefectClient(api) as client:  # this server, whatever the process's settings say
+        while True:  # the API gives at most 200 at a time
+            page = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)),
+                                               limit=200, offset=len(runs))
+            runs += page
+            if len(page) < 200:
+                break
+        while True:
+            logs_page = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200,
+                                               offset=logs)
+            logs += len(logs_page)
+            if len(logs_page) < 200:
+                break
+    final = sum(1 for r in runs if r.state is not None and r.state.is_final())
+    rank_runs = sum(1 for r in runs if r.task_key == RANK_TASK.task_key)
+    return len(runs), final, logs, rank_runs
+
+
+def load(flows: int, calls: int, timeout: float = 300.0) -> dict:
+    expected_runs = flows * calls * (1 + RANKS_PER_FLOW)
+    with Servers() as servers:
+        started = time.time()
+        procs = [subprocess.Popen([sys.executable, __file__, "--flow", str(calls)], cwd=ROOT, env=servers.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 for _ in range(flows)]
+        ids, ended = [], []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=1800)
+            line = next((x for x in out.splitlines() if x.startswith("FLOW ")), None)
+            if proc.returncode != 0 or line is None:
+                raise RuntimeError(f"a load flow failed (exit {proc.returncode}):\n{out[-2000:]}")
+            _, run_id, at = line.split()
+            ids.append(run_id)
+            ended.append(float(at))
+        flows_ended = max(ended)
+        last, last_change = None, time.time()
+        while True:
+            now = time.time()
+            counts = asyncio.run(_counts(servers.api, ids))
+            if counts != last:
+                last, last_change = counts, now
+            runs, final, logs, _ = counts
+            if runs >= expected_runs and final == runs and now - last_change >= 3.0:
+                break
+            if now - flows_ended > timeout:
+                break
+            time.sleep(0.5)
+    runs, final, logs, rank_runs = last or (0, 0, 0, 0)
+    return {"flows": flows, "calls_per_flow": calls, "ranks_per_call": RANKS_PER_FLOW,
+            "flows_took_s": flows_ended - started, "settled_after_flows_s": max(0.0, last_change - flows_ended),
+            "task_runs": runs, "task_runs_expected": expected_runs, "rank_runs": rank_runs,
+            "rank_runs_expected": flows * calls * RANKS_PER_FLOW, "task_runs_final": final, "logs": logs,
+            "logs_per_call": logs / (flows * calls)}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    if sys.argv[1:2] == ["--flow"]:
+        _flow_process(int(sys.argv[2]))
+    else:
+        print(load(int(sys.argv[1]), int(sys.argv[2])))
