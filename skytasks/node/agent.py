@@ -35,7 +35,7 @@ from skytasks.wire import RELAY, ChannelClosed, FrameWriter, HeardStream, encode
 
 from skytasks.node.peers import RelayNode
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess
-from skytasks.node.rank_template import RankStarter
+from skytasks.node.rank_starter import RankStarter
 
 
 class NodeAgent:

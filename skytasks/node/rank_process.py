@@ -10,7 +10,7 @@ import time
 from typing import Any, BinaryIO, Protocol
 
 from skytasks.wire import ChannelClosed, FrameWriter, Readable, read_frame, widen_pipe
-from skytasks.node.rank_template import RankStarter
+from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
 

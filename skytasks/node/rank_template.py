@@ -19,10 +19,11 @@ How:
 A rank is started cold instead when the template cannot serve it:
 - the agent was told `--rank-start exec`;
 - the rank's environment changes what an interpreter reads only as it starts (`PYTHON*`, `LD_*`,
-  `MALLOC_*`);
+  `MALLOC_*`, `GLIBC_*`);
 - the template has gone, or a thread appeared in it.
 
-Standard library only: this runs in the agent too.
+This module is the template's side; `rank_starter` is the agent's. Standard library only: the
+agent imports it too.
 """
 
 from __future__ import annotations
@@ -33,19 +34,17 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
-from typing import BinaryIO
 
 # Read only as an interpreter (or the dynamic loader) starts: a forked rank would not see a change.
 STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
-_UNBUFFERED = "PYTHONUNBUFFERED"  # every rank gets it; a forked rank's streams are made unbuffered
-_CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL_FD)
-_MAX_MESSAGE = 1 << 20
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+UNBUFFERED = "PYTHONUNBUFFERED"  # every rank gets it; a forked rank's streams are made unbuffered
+CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL_FD)
+MAX_MESSAGE = 1 << 20
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 def retitle(*words: str) -> None:
@@ -65,163 +64,17 @@ def retitle(*words: str) -> None:
         pass
 
 
-class ForkedProcess:
-    """A rank the template forked, as the agent sees it: what the agent used of `Popen`. The rank
-    is the agent's own child (the agent is a subreaper), so the agent reaps it as Popen would."""
-
-    def __init__(self, pid: int, stdin: BinaryIO, stdout: BinaryIO, stderr: BinaryIO):
-        self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
-        self.returncode: int | None = None
-        self._ended = threading.Event()
-        threading.Thread(target=self._reap, daemon=True, name=f"reap-{pid}").start()
-
-    def _reap(self) -> None:
-        try:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:  # not ours after all: the template's report was wrong
-            self.returncode = -signal.SIGKILL
-        self._ended.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
-        assert self.returncode is not None
-        return self.returncode
-
-
-class RankStarter:
-    """Starts a node's rank processes: forked from the template while it serves, else cold."""
-
-    def __init__(self, template: socket.socket | None = None, template_pid: int | None = None,
-                 template_env: dict[str, str] | None = None):
-        self._sock, self._template_pid = template, template_pid
-        self._template_env = template_env or {}
-        self._lock = threading.Lock()  # one fork request in flight at a time
-        self._started: set[int] = set()  # every rank pid this started: someone else reaps those
-
-    @classmethod
-    def fork_template(cls) -> RankStarter:
-        """Call first thing in the agent, before any thread. Falls back to cold starts where it cannot."""
-        if sys.platform != "linux":  # /proc, SOCK_SEQPACKET, PDEATHSIG and subreapers are Linux's
-            return cls()
-        try:
-            # The ranks' parent is then the agent, as a cold rank's is: reparented to it when the
-            # template's short-lived middle process exits.
-            if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1) != 0:
-                return cls()
-        except (OSError, AttributeError):
-            return cls()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        agent = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            os.close(ours.detach())  # the agent's end: held here, the agent's close would never be heard
-            _serve_as_template(theirs, agent)  # never returns
-        theirs.close()
-        return cls(ours, pid, dict(os.environ))
-
-    @property
-    def forks(self) -> bool:
-        return self._sock is not None
-
-    def start(self, env: dict[str, str], ctrl_write: int) -> subprocess.Popen | ForkedProcess:
-        """A rank process with `env` (whole), stdin/stdout/stderr as pipes and `ctrl_write` as its
-        channel to the agent. The caller closes `ctrl_write` afterwards."""
-        if self._sock is not None and not self._changes_startup(env):
-            forked = self._fork(env, ctrl_write)
-            if forked is not None:
-                return forked
-        cold = subprocess.Popen(
-            [sys.executable, "-m", "skytasks.node.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**env, "SKYTASKS_CTRL_FD": str(ctrl_write)}, pass_fds=(ctrl_write,),
-            # A session of its own, so stopping a rank also stops its DataLoader workers and any
-            # other children it made (killpg).
-            start_new_session=True,
-        )
-        self._started.add(cold.pid)
-        return cold
-
-    def _changes_startup(self, env: dict[str, str]) -> bool:
-        keys = (set(env) | set(self._template_env)) - {_UNBUFFERED}
-        return any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != self._template_env.get(k) for k in keys)
-
-    def _fork(self, env: dict[str, str], ctrl_write: int) -> ForkedProcess | None:
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
-        stderr_r, stderr_w = os.pipe()
-        request = json.dumps({"env": {**env, "SKYTASKS_CTRL_FD": str(_CTRL_FD)}}).encode()
-        try:
-            with self._lock:
-                if self._sock is None:
-                    raise OSError("the template has gone")
-                self._sock.settimeout(10.0)
-                socket.send_fds(self._sock, [request], [stdin_r, stdout_w, stderr_w, ctrl_write])
-                reply = json.loads(self._sock.recv(_MAX_MESSAGE) or b'{"error": "the template has gone"}')
-                if "pid" not in reply:
-                    self._sock = None  # it is not to be trusted with another
-                    raise OSError(reply["error"])
-                self._started.add(reply["pid"])
-            return ForkedProcess(reply["pid"], os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"),
-                                 os.fdopen(stderr_r, "rb"))
-        except OSError as exc:  # a timeout is one
-            for fd in (stdin_w, stdout_r, stderr_r):
-                os.close(fd)
-            print(f"skytasks agent: starting a rank cold: {exc}", file=sys.stderr, flush=True)
-            return None
-        finally:
-            for fd in (stdin_r, stdout_w, stderr_w):
-                os.close(fd)
-
-    def reap_orphans(self) -> None:
-        """A subreaper inherits every orphan below it (a dead rank's DataLoader workers, a user's
-        daemon): reap those that ended, and a template that died; never a rank, whose owner reaps it."""
-        with self._lock:  # a rank being started is in `_started` before it can be seen here
-            children: set[int] = set()
-            try:
-                for task in os.listdir("/proc/self/task"):  # an orphan may land on any thread
-                    with open(f"/proc/self/task/{task}/children") as f:
-                        children.update(int(p) for p in f.read().split())
-            except OSError:
-                return
-            self._started &= children  # the rest were reaped by their owners: the numbers may come back
-            orphans = children - self._started
-        for pid in orphans:
-            try:
-                reaped, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                continue
-            if reaped and reaped == self._template_pid:
-                self._template_pid = None
-
-    def close(self) -> None:
-        """The template leaves (its ranks were stopped first) and is reaped."""
-        with self._lock:
-            sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
-        if self._template_pid is not None:
-            try:
-                os.waitpid(self._template_pid, 0)
-            except ChildProcessError:
-                pass
-
-
 def _die_with(parent: int) -> None:
     """PDEATHSIG: when `parent` (this process's parent now) dies, the kernel kills this one too."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
 
 
-def _serve_as_template(sock: socket.socket, agent: int) -> None:
+def serve_as_template(sock: socket.socket, agent: int) -> None:
     """The template's life: a rank for each request, until the agent closes or dies."""
     code = 1
     try:
@@ -239,7 +92,7 @@ def _serve_as_template(sock: socket.socket, agent: int) -> None:
         import skytasks.node.worker  # noqa: F401
 
         while True:
-            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 4)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
             if not data:
                 code = 0
                 return  # the agent closed: it stopped its ranks first
@@ -297,7 +150,7 @@ def _become_rank(sock: socket.socket, env: dict[str, str], fds: list[int], middl
         for target, fd in enumerate(high):
             os.dup2(fd, target)
         for name in os.listdir("/proc/self/fd"):  # the template's own and the copies above
-            if int(name) > _CTRL_FD:
+            if int(name) > CTRL_FD:
                 try:
                     os.close(int(name))
                 except OSError:
