@@ -8,7 +8,9 @@ It reports how long after the last flow ended the record settled. Settled means 
 - they number what the calls made: a parent run, plus a run per rank, for each call;
 - their count and the logs' count stopped growing.
 
-It also reports what the server was sent per call (task runs, logs).
+It also reports what the server was sent per call (task runs, logs). `TUNED_SERVER` is the same run
+against a server whose task-run recorder and event persister write in batches (Prefect's
+defaults write each task-run event on its own).
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RANKS_PER_FLOW = 4  # 2 nodes x 2: one task run per rank ("rank" runs up to 64 ranks)
+# The server's own knobs (Prefect 3.8's defaults: a batch of 1 for the task-run recorder, 20 for
+# the event persister, each flushed every 5 s).
+TUNED_SERVER = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "500",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE": "500",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
+}
 
 
 def _free_port() -> int:
@@ -51,6 +63,9 @@ def _pg_bin(name: str) -> str:
 
 class Servers:
     """PostgreSQL and a Prefect server on it, on loopback; both stopped and removed on exit."""
+
+    def __init__(self, server_settings: dict[str, str] | None = None):
+        self.server_settings = server_settings or {}
 
     def __enter__(self) -> Servers:
         self.tmp = tempfile.mkdtemp(prefix="skytasks-load-")
@@ -81,7 +96,7 @@ class Servers:
         self.api = f"http://127.0.0.1:{port}/api"
         self.env = {**os.environ, "PREFECT_API_URL": self.api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "PREFECT_HOME": os.path.join(self.tmp, "prefect-home")}
-        server_env = {**self.env, "PREFECT_API_DATABASE_CONNECTION_URL":
+        server_env = {**self.env, **self.server_settings, "PREFECT_API_DATABASE_CONNECTION_URL":
                       f"postgresql+asyncpg://postgres@127.0.0.1:{pg_port}/postgres"}
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -163,9 +178,9 @@ async def _counts(api: str, flow_run_ids: list[str]) -> tuple[int, int, int, int
     return len(runs), final, logs, rank_runs
 
 
-def load(flows: int, calls: int, timeout: float = 300.0) -> dict:
+def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[str, str] | None = None) -> dict:
     expected_runs = flows * calls * (1 + RANKS_PER_FLOW)
-    with Servers() as servers:
+    with Servers(server_settings) as servers:
         started = time.time()
         procs = [subprocess.Popen([sys.executable, __file__, "--flow", str(calls)], cwd=ROOT, env=servers.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -194,6 +209,7 @@ def load(flows: int, calls: int, timeout: float = 300.0) -> dict:
             time.sleep(0.5)
     runs, final, logs, rank_runs = last or (0, 0, 0, 0)
     return {"flows": flows, "calls_per_flow": calls, "ranks_per_call": RANKS_PER_FLOW,
+            "server_settings": server_settings or "Prefect's defaults",
             "flows_took_s": flows_ended - started, "settled_after_flows_s": max(0.0, last_change - flows_ended),
             "task_runs": runs, "task_runs_expected": expected_runs, "rank_runs": rank_runs,
             "rank_runs_expected": flows * calls * RANKS_PER_FLOW, "task_runs_final": final, "logs": logs,
@@ -205,4 +221,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--flow"]:
         _flow_process(int(sys.argv[2]))
     else:
-        print(load(int(sys.argv[1]), int(sys.argv[2])))
+        print(load(int(sys.argv[1]), int(sys.argv[2]), server_settings=TUNED_SERVER if "--tuned" in sys.argv else None))
