@@ -77,10 +77,6 @@ class RankStarter:
         theirs.close()
         return cls(ours, pid, dict(os.environ))
 
-    @property
-    def forks(self) -> bool:
-        return self._sock is not None
-
     def start(self, env: dict[str, str], ctrl_write: int) -> subprocess.Popen | ForkedProcess:
         """A rank process with `env` (whole), stdin/stdout/stderr as pipes and `ctrl_write` as its
         channel to the agent. The caller closes `ctrl_write` afterwards."""
