@@ -170,10 +170,10 @@ class RankRun:
             run.total_run_time += after.timestamp - before.timestamp
         run.end_time = cast(Any, after.timestamp)
         run.state, run.state_id, run.state_type, run.state_name = after, after.id, after.type, after.name
-        if self._last_event is None:  # never said Running: the final state is its first word
-            self._last_event = emit_task_run_state_change_event(run, None, after)
-        else:
-            self._last_event = emit_task_run_state_change_event(run, before, after, follows=self._last_event)
+        # A run that never said Running: its final state is its first word, following nothing.
+        said = self._last_event is not None
+        self._last_event = emit_task_run_state_change_event(run, before if said else None, after,
+                                                            follows=self._last_event)
 
 
 def worst(outcomes: list[RankOutcome]) -> RankOutcome:
