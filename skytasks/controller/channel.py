@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Any
 
 from skytasks.controller.backlog import NodeEvents
 from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, check, message
+from skytasks.reactor import FrameParser, shared_reactor
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
 from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, encoded_size, read_frame
@@ -34,7 +36,7 @@ def bytes_sent() -> int:
 
 
 class NodeChannel:
-    """One agent stream: a writer, and a reader thread that feeds the session's event queue."""
+    """One agent stream: a writer, and a reader (the process's reactor) that feeds the session's event queue."""
 
     def __init__(self, link: NodeLink, events: NodeEvents):
         self.link = link
@@ -53,8 +55,25 @@ class NodeChannel:
         self.said = False  # its loss or notice was reported (NodeLost / NodePreempted): not twice
 
     def start(self) -> NodeChannel:
-        """Start reading the agent's frames into the event queue."""
-        threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{self.link.node_rank}").start()
+        """Start reading the agent's frames into the event queue: on the process's one reader
+        thread (`skytasks.reactor`) when the stream has a descriptor, else on a thread of its own."""
+        try:
+            self.link.inbound.fileno()
+        except (AttributeError, OSError, ValueError):
+            threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{self.link.node_rank}").start()
+            return self
+        parser = FrameParser()
+
+        def on_data(data: bytes) -> None:
+            self.inbound.last_heard = time.monotonic()  # any byte proves the agent alive
+            for msg in parser.feed(data):
+                self._on_message(msg)
+
+        def on_end(why: str) -> None:
+            # Off the reader's thread: what the provider knows of a loss may take a command to learn.
+            threading.Thread(target=self.mark_lost, args=(why,), daemon=True).start()
+
+        shared_reactor().add(self.link.inbound, on_data, on_end)
         return self
 
     def sent(self, msg: dict[str, Any]) -> bool:
@@ -64,24 +83,26 @@ class NodeChannel:
     def _read(self) -> None:
         try:
             while True:
-                msg = read_frame(self.inbound)
-                try:  # at the boundary: a malformed message is the node's fault, named, never a KeyError later
-                    check(msg)
-                except ValueError as exc:
-                    raise ValueError(f"node {self.link.node_rank} ({self.link.address}) sent a malformed message: "
-                                     f"{exc}") from None
-                if msg["op"] == Op.PEER_READY:  # the channel's own news: never a call's
-                    self.peer_port = msg["port"]
-                    continue
-                if msg["op"] != Op.HEARTBEAT:
-                    msg["channel"] = self.serial
-                    self._events.put((self.link.node_rank, msg))
-                if msg["op"] == Op.NOTICE and self.notice is None:  # set here, not when the queue is read:
-                    self.notice = msg  # the next group must leave the node out even between calls
-                if msg["op"] == Op.LEAVING:  # it is gone as soon as it says so: replaced before the retry
-                    self.mark_lost(f"the node is going away: {msg['reason']}")
+                self._on_message(read_frame(self.inbound))
         except (ChannelClosed, OSError, ValueError) as exc:
             self.mark_lost(str(exc))
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        try:  # at the boundary: a malformed message is the node's fault, named, never a KeyError later
+            check(msg)
+        except ValueError as exc:
+            raise ValueError(f"node {self.link.node_rank} ({self.link.address}) sent a malformed message: "
+                             f"{exc}") from None
+        if msg["op"] == Op.PEER_READY:  # the channel's own news: never a call's
+            self.peer_port = msg["port"]
+            return
+        if msg["op"] != Op.HEARTBEAT:
+            msg["channel"] = self.serial
+            self._events.put((self.link.node_rank, msg))
+        if msg["op"] == Op.NOTICE and self.notice is None:  # set here, not when the queue is read:
+            self.notice = msg  # the next group must leave the node out even between calls
+        if msg["op"] == Op.LEAVING:  # it is gone as soon as it says so: replaced before the retry
+            self.mark_lost(f"the node is going away: {msg['reason']}")
 
     @property
     def usable(self) -> bool:

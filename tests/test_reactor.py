@@ -1,0 +1,103 @@
+"""The controller reads every node stream on one thread (`skytasks.reactor`): frames come out whole
+and in order however their bytes are cut, nothing a buffered reader already held is lost, and a
+stream's end is said once, with its reason."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from skytasks.reactor import FrameParser, StreamReactor
+from skytasks.wire import ChannelClosed, encode
+
+
+def _bytes(msg: dict) -> bytes:
+    return b"".join(bytes(c) for c in encode(msg))
+
+
+MESSAGES = [
+    {"op": "ready", "rank": 0},
+    {"op": "output", "rank": 1, "line": "x" * 5000},
+    {"op": "result", "rank": 2, "value": b"\x01" * (300 * 1024)},  # out of band: a buffer of its own
+    {"op": "result", "rank": 3, "value": [b"a" * 70_000, b"b" * 70_000]},  # two buffers
+]
+
+
+@pytest.mark.parametrize("cut", [1, 7, 4096, 1 << 20], ids=["byte by byte", "7 bytes", "4 KiB", "all at once"])
+def test_frames_come_out_whole_and_in_order_however_the_bytes_are_cut(cut):
+    stream = b"".join(_bytes(m) for m in MESSAGES)
+    parser = FrameParser()
+    got = []
+    for i in range(0, len(stream), cut):
+        got += parser.feed(stream[i:i + cut])
+    assert got == MESSAGES
+
+
+def test_a_corrupt_stream_is_an_error_not_an_allocation():
+    with pytest.raises(ChannelClosed, match="corrupt"):
+        FrameParser().feed(b"\xff" * 64)
+
+
+def test_one_thread_reads_many_pipes_and_says_each_end_once():
+    reactor = StreamReactor()
+    pipes = [os.pipe() for _ in range(20)]
+    got: dict[int, list] = {i: [] for i in range(20)}
+    ended: dict[int, list[str]] = {i: [] for i in range(20)}
+    all_ended = threading.Event()
+    threads_before = threading.active_count()
+    for i, (r, _) in enumerate(pipes):
+        parser = FrameParser()
+        reactor.add(os.fdopen(r, "rb"), lambda data, i=i, p=parser: got[i].extend(p.feed(data)),
+                    lambda why, i=i: (ended[i].append(why), len([e for e in ended.values() if e]) == 20
+                                      and all_ended.set()))
+    assert threading.active_count() == threads_before + 1  # one reader, not twenty
+    blob = np.arange(200_000, dtype=np.int64).tobytes()  # larger than a pipe: written in parts
+    writers = []
+    for i, (_, w) in enumerate(pipes):
+        def write(i=i, w=w):
+            with os.fdopen(w, "wb") as f:
+                for m in ({"op": "hello", "node": i}, {"op": "result", "value": blob}):
+                    f.writelines(encode(m))
+        writers.append(threading.Thread(target=write))
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    assert all_ended.wait(10)
+    for i in range(20):
+        assert [m["op"] for m in got[i]] == ["hello", "result"]
+        assert got[i][0]["node"] == i and bytes(got[i][1]["value"]) == blob
+        assert ended[i] == ["the stream closed"]
+
+
+def test_what_a_buffered_reader_already_held_is_read_first():
+    """A provider may have read from the stream before the channel took it (SLURM reads the
+    bootstrap's first line): the bytes its reader buffered are not in the pipe any more."""
+    r, w = os.pipe()
+    os.write(w, _bytes({"op": "a"}) + _bytes({"op": "b"}))
+    buffered = os.fdopen(r, "rb")
+    assert len(buffered.peek(1)) == len(_bytes({"op": "a"})) * 2  # both frames now sit in its buffer
+    parser, got, done = FrameParser(), [], threading.Event()
+    StreamReactor().add(buffered, lambda data: got.extend(parser.feed(data)), lambda why: done.set())
+    os.write(w, _bytes({"op": "c"}))
+    os.close(w)
+    assert done.wait(5)
+    assert [m["op"] for m in got] == ["a", "b", "c"]
+
+
+def test_a_callback_that_raises_ends_that_stream_with_the_reason():
+    r, w = os.pipe()
+    ended: list[str] = []
+    done = threading.Event()
+
+    def on_data(data: bytes) -> None:
+        raise ValueError("node 3 sent a malformed message")
+
+    StreamReactor().add(os.fdopen(r, "rb"), on_data, lambda why: (ended.append(why), done.set()))
+    os.write(w, b"x")
+    assert done.wait(5)
+    assert ended == ["ValueError: node 3 sent a malformed message"]
+    os.close(w)
