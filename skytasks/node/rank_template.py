@@ -29,6 +29,8 @@ agent imports it too.
 from __future__ import annotations
 
 import ctypes
+import gc
+import importlib
 import io
 import json
 import os
@@ -89,8 +91,16 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         retitle("-m", "skytasks.node.rank_template")
         import cloudpickle  # noqa: F401 - warm: every rank unpickles its call with it
-        import skytasks.node.worker  # noqa: F401
+        import skytasks.node.worker
 
+        for name in skytasks.node.worker.STARTUP_MODULES:
+            importlib.import_module(name)
+
+        # Every object so far to the collector's permanent generation: a rank's first full
+        # collection would otherwise write to all of them, and copy every page it shares with
+        # this process (measured: 1,200 page copies and 7 ms of CPU per rank; Instagram's fix).
+        gc.collect()
+        gc.freeze()
         while True:
             data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
             if not data:
