@@ -3,7 +3,7 @@
 It plays the part of torchrun's elastic agent, with the controller in place of the rendezvous
 backend. It speaks `wire` frames on its stdin/stdout, which are pipes from the controller for a
 local node and an SSH channel for a remote one. It imports only the standard library and
-skytasks' own stdlib-only modules (`wire`, `protocol`, `preemption`, `devices`, `rank`,
+skytasks' own stdlib-only modules (`wire`, `reactor`, `protocol`, `preemption`, `devices`, `rank`,
 `node.slurm_env`): no torch, no prefect, no cloudpickle, so it starts in tens of milliseconds and
 a payload passes through it untouched.
 

@@ -7,9 +7,10 @@ import os
 import signal
 import threading
 import time
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Callable, Protocol
 
-from skytasks.wire import ChannelClosed, FrameWriter, Readable, read_frame, widen_pipe
+from skytasks.reactor import FrameParser, shared_reactor
+from skytasks.wire import FrameWriter, widen_pipe
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
@@ -25,12 +26,29 @@ class RankHost(Protocol):
     def emit(self, msg: dict[str, Any]) -> None: ...
     def give_notice(self, reason: str, deadline: float | None = None) -> None: ...
 
+class _LineSplitter:
+    """Bytes in, whole lines out (without their newline); what is left at the end is a line too."""
+
+    def __init__(self, on_line: Callable[[bytes], None]):
+        self._on_line, self._rest = on_line, b""
+
+    def feed(self, data: bytes) -> None:
+        *lines, self._rest = (self._rest + data).split(b"\n")
+        for line in lines:
+            self._on_line(line)
+
+    def flush(self) -> None:
+        if self._rest:
+            line, self._rest = self._rest, b""
+            self._on_line(line)
+
+
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
 
 
 class RankProcess:
-    """One rank's process and the threads that relay its output and messages."""
+    """One rank's process: its streams relayed to the controller, its exit reported."""
 
     def __init__(self, agent: RankHost, group: int, rank: int, env: dict[str, str]):
         self.group, self.rank = group, rank
@@ -48,32 +66,37 @@ class RankProcess:
         self.stack_offset = 0  # where the next dump in the stack file starts
         self.device = env.get("SKYTASKS_DEVICE", "cpu")  # "cuda:<i>": the i-th of the node's visible GPUs
         self.stopped_by_agent = False
-        self._relays = [
-            threading.Thread(target=self._relay_frames, args=(os.fdopen(ctrl_read, "rb"),), daemon=True),
-            threading.Thread(target=self._relay_lines, args=(self.proc.stdout, "stdout"), daemon=True),
-            threading.Thread(target=self._relay_lines, args=(self.proc.stderr, "stderr"), daemon=True),
-        ]
-        for t in self._relays:
-            t.start()
+        # Its three streams are read by the agent's one reader thread (skytasks.reactor), not a
+        # thread each: at 8 ranks a node that was 24 threads waking for every result and line.
+        self._open_streams = 3
+        self._drained = threading.Event()  # all three ended: nothing more can come from the rank
+        self._streams_lock = threading.Lock()
+        reactor = shared_reactor()
+        frames = FrameParser()
+        reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed(data)), self._stream_ended)
+        for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
+            lines = _LineSplitter(lambda line, name=name: self._relay_line(line, name))
+            reactor.add(stream, lines.feed, lambda why, lines=lines: (lines.flush(), self._stream_ended(why)))
         threading.Thread(target=self._report_exit, daemon=True).start()
 
-    def _relay_frames(self, stream: Readable) -> None:
-        try:
-            while True:
-                msg = read_frame(stream)
-                if msg["op"] == Op.NOTICE:  # SIGUSR2 reached this rank: it is the node's notice
-                    self._agent.give_notice(msg["reason"], msg.get("deadline"))
-                    continue
-                msg["rank"] = self.rank
-                msg["group"] = self.group
-                self._agent.emit(msg)
-        except (ChannelClosed, OSError):
-            pass
+    def _relay_frames(self, msgs: list[dict[str, Any]]) -> None:
+        for msg in msgs:
+            if msg["op"] == Op.NOTICE:  # SIGUSR2 reached this rank: it is the node's notice
+                self._agent.give_notice(msg["reason"], msg.get("deadline"))
+                continue
+            msg["rank"] = self.rank
+            msg["group"] = self.group
+            self._agent.emit(msg)
 
-    def _relay_lines(self, stream: BinaryIO, name: str) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self._agent.emit(message(Op.OUTPUT, group=self.group, rank=self.rank, stream=name, line=line))
+    def _relay_line(self, raw: bytes, name: str) -> None:
+        line = raw.decode("utf-8", "replace")
+        self._agent.emit(message(Op.OUTPUT, group=self.group, rank=self.rank, stream=name, line=line))
+
+    def _stream_ended(self, why: str) -> None:
+        with self._streams_lock:
+            self._open_streams -= 1
+            if self._open_streams == 0:
+                self._drained.set()
 
     def _report_exit(self) -> None:
         code = self.proc.wait()
@@ -86,8 +109,7 @@ class RankProcess:
             return
         # Let the relays drain first, so a result or traceback sent just before the exit is
         # reported before the exit itself. A grandchild holding a pipe open must not stall this.
-        for t in self._relays:
-            t.join(timeout=2.0)
+        self._drained.wait(timeout=2.0)
         self._agent.emit(message(Op.EXITED, group=self.group, rank=self.rank, returncode=code, at=exited_at))
 
     def last_stack(self) -> str:
