@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from skytasks.reactor import FrameParser, shared_reactor
 from skytasks.wire import FrameWriter, widen_pipe
@@ -27,20 +27,22 @@ class RankHost(Protocol):
     def give_notice(self, reason: str, deadline: float | None = None) -> None: ...
 
 class _LineSplitter:
-    """Bytes in, whole lines out (without their newline); what is left at the end is a line too."""
+    """A rank's stdout or stderr: bytes in, each whole line relayed (without its newline); what
+    is left when the stream ends is a line too."""
 
-    def __init__(self, on_line: Callable[[bytes], None]):
-        self._on_line, self._rest = on_line, b""
+    def __init__(self, rank: RankProcess, name: str):
+        self._rank, self._name, self._rest = rank, name, b""
 
     def feed(self, data: bytes) -> None:
         *lines, self._rest = (self._rest + data).split(b"\n")
         for line in lines:
-            self._on_line(line)
+            self._rank.relay_line(line, self._name)
 
-    def flush(self) -> None:
+    def end(self, why: str) -> None:
         if self._rest:
             line, self._rest = self._rest, b""
-            self._on_line(line)
+            self._rank.relay_line(line, self._name)
+        self._rank.stream_ended(why)
 
 
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
@@ -73,10 +75,10 @@ class RankProcess:
         self._streams_lock = threading.Lock()
         reactor = shared_reactor()
         frames = FrameParser()
-        reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed(data)), self._stream_ended)
+        reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed(data)), self.stream_ended)
         for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
-            lines = _LineSplitter(lambda line, name=name: self._relay_line(line, name))
-            reactor.add(stream, lines.feed, lambda why, lines=lines: (lines.flush(), self._stream_ended(why)))
+            lines = _LineSplitter(self, name)
+            reactor.add(stream, lines.feed, lines.end)
         threading.Thread(target=self._report_exit, daemon=True).start()
 
     def _relay_frames(self, msgs: list[dict[str, Any]]) -> None:
@@ -88,11 +90,11 @@ class RankProcess:
             msg["group"] = self.group
             self._agent.emit(msg)
 
-    def _relay_line(self, raw: bytes, name: str) -> None:
+    def relay_line(self, raw: bytes, name: str) -> None:
         line = raw.decode("utf-8", "replace")
         self._agent.emit(message(Op.OUTPUT, group=self.group, rank=self.rank, stream=name, line=line))
 
-    def _stream_ended(self, why: str) -> None:
+    def stream_ended(self, why: str) -> None:
         with self._streams_lock:
             self._open_streams -= 1
             if self._open_streams == 0:
