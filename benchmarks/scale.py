@@ -105,6 +105,58 @@ def measure(ranks: int, repeats: int) -> dict:
             task()
             warm.append(time.perf_counter() - t)
         out["warm_call_s"] = _median(warm)
+        with prefect_test_harness(server_startup_timeout=120):
+            @flow
+            def warm_calls() -> list[float]:
+                times = []
+                for _ in range(max(5, repeats)):
+                    t = time.perf_counter()
+                    task()
+                    times.append(time.perf_counter() - t)
+                return times
+
+            warm_calls()  # the first: Prefect's task machinery warms up
+            out["warm_call_in_flow_s"] = _median(warm_calls())
+        # The steps below run on this pool, up and warm, as a flow's `with pool:` block has it. (They
+        # used to run on a pool of their own: a hang's figure then held 1,024 ranks' start, and a
+        # failure's the whole pool's teardown.)
+        marker = Path(os.environ.get("TMPDIR", "/tmp"), f"skytasks-scale-{os.getpid()}")
+        marker.mkdir(exist_ok=True)
+        # The first failure's report, and what the console shows of it.
+        console = io.StringIO()
+        with contextlib.redirect_stderr(console), contextlib.redirect_stdout(console):
+            try:
+                distributed_task(one_fails, pool=pool, init_torch=False, node_recoveries=0)(str(marker))
+            except DistributedTaskError as err:
+                caught = time.time()
+                print(repr(err), file=sys.stderr)
+        out["failure_report_s"] = caught - float((marker / "failed").read_text())
+        out["failure_console_lines"] = len(console.getvalue().splitlines())
+        # A lost node, to the next attempt's ranks running (the pool brings a replacement up).
+        values = distributed_task(lose_a_node, pool=pool, init_torch=False)(str(marker))
+        out["lost_node_to_retry_running_s"] = min(values) - float((marker / "killed").read_text())
+        # A hang, to the caller's HangError.
+        hang = 2.0
+        t = time.perf_counter()
+        with contextlib.redirect_stderr(io.StringIO()):
+            try:
+                distributed_task(hang_forever, pool=pool, init_torch=False, hang_timeout_seconds=hang)()
+            except DistributedTaskError:
+                pass
+        out["hang_to_error_s"] = time.perf_counter() - t - hang
+        # Every rank printing 10 lines a second: the ranks must not wait on the record, and what the
+        # record cannot take is dropped and counted (LinesDropped), never held without bound.
+        from skytasks.events import LinesDropped, listen
+
+        flood_s = 5.0
+        t = time.perf_counter()
+        with listen() as heard, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            printed = sum(distributed_task(chatter, pool=pool, init_torch=False)(flood_s))
+        out["flood_lines"] = printed
+        out["flood_call_over_its_length_s"] = time.perf_counter() - t - flood_s
+        out["flood_lines_dropped"] = sum(e.total for e in heard if isinstance(e, LinesDropped))
+        # Last: a rank imports numpy for its argument, and 1,024 ranks with numpy imported fill most
+        # of this machine's 24 GB; every step after it would measure the machine's memory.
         # Every rank keeps its own copy of an argument: on one machine, 100 MB x 1,024 ranks is
         # 100 GB. The argument is 100 MB up to 64 ranks and shrinks to fit 6 GB in all above.
         mb = min(100, 6000 // ranks)
@@ -121,56 +173,6 @@ def measure(ranks: int, repeats: int) -> dict:
         # What the argument cost the controller's own link: once down the relay tree from 3
         # nodes up, once per node below that.
         out["controller_mb_sent_per_argument_mb"] = (bytes_sent() - sent) / blob.nbytes
-        # Every rank keeps a large argument for the next call. Replaced by a small one here, so
-        # that the steps below do not pay for freeing 6 GB of copies on one machine as their ranks stop.
-        takes_task(np.zeros(1, dtype=np.uint8))
-        with prefect_test_harness(server_startup_timeout=120):
-            @flow
-            def warm_calls() -> list[float]:
-                times = []
-                for _ in range(max(5, repeats)):
-                    t = time.perf_counter()
-                    task()
-                    times.append(time.perf_counter() - t)
-                return times
-
-            warm_calls()  # the first: Prefect's task machinery warms up
-            out["warm_call_in_flow_s"] = _median(warm_calls())
-    marker = Path(os.environ.get("TMPDIR", "/tmp"), f"skytasks-scale-{os.getpid()}")
-    marker.mkdir(exist_ok=True)
-    # The first failure's report, and what the console shows of it.
-    console = io.StringIO()
-    with contextlib.redirect_stderr(console), contextlib.redirect_stdout(console):
-        try:
-            distributed_task(one_fails, pool=pool, init_torch=False, node_recoveries=0)(str(marker))
-        except DistributedTaskError as err:
-            caught = time.time()
-            print(repr(err), file=sys.stderr)
-    out["failure_report_s"] = caught - float((marker / "failed").read_text())
-    out["failure_console_lines"] = len(console.getvalue().splitlines())
-    # A lost node, to the next attempt's ranks running (the pool brings a replacement up).
-    values = distributed_task(lose_a_node, pool=pool, init_torch=False)(str(marker))
-    out["lost_node_to_retry_running_s"] = min(values) - float((marker / "killed").read_text())
-    # A hang, to the caller's HangError.
-    hang = 2.0
-    t = time.perf_counter()
-    with contextlib.redirect_stderr(io.StringIO()):
-        try:
-            distributed_task(hang_forever, pool=pool, init_torch=False, hang_timeout_seconds=hang)()
-        except DistributedTaskError:
-            pass
-    out["hang_to_error_s"] = time.perf_counter() - t - hang
-    # Every rank printing 10 lines a second: the ranks must not wait on the record, and what the
-    # record cannot take is dropped and counted (LinesDropped), never held without bound.
-    from skytasks.events import LinesDropped, listen
-
-    flood_s = 5.0
-    t = time.perf_counter()
-    with listen() as heard, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        printed = sum(distributed_task(chatter, pool=pool, init_torch=False)(flood_s))
-    out["flood_lines"] = printed
-    out["flood_call_over_its_length_s"] = time.perf_counter() - t - flood_s
-    out["flood_lines_dropped"] = sum(e.total for e in heard if isinstance(e, LinesDropped))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["controller_peak_rss_mb"] = usage.ru_maxrss / 1024
     out["controller_cpu_s"] = usage.ru_utime + usage.ru_stime
