@@ -34,7 +34,7 @@ from skytasks.protocol import Op, message
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header
 
 from skytasks.node.peers import RelayNode
-from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess
+from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess, start_ranks
 from skytasks.node.rank_starter import RankStarter
 
 
@@ -216,9 +216,8 @@ class NodeAgent:
         # Start every rank before waiting on any: torch import dominates and runs in parallel.
         group = msg["group"]
         with self._lock:
-            for spec in msg["ranks"]:
-                rp = RankProcess(self, group, spec["rank"], {**msg["env"], **spec["env"]})
-                self._ranks[spec["rank"]] = rp
+            for rp in start_ranks(self, group, [(spec["rank"], {**msg["env"], **spec["env"]}) for spec in msg["ranks"]]):
+                self._ranks[rp.rank] = rp
             self._spawned.notify_all()
 
     def _send_stacks(self, msg: dict[str, Any]) -> None:

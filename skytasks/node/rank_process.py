@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from skytasks.reactor import FrameParser, shared_reactor
 from skytasks.wire import FrameWriter, widen_pipe
@@ -45,6 +45,38 @@ class _LineSplitter:
         self._rank.stream_ended(why)
 
 
+class _Launch(NamedTuple):
+    rank: int
+    env: dict[str, str]  # what the SPAWN said for it
+    full_env: dict[str, str]  # what it starts with
+    ctrl_read: int
+    ctrl_write: int
+    stack_file: str
+
+
+def start_ranks(agent: RankHost, group: int, specs: list[tuple[int, dict[str, str]]]) -> list[RankProcess]:
+    """Every rank of one SPAWN, (rank, env) each, started together: the node's template forks
+    them in one go (see rank_template)."""
+    launches = []
+    for rank, env in specs:
+        ctrl_read, ctrl_write = os.pipe()
+        # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).
+        stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "SKYTASKS_STACK_FILE": stack_file}
+        full_env.update(slurm_task_environment(full_env))  # inside a SLURM step: this rank's task variables
+        launches.append(_Launch(rank, env, full_env, ctrl_read, ctrl_write, stack_file))
+    try:
+        procs = agent.starter.start_many([(x.full_env, x.ctrl_write) for x in launches])
+    except BaseException:
+        for x in launches:
+            os.close(x.ctrl_read)
+        raise
+    finally:
+        for x in launches:
+            os.close(x.ctrl_write)
+    return [RankProcess(agent, group, x.rank, x.env, proc, x.ctrl_read, x.stack_file) for x, proc in zip(launches, procs)]
+
+
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
 
@@ -52,18 +84,13 @@ TERM_GRACE_SECONDS = 1.0
 class RankProcess:
     """One rank's process: its streams relayed to the controller, its exit reported."""
 
-    def __init__(self, agent: RankHost, group: int, rank: int, env: dict[str, str]):
-        self.group, self.rank = group, rank
-        ctrl_read, ctrl_write = os.pipe()
-        # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).
-        self.stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "SKYTASKS_STACK_FILE": self.stack_file}
-        full_env.update(slurm_task_environment(full_env))  # inside a SLURM step: this rank's task variables
-        self.proc = agent.starter.start(full_env, ctrl_write)
-        os.close(ctrl_write)
+    def __init__(self, agent: RankHost, group: int, rank: int, env: dict[str, str], proc: Any, ctrl_read: int,
+                 stack_file: str):
+        """A rank `start_ranks` started: `proc` behaves like a Popen, `ctrl_read` is its channel."""
+        self.group, self.rank, self.proc, self.stack_file = group, rank, proc, stack_file
         widen_pipe(ctrl_read)  # results
         widen_pipe(self.proc.stdin)  # calls and their arguments
-        self.to_rank = FrameWriter(self.proc.stdin)  # type: ignore[arg-type]
+        self.to_rank = FrameWriter(self.proc.stdin)
         self._agent = agent
         self.stack_offset = 0  # where the next dump in the stack file starts
         self.device = env.get("SKYTASKS_DEVICE", "cpu")  # "cuda:<i>": the i-th of the node's visible GPUs

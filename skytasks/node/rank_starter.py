@@ -14,8 +14,8 @@ import sys
 import threading
 from typing import BinaryIO
 
-from skytasks.node.rank_template import (CTRL_FD, MAX_MESSAGE, PR_SET_CHILD_SUBREAPER, STARTUP_ENV_PREFIXES,
-                                         UNBUFFERED, serve_as_template)
+from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, PR_SET_CHILD_SUBREAPER,
+                                         STARTUP_ENV_PREFIXES, UNBUFFERED, serve_as_template)
 
 
 class ForkedProcess:
@@ -77,13 +77,19 @@ class RankStarter:
         theirs.close()
         return cls(ours, pid, dict(os.environ))
 
-    def start(self, env: dict[str, str], ctrl_write: int) -> subprocess.Popen | ForkedProcess:
-        """A rank process with `env` (whole), stdin/stdout/stderr as pipes and `ctrl_write` as its
-        channel to the agent. The caller closes `ctrl_write` afterwards."""
-        if self._sock is not None and not self._changes_startup(env):
-            forked = self._fork(env, ctrl_write)
-            if forked is not None:
-                return forked
+    def start_many(self, requests: list[tuple[dict[str, str], int]]) -> list[subprocess.Popen | ForkedProcess]:
+        """A rank process for each (`env` whole, `ctrl_write` its channel to the agent), with
+        stdin/stdout/stderr as pipes; the caller closes each `ctrl_write` afterwards. Those the
+        template can serve are forked in batches, one request each; the rest start cold."""
+        started: list[subprocess.Popen | ForkedProcess | None] = [None] * len(requests)
+        warm = [i for i, (env, _) in enumerate(requests) if self._sock is not None and not self._changes_startup(env)]
+        for batch in _batches(warm, requests):
+            forked = self._fork([requests[i] for i in batch])
+            for i, proc in zip(batch, forked or ()):
+                started[i] = proc
+        return [proc if proc is not None else self._cold(*requests[i]) for i, proc in enumerate(started)]
+
+    def _cold(self, env: dict[str, str], ctrl_write: int) -> subprocess.Popen:
         cold = subprocess.Popen(
             [sys.executable, "-m", "skytasks.node.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -99,32 +105,35 @@ class RankStarter:
         keys = (set(env) | set(self._template_env)) - {UNBUFFERED}
         return any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != self._template_env.get(k) for k in keys)
 
-    def _fork(self, env: dict[str, str], ctrl_write: int) -> ForkedProcess | None:
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
-        stderr_r, stderr_w = os.pipe()
-        request = json.dumps({"env": {**env, "SKYTASKS_CTRL_FD": str(CTRL_FD)}}).encode()
+    def _fork(self, batch: list[tuple[dict[str, str], int]]) -> list[ForkedProcess] | None:
+        pipes = [(os.pipe(), os.pipe(), os.pipe()) for _ in batch]  # stdin, stdout, stderr of each
+        fds: list[int] = []
+        for ((stdin_r, _), (_, stdout_w), (_, stderr_w)), (_, ctrl_write) in zip(pipes, batch):
+            fds += [stdin_r, stdout_w, stderr_w, ctrl_write]
+        request = json.dumps({"envs": [{**env, "SKYTASKS_CTRL_FD": str(CTRL_FD)} for env, _ in batch]}).encode()
         try:
             with self._lock:
                 if self._sock is None:
                     raise OSError("the template has gone")
-                self._sock.settimeout(10.0)
-                socket.send_fds(self._sock, [request], [stdin_r, stdout_w, stderr_w, ctrl_write])
+                self._sock.settimeout(10.0 + 0.1 * len(batch))
+                socket.send_fds(self._sock, [request], fds)
                 reply = json.loads(self._sock.recv(MAX_MESSAGE) or b'{"error": "the template has gone"}')
-                if "pid" not in reply:
+                if "pids" not in reply:
                     self._sock = None  # it is not to be trusted with another
                     raise OSError(reply["error"])
-                self._started.add(reply["pid"])
-            return ForkedProcess(reply["pid"], os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"),
-                                 os.fdopen(stderr_r, "rb"))
+                self._started.update(reply["pids"])
+            return [ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"), os.fdopen(stderr_r, "rb"))
+                    for pid, ((_, stdin_w), (stdout_r, _), (stderr_r, _)) in zip(reply["pids"], pipes)]
         except OSError as exc:  # a timeout is one
-            for fd in (stdin_w, stdout_r, stderr_r):
-                os.close(fd)
-            print(f"skytasks agent: starting a rank cold: {exc}", file=sys.stderr, flush=True)
+            for (_, stdin_w), (stdout_r, _), (stderr_r, _) in pipes:
+                for fd in (stdin_w, stdout_r, stderr_r):
+                    os.close(fd)
+            print(f"skytasks agent: starting {len(batch)} rank(s) cold: {exc}", file=sys.stderr, flush=True)
             return None
         finally:
-            for fd in (stdin_r, stdout_w, stderr_w):
-                os.close(fd)
+            for (stdin_r, _), (_, stdout_w), (_, stderr_w) in pipes:
+                for fd in (stdin_r, stdout_w, stderr_w):
+                    os.close(fd)
 
     def reap_orphans(self) -> None:
         """A subreaper inherits every orphan below it (a dead rank's DataLoader workers, a user's
@@ -158,3 +167,21 @@ class RankStarter:
                 os.waitpid(self._template_pid, 0)
             except ChildProcessError:
                 pass
+
+
+BATCH_BYTES = 128 * 1024  # a request's environments: well inside a socket's default buffer
+
+
+def _batches(indices: list[int], requests: list[tuple[dict[str, str], int]]) -> list[list[int]]:
+    """The ranks to fork, in requests the socket can carry: at most MAX_FDS descriptors and
+    about BATCH_BYTES of environment each (a rank with a larger one goes alone)."""
+    batches: list[list[int]] = []
+    size = 0
+    for i in indices:
+        env_bytes = sum(len(k) + len(v) + 6 for k, v in requests[i][0].items())
+        if not batches or size + env_bytes > BATCH_BYTES or FDS_PER_RANK * (len(batches[-1]) + 1) > MAX_FDS:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += env_bytes
+    return batches

@@ -8,10 +8,10 @@ How:
 - The agent forks the template at its very start, before it has any thread (fork is safe only
   then), and makes itself a subreaper. The template imports `skytasks.node.worker` and cloudpickle
   once.
-- For each rank, the agent makes its pipes and hands their descriptors over a socketpair
-  (SCM_RIGHTS). The template forks twice; the middle process exits at once, so the rank is
-  reparented to the agent, as a cold rank is its child. The rank puts the pipes on fds 0-3, takes
-  its environment and runs the worker's `main()`.
+- For a node's ranks (one SPAWN), the agent makes their pipes and hands the descriptors over a
+  socketpair (SCM_RIGHTS), in one message. The template forks a middle process, which forks
+  every rank and exits, so the ranks are reparented to the agent, as a cold rank is its child.
+  Each rank puts its pipes on fds 0-3, takes its environment and runs the worker's `main()`.
 - The agent holds a `ForkedProcess` that behaves like the `subprocess.Popen` of a cold start: it
   reaps its own child, and `os.getppid()` in a rank is the agent either way.
 - A dying agent takes the template and the ranks with it (PDEATHSIG).
@@ -46,6 +46,8 @@ STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
 UNBUFFERED = "PYTHONUNBUFFERED"  # every rank gets it; a forked rank's streams are made unbuffered
 CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL_FD)
 MAX_MESSAGE = 1 << 20
+FDS_PER_RANK = 4  # stdin, stdout, stderr, and the channel to the agent
+MAX_FDS = 250  # at most 62 ranks a request: Linux passes 253 descriptors in one message (SCM_MAX_FD)
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
@@ -102,14 +104,14 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
         gc.collect()
         gc.freeze()
         while True:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
             if not data:
                 code = 0
                 return  # the agent closed: it stopped its ranks first
             reply: dict[str, object]
             try:
-                reply = {"pid": _fork_rank(sock, json.loads(data)["env"], fds, agent)}
-            except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the rank cold
+                reply = {"pids": _fork_ranks(json.loads(data)["envs"], fds, agent)}
+            except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the ranks cold
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
                 for fd in fds:
@@ -121,33 +123,42 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
         os._exit(code)
 
 
-def _fork_rank(sock: socket.socket, env: dict[str, str], fds: list[int], agent: int) -> int:
-    """Fork twice: the middle process exits at once, so the rank is reparented to the agent
-    (the subreaper) and the template keeps no children. Returns the rank's pid."""
+def _fork_ranks(envs: list[dict[str, str]], fds: list[int], agent: int) -> list[int]:
+    """Fork a middle process, which forks every rank of the request (4 descriptors each, in
+    order) and exits: the ranks are reparented to the agent (the subreaper) and the template
+    keeps no children. One middle for a node's whole SPAWN, not one per rank: a fork and an exit
+    saved per rank. Returns the ranks' pids."""
     if threading.active_count() > 1 or len(os.listdir("/proc/self/task")) > 1:
         # fork copies only the calling thread: a lock another thread held would stay held forever
         raise RuntimeError("a thread appeared in the template")
+    if len(fds) != FDS_PER_RANK * len(envs):
+        raise RuntimeError(f"{len(fds)} descriptors for {len(envs)} ranks")
     pid_r, pid_w = os.pipe()
     middle = os.fork()
     if middle == 0:
         try:
             os.close(pid_r)
-            me = os.getpid()
-            rank = os.fork()
-            if rank == 0:
-                os.close(pid_w)
-                _become_rank(sock, env, fds, me, agent)  # never returns
-            os.write(pid_w, str(rank).encode())
+            me, pids = os.getpid(), []
+            for i, env in enumerate(envs):
+                rank = os.fork()
+                if rank == 0:
+                    os.close(pid_w)
+                    _become_rank(env, fds[FDS_PER_RANK * i:FDS_PER_RANK * (i + 1)], me, agent)  # never returns
+                pids.append(rank)
+            os.write(pid_w, json.dumps(pids).encode())
         finally:
             os._exit(0)
     os.close(pid_w)
     with os.fdopen(pid_r, "rb") as f:
         said = f.read()
-    os.waitpid(middle, 0)  # once it is reaped, the rank's parent is the agent
-    return int(said)
+    os.waitpid(middle, 0)  # once it is reaped, the ranks' parent is the agent
+    pids = json.loads(said or b"null")
+    if not isinstance(pids, list) or len(pids) != len(envs):
+        raise RuntimeError("the middle process could not fork every rank")
+    return pids
 
 
-def _become_rank(sock: socket.socket, env: dict[str, str], fds: list[int], middle: int, agent: int) -> None:
+def _become_rank(env: dict[str, str], fds: list[int], middle: int, agent: int) -> None:
     """In the forked child: what `python -m skytasks.node.worker` with these pipes would be."""
     code = 1
     try:
@@ -155,7 +166,6 @@ def _become_rank(sock: socket.socket, env: dict[str, str], fds: list[int], middl
             time.sleep(0.0002)
         _die_with(agent)  # now the agent is the parent: die with it, as a cold rank does
         os.setsid()  # its own session, as a cold rank's: killpg stops its children too
-        sock.detach()  # closed below with the rest; the object must never close a reused number
         high = [os.dup(fd) for fd in fds]  # out of the way of 0-3 before they are filled
         for target, fd in enumerate(high):
             os.dup2(fd, target)
