@@ -132,9 +132,14 @@ def measure(ranks: int, repeats: int) -> dict:
                 print(repr(err), file=sys.stderr)
         out["failure_report_s"] = caught - float((marker / "failed").read_text())
         out["failure_console_lines"] = len(console.getvalue().splitlines())
-        # A lost node, to the next attempt's ranks running (the pool brings a replacement up).
+        # A lost node, to the next attempt's ranks running (the pool brings a replacement up): lost
+        # from a group that is up, so the figure is the loss's alone (the failure above broke the
+        # group; the empty call brings the next one up first).
+        task()
         values = distributed_task(lose_a_node, pool=pool, init_torch=False)(str(marker))
-        out["lost_node_to_retry_running_s"] = min(values) - float((marker / "killed").read_text())
+        killed = float((marker / "killed").read_text())
+        out["lost_node_to_retry_running_s"] = min(values) - killed  # its first rank runs the call
+        out["lost_node_to_retry_all_running_s"] = max(values) - killed  # its last one does
         # A hang, to the caller's HangError.
         hang = 2.0
         t = time.perf_counter()
