@@ -177,6 +177,46 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
             t.lock.release()
 
 
+class FrameParser:
+    """Frames out of a byte stream that arrives in pieces of any size (`wire`'s layout)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
+        """The frames `data` completes, in order; the rest is kept for the next piece."""
+        self._buf += data
+        frames = []
+        while (msg := self._take()) is not None:
+            frames.append(msg)
+        return frames
+
+    def _take(self) -> dict[str, Any] | None:
+        buf, have = self._buf, len(self._buf)
+        if have < _HEADER.size:
+            return None
+        meta_len, count, _flags = _HEADER.unpack_from(buf, 0)
+        if meta_len > MAX_FRAME:
+            raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
+        pos = _HEADER.size + meta_len
+        spans = []
+        for _ in range(count):
+            if have < pos + _LENGTH.size:
+                return None
+            (size,) = _LENGTH.unpack_from(buf, pos)
+            if size > MAX_FRAME:
+                raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
+            pos += _LENGTH.size
+            spans.append((pos, size))
+            pos += size
+        if have < pos:
+            return None
+        meta = bytes(buf[_HEADER.size:_HEADER.size + meta_len])
+        buffers = [bytearray(buf[start:start + size]) for start, size in spans]
+        del buf[:pos]  # cheap at the front of a bytearray
+        return pickle.loads(meta, buffers=buffers)
+
+
 class HeardStream:
     """A reading stream that remembers when bytes last arrived. Any byte proves the far end is
     alive, so a frame of 500 MB that takes a minute to cross is never mistaken for silence."""

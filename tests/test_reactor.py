@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from skytasks.reactor import FrameParser, StreamReactor
-from skytasks.wire import ChannelClosed, encode
+from skytasks.reactor import StreamReactor
+from skytasks.wire import ChannelClosed, FrameParser, encode
 
 
 def _bytes(msg: dict) -> bytes:

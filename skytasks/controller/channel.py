@@ -15,10 +15,10 @@ from typing import Any
 from skytasks.controller.backlog import NodeEvents
 from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, check, message
-from skytasks.reactor import FrameParser, shared_reactor
+from skytasks.reactor import shared_reactor
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
-from skytasks.wire import ChannelClosed, FrameWriter, HeardStream, encode, encoded_size, read_frame
+from skytasks.wire import ChannelClosed, FrameParser, FrameWriter, HeardStream, encode, encoded_size, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20
 # A CALL at least this large, on a pool of at least RELAY_TREE_NODES nodes, goes down the relay tree

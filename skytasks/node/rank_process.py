@@ -9,8 +9,8 @@ import threading
 import time
 from typing import Any, NamedTuple, Protocol
 
-from skytasks.reactor import FrameParser, shared_reactor
-from skytasks.wire import FrameWriter, widen_pipe
+from skytasks.reactor import shared_reactor
+from skytasks.wire import FrameParser, FrameWriter, widen_pipe
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
