@@ -33,6 +33,7 @@ def what_a_rank_is() -> dict:
         "random": random.random(),
         "stdin": sys.stdin.read(),
         "hash": hash("skytasks"),
+        "frozen": __import__("gc").get_freeze_count(),  # the template's objects, frozen before the fork
     }
 
 
@@ -49,6 +50,7 @@ def test_ranks_are_forked_from_a_warm_template_and_are_still_the_agents_children
         assert len(templates) == 1  # one template per node, beside the ranks
         assert r["cmdline"][1:] == ["-m", "skytasks.node.worker"]  # `ps` shows a rank as a rank
         assert r["own_session"] and r["stdin"] == ""
+        assert r["frozen"] > 1000  # a rank's collections leave the template's objects (and pages) alone
     assert len({r["random"] for r in ranks}) == 4  # each rank's random state is its own
 
 
@@ -72,6 +74,7 @@ def test_rank_start_exec_starts_every_rank_as_a_fresh_interpreter(monkeypatch):
     for r in ranks:
         assert r["ctrl_fd"] != FORKED_CTRL_FD
         assert not any("skytasks.node.rank_template" in c for c in r["parent_children"])
+        assert r["frozen"] == 0
 
 
 def fail_once(flag: str) -> None:
