@@ -132,3 +132,12 @@ def shared_reactor() -> StreamReactor:
         if _shared is None:
             _shared = StreamReactor()
         return _shared
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: its streams need a reactor of its own."""
+    global _shared, _shared_lock
+    _shared, _shared_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -101,3 +101,25 @@ def test_a_callback_that_raises_ends_that_stream_with_the_reason():
     assert done.wait(5)
     assert ended == ["ValueError: node 3 sent a malformed message"]
     os.close(w)
+
+
+def test_a_forked_child_reads_its_own_streams():
+    """The reader is a thread, and a forked child has none: it gets a reactor of its own."""
+    from skytasks.reactor import shared_reactor
+
+    idle_r, idle_w = os.pipe()
+    shared_reactor().add(os.fdopen(idle_r, "rb"), lambda data: None, lambda why: None)  # its thread runs here
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its own stream is read
+        code = 1
+        try:
+            r, w = os.pipe()
+            got = threading.Event()
+            shared_reactor().add(os.fdopen(r, "rb"), lambda data: got.set(), lambda why: None)
+            os.write(w, b"x")
+            code = 0 if got.wait(5) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    os.close(idle_w)
+    assert os.waitstatus_to_exitcode(status) == 0
