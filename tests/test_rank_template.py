@@ -127,3 +127,29 @@ def test_orphans_that_the_agent_inherits_are_reaped():
         while orphan in [c.pid for c in agent.children()] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert orphan not in [c.pid for c in agent.children()]  # it ended, and was reaped
+
+
+def test_a_template_that_does_not_answer_in_time_is_never_asked_again(monkeypatch):
+    """Its answer may still come, and must not be read as the next request's (another batch's
+    pids): the agent drops the template, whose end of the socket then closes, and starts cold."""
+    import socket
+
+    from skytasks.node import rank_starter
+
+    monkeypatch.setattr(rank_starter, "TEMPLATE_ANSWER_SECONDS", 0.2)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    starter = rank_starter.RankStarter(ours, None, dict(os.environ))
+    read_end, ctrl_write = os.pipe()
+    try:
+        assert starter._fork([(dict(os.environ), ctrl_write)]) is None  # timed out: the caller starts it cold
+        data, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 8)  # the request did reach the template
+        assert b"envs" in data and len(fds) == 4
+        for fd in fds:
+            os.close(fd)
+        assert starter._sock is None  # not asked again
+        theirs.settimeout(5)
+        assert theirs.recv(1) == b""  # and told to leave: its socket closed
+    finally:
+        for fd in (read_end, ctrl_write):
+            os.close(fd)
+        theirs.close()

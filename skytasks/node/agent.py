@@ -53,7 +53,7 @@ class NodeAgent:
         self._noticed = threading.Event()
         # PREEMPTION (a node of the pool is going, maybe this one) goes on to every rank at once.
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
-                          Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward,
+                          Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward_notice,
                           Op.HEARTBEAT: _heard, Op.PEERS: self._open_to_peers}
         self._spawned = threading.Condition(self._lock)  # a group's ranks were started
         self._relay = RelayNode(self._ranks_of)  # this node's part in the relay tree of large calls
@@ -242,6 +242,16 @@ class NodeAgent:
         for rp in list(self._ranks.values()):
             try:
                 rp.to_rank.send_encoded(frame)
+            except ChannelClosed:
+                pass  # its exit is reported by its own watcher
+
+    def _forward_notice(self, msg: dict[str, Any]) -> None:
+        """A preemption notice on each rank's control channel, which the rank reads even during a
+        call (its stdin it reads only between calls)."""
+        frame = encode(msg)
+        for rp in list(self._ranks.values()):
+            try:
+                rp.notices.send_encoded(frame)
             except ChannelClosed:
                 pass  # its exit is reported by its own watcher
 

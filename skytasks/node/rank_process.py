@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any, NamedTuple, Protocol
 
 from skytasks.reactor import shared_reactor
-from skytasks.wire import FrameParser, FrameWriter, widen_pipe
+from skytasks.wire import PIPE_BYTES, FrameParser, FrameWriter, widen_pipe
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
@@ -59,7 +60,7 @@ def start_ranks(agent: RankHost, group: int, specs: list[tuple[int, dict[str, st
     them in one go (see rank_template)."""
     launches = []
     for rank, env in specs:
-        ctrl_read, ctrl_write = os.pipe()
+        ctrl_read, ctrl_write = _control_channel()
         # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).
         stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "SKYTASKS_STACK_FILE": stack_file}
@@ -77,6 +78,20 @@ def start_ranks(agent: RankHost, group: int, specs: list[tuple[int, dict[str, st
     return [RankProcess(agent, group, x.rank, x.env, proc, x.ctrl_read, x.stack_file) for x, proc in zip(launches, procs)]
 
 
+def _control_channel() -> tuple[int, int]:
+    """(the agent's end, the rank's end) of a rank's control channel: a socket both ways. The rank
+    sends its frames on it (results, lines, logs); the agent sends the rank what must reach it
+    even during a call (a preemption notice), since the rank reads its ordinary frames only
+    between calls."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end, option in ((ours, socket.SO_RCVBUF), (theirs, socket.SO_SNDBUF)):
+        try:  # a large result in fewer wake-ups, as the widened pipe it replaced (capped by the kernel)
+            end.setsockopt(socket.SOL_SOCKET, option, PIPE_BYTES)
+        except OSError:
+            pass
+    return ours.detach(), theirs.detach()
+
+
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
 
@@ -88,9 +103,9 @@ class RankProcess:
                  stack_file: str):
         """A rank `start_ranks` started: `proc` behaves like a Popen, `ctrl_read` is its channel."""
         self.group, self.rank, self.proc, self.stack_file = group, rank, proc, stack_file
-        widen_pipe(ctrl_read)  # results
         widen_pipe(self.proc.stdin)  # calls and their arguments
         self.to_rank = FrameWriter(self.proc.stdin)
+        self.notices = FrameWriter(os.fdopen(os.dup(ctrl_read), "wb"))  # read by the rank even mid-call
         self._agent = agent
         self.stack_offset = 0  # where the next dump in the stack file starts
         self.device = env.get("SKYTASKS_DEVICE", "cpu")  # "cuda:<i>": the i-th of the node's visible GPUs

@@ -115,9 +115,16 @@ class RankStarter:
             with self._lock:
                 if self._sock is None:
                     raise OSError("the template has gone")
-                self._sock.settimeout(10.0 + 0.1 * len(batch))
-                socket.send_fds(self._sock, [request], fds)
-                reply = json.loads(self._sock.recv(MAX_MESSAGE) or b'{"error": "the template has gone"}')
+                self._sock.settimeout(TEMPLATE_ANSWER_SECONDS)
+                try:
+                    socket.send_fds(self._sock, [request], fds)
+                    reply = json.loads(self._sock.recv(MAX_MESSAGE) or b'{"error": "the template has gone"}')
+                except OSError:
+                    # Its answer may still come, and would be read as the next request's: the
+                    # template is not asked again (closing the socket also tells it to leave).
+                    self._sock.close()
+                    self._sock = None
+                    raise
                 if "pids" not in reply:
                     self._sock = None  # it is not to be trusted with another
                     raise OSError(reply["error"])
@@ -169,6 +176,10 @@ class RankStarter:
                 pass
 
 
+# A template that died is heard at once (its end of the socket closes); this bounds only one that
+# hangs. A busy machine is no reason to give up on it: 128 nodes starting at once on 2 cores took
+# more than 10 s to answer, and the cold starts that followed cost ten times the CPU.
+TEMPLATE_ANSWER_SECONDS = 120.0
 BATCH_BYTES = 128 * 1024  # a request's environments: well inside a socket's default buffer
 
 

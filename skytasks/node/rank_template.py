@@ -104,7 +104,10 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
         gc.collect()
         gc.freeze()
         while True:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+            except ConnectionResetError:  # the agent closed with our last answer unread: gone all the same
+                data, fds = b"", []
             if not data:
                 code = 0
                 return  # the agent closed: it stopped its ranks first

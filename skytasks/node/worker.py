@@ -1,7 +1,8 @@
 """A rank process: initialise torch.distributed once, then run the calls it is sent.
 
 It is started by a node agent with its rank environment already set. It reads frames from the
-agent on stdin and writes frames to the agent on the pipe named by SKYTASKS_CTRL_FD; its own
+agent on stdin and writes frames to the agent on the socket named by SKYTASKS_CTRL_FD (which
+brings it preemption notices the other way); its own
 stdout and stderr are the user's output, relayed line by line. Inside a warm pool it serves
 many calls with one process group; a failed call is never followed by another in the same
 process (the controller discards the group).
@@ -13,7 +14,6 @@ import ctypes
 import io
 import logging
 import os
-import queue
 import resource
 import signal
 import sys
@@ -261,32 +261,38 @@ def _dump_stacks_on_request() -> None:
 _STACK_FILE: Any = None
 
 
+def _receive_notice(msg: dict[str, Any]) -> None:
+    preemption.receive(preemption.PreemptionNotice(
+        msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
+
+
+def _take_notices(channel: io.BufferedReader) -> None:
+    """The agent's end of the control channel (a socket both ways) says what must reach the rank
+    while a call runs: a preemption notice, taken at once, not after the call. It closes when the
+    agent is gone or wants the rank gone: the rank leaves then, even if it is blocked in a
+    collective. It carries nothing else, so this thread sleeps through every ordinary call."""
+    try:
+        while True:
+            msg = read_frame(channel)
+            if msg["op"] == Op.PREEMPTION:
+                _receive_notice(msg)
+    except (ChannelClosed, OSError):
+        os._exit(1)
+
+
 def main() -> None:
     _die_with_parent()
     _dump_stacks_on_request()
     preemption.take_signal()  # SLURM's --signal reaches every process of the step, ranks too
-    out = FrameWriter(os.fdopen(int(os.environ["SKYTASKS_CTRL_FD"]), "wb"))
+    ctrl_fd = int(os.environ["SKYTASKS_CTRL_FD"])
+    out = FrameWriter(os.fdopen(ctrl_fd, "wb"))
     inbound = os.fdopen(os.dup(0), "rb")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # user code gets an empty stdin, the frames stay ours
     sys.stdin = open(os.devnull)
-    inbox: queue.Queue[dict[str, Any]] = queue.Queue()
-
-    def read_inbound() -> None:
-        # A closed stream means the agent is gone or wants us gone; a rank blocked in a
-        # collective would never notice otherwise.
-        try:
-            while True:
-                msg = read_frame(inbound, buffer_for=shared_buffer)
-                if msg["op"] == Op.PREEMPTION:  # now, not after the call: the loop polls for it
-                    preemption.receive(preemption.PreemptionNotice(
-                        msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
-                    continue
-                inbox.put(msg)
-        except (ChannelClosed, OSError):
-            os._exit(1)
-
-    threading.Thread(target=read_inbound, daemon=True, name="skytasks-inbound").start()
+    notices = io.BufferedReader(io.FileIO(os.dup(ctrl_fd), "rb"))
+    threading.Thread(target=_take_notices, args=(notices,), daemon=True,
+                     name="skytasks-notices").start()
 
     from skytasks import metrics
 
@@ -312,7 +318,17 @@ def main() -> None:
     out.send(message(Op.READY, pid=os.getpid()))
 
     while True:
-        msg = inbox.get()
+        # Read here, on the thread that runs the call: a warm call wakes one thread of the rank,
+        # not a reader thread that then wakes this one (that hand-over was a quarter of a rank's
+        # CPU per call at 1,024 ranks on 2 cores). What must reach a rank during a call comes on
+        # its control channel instead (`_take_notices`).
+        try:
+            msg = read_frame(inbound, buffer_for=shared_buffer)
+        except (ChannelClosed, OSError):
+            os._exit(1)
+        if msg["op"] == Op.PREEMPTION:
+            _receive_notice(msg)
+            continue
         if msg["op"] == Op.CALL:
             if not _run_call(msg, out):
                 # A rank that failed leaves at once: its peers then fail fast in their
