@@ -82,6 +82,7 @@ class PrefectObserver:
         self._attempts: list[tuple[int, list[RankOutcome]]] = []  # (attempt, one outcome per rank of it)
         self._usage: dict[int, RankUsage] = {}  # over the whole call, every attempt
         self._resources_written_at = 0.0
+        self._sampled = False  # a rank's figures were sampled during the call (RESOURCES)
 
     # -- the runner's steps ------------------------------------------------------------------
 
@@ -104,7 +105,8 @@ class PrefectObserver:
 
     def on_call_end(self, error: BaseException | None) -> None:
         self._write_metrics()
-        self._write_resources()
+        if self._sampled:  # a call over before its ranks were sampled (a warm pool's quick calls)
+            self._write_resources()  # has no live figures: the rank table holds what each used
         # Every attempt's ranks, with its world size: an elastic pool's retry may have fewer (the
         # parent run's log says why), and a call's history reads top to bottom.
         # The columns a person scans first come first (they fit 1,400 px); the long summary last.
@@ -165,6 +167,7 @@ class PrefectObserver:
         """A rank's figures: its warnings into its own run's log at once, the live table and the
         events every few seconds."""
         with self._lock:
+            self._sampled = True
             usage = self._usage.setdefault(rank, RankUsage(rank))
             warnings = usage.add(figures, time.monotonic())
         for line in warnings:
