@@ -238,32 +238,17 @@ class NodeAgent:
     def _forward(self, msg: dict[str, Any]) -> None:
         # Encode once, write the same bytes to every local rank: the payload crosses the
         # network once per node, not once per rank.
-        frame = encode(msg)
-        for rp in list(self._ranks.values()):
-            try:
-                rp.to_rank.send_encoded(frame)
-            except ChannelClosed:
-                pass  # its exit is reported by its own watcher
+        _to_each(list(self._ranks.values()), encode(msg))
 
     def _forward_notice(self, msg: dict[str, Any]) -> None:
         """A preemption notice on each rank's control channel, which the rank reads even during a
         call (its stdin it reads only between calls)."""
-        frame = encode(msg)
-        for rp in list(self._ranks.values()):
-            try:
-                rp.notices.send_encoded(frame)
-            except ChannelClosed:
-                pass  # its exit is reported by its own watcher
+        _to_each(list(self._ranks.values()), encode(msg), notice=True)
 
     def _close_group(self, msg: dict[str, Any]) -> None:
         """Ask ranks to leave cleanly (destroy the process group), then make sure they did."""
         ranks = list(self._ranks.values())
-        frame = encode(message(Op.CLOSE))
-        for rp in ranks:
-            try:
-                rp.to_rank.send_encoded(frame)
-            except ChannelClosed:
-                pass
+        _to_each(ranks, encode(message(Op.CLOSE)))
         deadline = time.monotonic() + msg["grace"]
         for rp in ranks:
             try:
@@ -284,6 +269,15 @@ class NodeAgent:
                 rp.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _to_each(ranks: list[RankProcess], frame: list[Any], notice: bool = False) -> None:
+    """One encoded frame to every rank: on its stdin, or its control channel for a notice."""
+    for rp in ranks:
+        try:
+            (rp.notices if notice else rp.to_rank).send_encoded(frame)
+        except ChannelClosed:
+            pass  # its exit is reported by its own watcher
 
 
 def _stop_and_wait(ranks: list[RankProcess], grace: float) -> None:
