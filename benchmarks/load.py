@@ -182,9 +182,13 @@ def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[s
             ended.append(float(at))
         flows_ended = max(ended)
         last, last_change = None, time.time()
+        at_end: tuple[int, int, int, int] | None = None
         while True:
             now = time.time()
             counts = _counts(servers, ids)
+            # What was recorded once every flow process had exited (its event and log workers drained,
+            # a few seconds after the last flow returned): shows whether the lag is in or behind the server.
+            at_end = at_end or counts
             if counts != last:
                 last, last_change = counts, now
                 if os.environ.get("SKYTASKS_LOAD_TRACE"):
@@ -200,6 +204,7 @@ def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[s
     return {"flows": flows, "calls_per_flow": calls, "ranks_per_call": RANKS_PER_FLOW,
             "server_settings": server_settings or "Prefect's defaults",
             "flows_took_s": flows_ended - started, "settled_after_flows_s": max(0.0, last_change - flows_ended),
+            "task_runs_when_flow_processes_exited": at_end[0] if at_end else 0, "logs_when_flow_processes_exited": at_end[2] if at_end else 0,
             "task_runs": runs, "task_runs_expected": expected_runs, "rank_runs": rank_runs,
             "rank_runs_expected": flows * calls * RANKS_PER_FLOW, "task_runs_final": final, "logs": logs,
             "logs_per_call": logs / (flows * calls)}
