@@ -238,17 +238,17 @@ class NodeAgent:
     def _forward(self, msg: dict[str, Any]) -> None:
         # Encode once, write the same bytes to every local rank: the payload crosses the
         # network once per node, not once per rank.
-        _to_each(list(self._ranks.values()), encode(msg))
+        _to_each([rp.to_rank for rp in list(self._ranks.values())], encode(msg))
 
     def _forward_notice(self, msg: dict[str, Any]) -> None:
         """A preemption notice on each rank's control channel, which the rank reads even during a
         call (its stdin it reads only between calls)."""
-        _to_each(list(self._ranks.values()), encode(msg), notice=True)
+        _to_each([rp.notices for rp in list(self._ranks.values())], encode(msg))
 
     def _close_group(self, msg: dict[str, Any]) -> None:
         """Ask ranks to leave cleanly (destroy the process group), then make sure they did."""
         ranks = list(self._ranks.values())
-        _to_each(ranks, encode(message(Op.CLOSE)))
+        _to_each([rp.to_rank for rp in ranks], encode(message(Op.CLOSE)))
         deadline = time.monotonic() + msg["grace"]
         for rp in ranks:
             try:
@@ -271,11 +271,11 @@ class NodeAgent:
                 pass
 
 
-def _to_each(ranks: list[RankProcess], frame: list[Any], notice: bool = False) -> None:
-    """One encoded frame to every rank: on its stdin, or its control channel for a notice."""
-    for rp in ranks:
+def _to_each(writers: list[FrameWriter], frame: list[Any]) -> None:
+    """One encoded frame to every rank: each writer is a rank's stdin or its control channel."""
+    for writer in writers:
         try:
-            (rp.notices if notice else rp.to_rank).send_encoded(frame)
+            writer.send_encoded(frame)
         except ChannelClosed:
             pass  # its exit is reported by its own watcher
 

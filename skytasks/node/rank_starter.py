@@ -119,15 +119,15 @@ class RankStarter:
                 try:
                     socket.send_fds(self._sock, [request], fds)
                     reply = json.loads(self._sock.recv(MAX_MESSAGE) or b'{"error": "the template has gone"}')
+                    if "pids" not in reply:
+                        raise OSError(reply["error"])
                 except OSError:
-                    # Its answer may still come, and would be read as the next request's: the
-                    # template is not asked again (closing the socket also tells it to leave).
+                    # A template that failed a request, or did not answer in time (its answer may
+                    # still come, and would be read as the next request's), is not asked again;
+                    # closing the socket also tells it to leave.
                     self._sock.close()
                     self._sock = None
                     raise
-                if "pids" not in reply:
-                    self._sock = None  # it is not to be trusted with another
-                    raise OSError(reply["error"])
                 self._started.update(reply["pids"])
             return [ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"), os.fdopen(stderr_r, "rb"))
                     for pid, ((_, stdin_w), (stdout_r, _), (stderr_r, _)) in zip(reply["pids"], pipes)]

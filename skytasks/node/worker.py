@@ -261,11 +261,6 @@ def _dump_stacks_on_request() -> None:
 _STACK_FILE: Any = None
 
 
-def _receive_notice(msg: dict[str, Any]) -> None:
-    preemption.receive(preemption.PreemptionNotice(
-        msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
-
-
 def _take_notices(channel: io.BufferedReader) -> None:
     """The agent's end of the control channel (a socket both ways) says what must reach the rank
     while a call runs: a preemption notice, taken at once, not after the call. It closes when the
@@ -275,7 +270,8 @@ def _take_notices(channel: io.BufferedReader) -> None:
         while True:
             msg = read_frame(channel)
             if msg["op"] == Op.PREEMPTION:
-                _receive_notice(msg)
+                preemption.receive(preemption.PreemptionNotice(
+                    msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
     except (ChannelClosed, OSError):
         os._exit(1)
 
@@ -326,9 +322,6 @@ def main() -> None:
             msg = read_frame(inbound, buffer_for=shared_buffer)
         except (ChannelClosed, OSError):
             os._exit(1)
-        if msg["op"] == Op.PREEMPTION:
-            _receive_notice(msg)
-            continue
         if msg["op"] == Op.CALL:
             if not _run_call(msg, out):
                 # A rank that failed leaves at once: its peers then fail fast in their
