@@ -160,24 +160,26 @@ def measure(ranks: int, repeats: int) -> dict:
         out["flood_lines"] = printed
         out["flood_call_over_its_length_s"] = time.perf_counter() - t - flood_s
         out["flood_lines_dropped"] = sum(e.total for e in heard if isinstance(e, LinesDropped))
-        # Last: a rank imports numpy for its argument, and 1,024 ranks with numpy imported fill most
-        # of this machine's 24 GB; every step after it would measure the machine's memory.
-        # Every rank keeps its own copy of an argument: on one machine, 100 MB x 1,024 ranks is
-        # 100 GB. The argument is 100 MB up to 64 ranks and shrinks to fit 6 GB in all above.
+        # Last: every rank keeps its own copy of an argument: on one machine, 100 MB x 1,024 ranks
+        # is 100 GB. The argument is 100 MB up to 64 ranks and shrinks to fit 6 GB in all above.
+        # It is `bytes`, which a rank unpickles with nothing to import: as a numpy array, 1,024
+        # ranks each imported numpy for it, about 150 s of CPU and most of this machine's memory,
+        # and the step measured that instead of the relay (the machine stalled so long that nodes
+        # went a minute without a heartbeat read).
         mb = min(100, 6000 // ranks)
-        blob = np.random.default_rng(0).integers(0, 255, mb * 1024 * 1024, dtype=np.uint8)
+        blob = np.random.default_rng(0).integers(0, 255, mb * 1024 * 1024, dtype=np.uint8).tobytes()
         from skytasks.controller.channel import bytes_sent
 
         takes_task = distributed_task(takes, pool=pool, init_torch=False)
-        takes_task(np.zeros(1, dtype=np.uint8))  # the group up, its relay listeners open
+        takes_task(b"")  # the group up, its relay listeners open
         t, sent = time.perf_counter(), bytes_sent()
-        assert takes_task(blob)[0] == blob.nbytes
+        assert takes_task(blob)[0] == len(blob)
         out["broadcast_mb"] = mb
         out["broadcast_s"] = time.perf_counter() - t
         out["broadcast_mb_per_s_to_ranks"] = mb * ranks / out["broadcast_s"]
         # What the argument cost the controller's own link: once down the relay tree from 3
         # nodes up, once per node below that.
-        out["controller_mb_sent_per_argument_mb"] = (bytes_sent() - sent) / blob.nbytes
+        out["controller_mb_sent_per_argument_mb"] = (bytes_sent() - sent) / len(blob)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["controller_peak_rss_mb"] = usage.ru_maxrss / 1024
     out["controller_cpu_s"] = usage.ru_utime + usage.ru_stime

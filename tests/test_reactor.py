@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from skytasks.reactor import StreamReactor
-from skytasks.wire import ChannelClosed, FrameParser, encode
+from skytasks.wire import ChannelClosed, FrameParser, HeardStream, encode
 
 
 def _bytes(msg: dict) -> bytes:
@@ -123,3 +123,21 @@ def test_a_forked_child_reads_its_own_streams():
     _, status = os.waitpid(pid, 0)
     os.close(idle_w)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_bytes_that_wait_unread_count_as_heard_so_a_reader_behind_is_not_a_silent_node():
+    """On a loaded machine the reader's thread may be starved of CPU for a while: the far end
+    is silent only when nothing arrived, not when what arrived is still unread."""
+    r, w = os.pipe()
+    stream = HeardStream(os.fdopen(r, "rb", buffering=0))
+    try:
+        stream.last_heard -= 100  # nothing for 100 s
+        assert stream.silent_for() > 99
+        os.write(w, b"x")  # a byte arrives; the reader has not read it yet
+        assert stream.silent_for() == 0.0
+        assert stream.readinto(bytearray(1)) == 1
+        stream.last_heard -= 100
+        assert stream.silent_for() > 99  # read, and nothing since: silent again
+    finally:
+        stream.close()
+        os.close(w)
