@@ -13,7 +13,8 @@ Controller -> agent:
   SPAWN   group, ranks [{rank, env}], env      start a rank group's processes
   CALL    call, head, refs, blobs, attempt     relayed to every rank of the node as it arrives
   STACKS  group                                 answer with one STACK per rank (faulthandler)
-  STOP    group, grace                          SIGTERM, then SIGKILL after grace; answer STOPPED
+  STOP    group, grace, stacks                  SIGTERM, then SIGKILL after grace; answer STOPPED (with
+                                                `stacks`, where each rank was when it was stopped)
   CLOSE   group, grace                          ranks leave cleanly (destroy the process group)
   PREEMPTION node_rank, address, reason, deadline, at
                                                 a node of the pool will be taken away: relayed to
@@ -32,7 +33,7 @@ Agent -> controller:
   OUTPUT  group, rank, stream, line             a line a rank printed (its stdout/stderr pipe)
   EXITED  group, rank, returncode, at           a rank process ended
   STACK   group, rank, stack                    one rank's stack, for STACKS
-  STOPPED group                                 the ranks of STOP are gone
+  STOPPED group, stacks {rank: stack}           the ranks of STOP are gone (stacks: empty unless asked)
   AGENT_ERROR error                             the agent failed a request; its ranks are stopped
   LEAVING reason, stacks {rank: stack}, group   the node is going away (SIGTERM); its ranks are gone
   NOTICE  reason, deadline, at                  the node will be taken away (SIGUSR2 from a scheduler,
@@ -118,6 +119,7 @@ class Stacks(TypedDict):
 class Stop(TypedDict):
     group: int | None
     grace: float
+    stacks: bool  # dump each rank's stack as it is stopped, and send them back with STOPPED
 
 
 class Close(TypedDict):
@@ -178,6 +180,7 @@ class Stack(_Relayed):
 
 class Stopped(TypedDict):
     group: int | None
+    stacks: dict[str, str]  # rank -> its stack as it was stopped (STOP's `stacks`)
 
 
 class AgentError(TypedDict):

@@ -1,8 +1,9 @@
 """Rank stacks: what faulthandler wrote, and the one line a person wants from it.
 
-A rank dumps every thread's stack, innermost frame first, when its agent sends SIGUSR1 (it works
-while the rank is blocked inside a C++ collective). The controller asks for them when a call hangs
-and when fail-fast stops the ranks that did not fail, and names where each rank was: the innermost
+A rank dumps every thread's stack, innermost frame first, when its agent sends SIGUSR1, and as the
+SIGTERM that stops it arrives (it works while the rank is blocked inside a C++ collective). The
+controller asks for them when a call hangs, gets them with the stop when fail-fast stops the ranks
+that did not fail, and names where each rank was: the innermost
 frame of the thread running the user's function, and the user's own frame that led there.
 """
 

@@ -14,6 +14,7 @@ import cloudpickle
 import pytest
 
 from skytasks.controller.call_run import CallRun, Phase
+from skytasks.controller.outcome import RankState
 from skytasks.controller.packing import PackedCall
 from skytasks.controller.rank_group import GroupSpec, NodeShape, RankGroup
 from skytasks.errors import DistributedTaskError, HangError, RankProcessDied
@@ -129,31 +130,30 @@ def test_a_long_silent_call_has_nothing_to_wake_for_and_still_returns():
     assert call.result() == [0, 1]
 
 
-def test_a_raising_rank_asks_for_stacks_then_stops_the_rest_and_is_the_root_cause():
+def test_a_raising_rank_stops_the_rest_at_once_with_their_stacks_and_is_the_root_cause():
     call, _, bus, heard = make_call()
     call.handle(*failed(call, 1, ValueError("bad batch")), now=1.0)
-    assert call.phase is Phase.STACKS and bus.ops()[-1] == "stacks"
-    call.handle(0, {"op": Op.STACK, "group": call.group.id, "rank": 0, "stack": "File x, in barrier"}, now=1.1)
-    assert call.phase is Phase.STOPPING and bus.ops()[-1] == "stop"
+    # One step, not a stack request and then a stop: each rank dumps its stack as SIGTERM reaches it
+    assert call.phase is Phase.STOPPING and bus.sent[-1][1]["op"] == "stop" and bus.sent[-1][1]["stacks"] is True
+    assert heard.done == {1: "failed"}  # the stopped ranks are told with their stacks, once they are in
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {"0": "File x, in barrier"}}, now=1.2)
+    assert not call.done and heard.stacks == []
+    call.handle(1, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.3)
+    assert call.done
     assert heard.stacks == [({0: "File x, in barrier"}, "stopped because rank 1 failed")]
     assert heard.done == {1: "failed", 0: "stopped"}
-    call.handle(0, {"op": Op.STOPPED, "group": call.group.id}, now=1.2)
-    assert not call.done
-    call.handle(1, {"op": Op.STOPPED, "group": call.group.id}, now=1.3)
-    assert call.done
     with pytest.raises(DistributedTaskError) as err:
         call.result()
     assert [type(e) for e in err.value.exceptions] == [ValueError] and "root cause on rank 1" in str(err.value)
 
 
-def test_stacks_that_never_come_do_not_hold_the_stop_up():
-    call, _, bus, _ = make_call()
+def test_agents_that_never_confirm_do_not_hold_the_call_up_and_the_stopped_ranks_are_still_told():
+    call, _, bus, heard = make_call()
     call.handle(*failed(call, 0, ValueError("x")), now=1.0)
-    assert call.wake_at() == pytest.approx(2.0)
-    call.tick(now=2.0)
     assert call.phase is Phase.STOPPING and bus.ops()[-1] == "stop"
-    call.tick(now=12.0)  # the agents never confirm either: the call ends anyway, with its cause
-    assert call.done
+    assert call.wake_at() == pytest.approx(11.0)
+    call.tick(now=11.0)  # the agents never confirm: the call ends anyway, with its cause
+    assert call.done and heard.done == {0: "failed", 1: "stopped"} and heard.stacks == [({}, "stopped because rank 0 failed")]
     with pytest.raises(DistributedTaskError):
         call.result()
 
@@ -163,7 +163,7 @@ def test_a_lost_node_fails_its_own_ranks_as_the_root_cause():
     call.handle(1, {"op": Op.LOST, "reason": "stream closed"}, now=1.0)
     assert heard.done[1] == "failed"
     call.tick(now=5.0)  # no stacks arrive
-    call.handle(0, {"op": Op.STOPPED, "group": call.group.id}, now=5.1)
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=5.1)
     call.bus.nodes_alive.discard(1)
     call.handle(1, {"op": Op.LOST, "reason": "stream closed"}, now=5.2)
     assert call.done
@@ -227,13 +227,13 @@ def test_late_news_from_an_old_group_or_a_replaced_channel_is_ignored():
 
 def test_a_failure_that_races_the_stop_is_kept_but_our_own_stop_is_not_a_failure():
     call, _, _, heard = make_call()
-    call.handle(*failed(call, 0, ValueError("first")), now=1.0)
-    call.tick(now=2.0)  # stop sent; rank 1 is "stopped"
-    call.handle(1, {"op": Op.EXITED, "group": call.group.id, "rank": 1, "returncode": -15, "at": time.time()}, now=2.1)
-    assert heard.done[1] == "stopped"  # SIGTERM is our own stop
-    call.handle(*failed(call, 1, RuntimeError("raced")), now=2.2)
+    call.handle(*failed(call, 0, ValueError("first")), now=1.0)  # the stop goes at once; rank 1 is "stopped"
+    call.handle(1, {"op": Op.EXITED, "group": call.group.id, "rank": 1, "returncode": -15, "at": time.time()}, now=1.1)
+    assert call.outcomes[1].status is RankState.STOPPED  # SIGTERM is our own stop
+    call.handle(*failed(call, 1, RuntimeError("raced")), now=1.2)
     assert heard.done[1] == "failed"
     call.tick(now=13.0)
+    assert heard.done[1] == "failed"  # never told "stopped" after all
     with pytest.raises(DistributedTaskError) as err:
         call.result()
     assert [type(e) for e in err.value.exceptions] == [ValueError]  # the root cause; the race came later

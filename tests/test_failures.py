@@ -51,6 +51,29 @@ def test_a_rank_raises_while_the_head_sleeps_ten_minutes():
     assert delay < FAIL_FAST_SECONDS
 
 
+def raise_on_rank_1_while_rank_0_takes_sigterm_itself() -> int:
+    if rank_info().rank == 1:
+        time.sleep(0.5)
+        raise KeyError("no such shard on rank 1")
+    if rank_info().rank == 0:  # as Lightning's Trainer does: a SIGTERM handler that does not stop at once
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    time.sleep(600)
+    return 0
+
+
+def test_the_stop_says_where_every_other_rank_was_even_one_whose_own_code_took_sigterm(capsys):
+    task = distributed_task(raise_on_rank_1_while_rank_0_takes_sigterm_itself, pool=GPUPool(nodes=2, procs_per_node=2),
+                            init_torch=False)
+    err, delay = call_and_time_failure(task)
+    assert [type(e) for e in err.exceptions] == [KeyError]
+    # Ranks 2 and 3 dumped their stacks as SIGTERM stopped them; rank 0 ignored SIGTERM, so it
+    # was asked with SIGUSR1 at the grace's end, then killed. All three stood at the same line.
+    console = capsys.readouterr().err
+    assert "[3 ranks] were in `raise_on_rank_1_while_rank_0_takes_sigterm_itself` (test_failures.py:" in console
+    assert "(stopped because rank 1 failed): ranks 0, 2-3" in console
+    assert delay < FAIL_FAST_SECONDS
+
+
 def exit_17_while_head_all_reduces() -> float:
     import torch
     import torch.distributed as dist

@@ -1,8 +1,9 @@
 """One call on a rank group, as a state machine driven one event at a time.
 
-    RUNNING --a rank fails / the call hangs--> STACKS --stacks in or 1-2 s--> STOPPING --agents confirm--> DONE
-    RUNNING --timeout / init timeout-----------------------------------> STOPPING
-    RUNNING --every rank returned------------------------------------------------------------> DONE
+    RUNNING --the call hangs--> STACKS --stacks in or 2 s--> STOPPING --agents confirm--> DONE
+    RUNNING --a rank fails: stop, each rank's stack with it---> STOPPING --agents confirm, with stacks--> DONE
+    RUNNING --timeout / init timeout------------------------> STOPPING
+    RUNNING --every rank returned-------------------------------------------------------> DONE
 
 `handle(node_rank, msg, now)` takes one message from the nodes, `tick(now)` lets the clocks act,
 and `wake_at()` says when the next clock runs out. The machine's own clocks are the `now` it is
@@ -40,8 +41,7 @@ PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"  # as a rank
 # How a rank ends when our stop reaches it (SIGUSR1: our own stack request, to a rank whose
 # faulthandler was not set up yet): the stop's doing, never the rank's failure.
 _OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGUSR1)
-STACKS_WAIT_SECONDS = 1.0  # after a failure: the other ranks' stacks, before they are stopped
-HANG_STACKS_WAIT_SECONDS = 2.0
+HANG_STACKS_WAIT_SECONDS = 2.0  # a hang: every rank's stack, before they are stopped
 
 
 class Phase(Enum):
@@ -75,9 +75,9 @@ class CallRun:
         self._stacks_wanted: set[int] = set()
         self._stacks_until = 0.0
         self._stacks_why = ""
-        self._hung = False
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
+        self._told_stopped: list[RankOutcome] = []  # stopped ranks the observer hears of with their stacks
         self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
         self.lost: set[int] = set()  # node ranks whose loss this call reported (NodeLost)
         self.stragglers = StragglerWatch(straggler_warn_seconds)
@@ -108,7 +108,7 @@ class CallRun:
         if self.phase is Phase.STACKS and now >= self._stacks_until:
             self._stacks_collected(now)
         elif self.phase is Phase.STOPPING and now >= self._stop_until:
-            self.phase = Phase.DONE  # the agents did not confirm in time: return anyway
+            self._stopped()  # the agents did not confirm in time: return anyway
         elif self.phase is Phase.RUNNING:
             if self.deadline is not None and now >= self.deadline:
                 running = sorted(self._pending())
@@ -120,7 +120,6 @@ class CallRun:
                 self._record_call_error(self._init_timeout_error(), EndReason.INIT_TIMEOUT)
                 self._stop("the call timed out", now)
             elif self.hang_timeout is not None and now >= self.last_heard + self.hang_timeout:
-                self._hung = True
                 self._ask_stacks(f"no rank wrote output, reported or finished for {self.hang_timeout:g}s",
                                  HANG_STACKS_WAIT_SECONDS, now)
             elif self.stragglers.due(now):
@@ -152,6 +151,7 @@ class CallRun:
         """Ctrl-C, SIGTERM, cancellation: the ranks go before the exception does."""
         if self.phase in (Phase.RUNNING, Phase.STACKS):
             self._stop("the caller was interrupted", now)
+        self._tell_stopped()  # an interrupt does not wait for the stacks a stop was bringing back
         self.phase = Phase.DONE
 
     def outcome(self) -> CallOutcome:
@@ -183,7 +183,10 @@ class CallRun:
                 if first.kind == EndReason.PREEMPTED:  # saved and ended on purpose: nobody's stack is news
                     self._stop(f"rank {first.rank} ended the attempt for a preemption", now)
                 else:
-                    self._ask_stacks(f"stopped because rank {first.rank} failed", STACKS_WAIT_SECONDS, now)
+                    # The stop brings back where each rank was (its SIGTERM dump): one signal per
+                    # rank, not a stack request and then a stop (a second at 1,024 ranks).
+                    self._stacks_why, self._stacks = f"stopped because rank {first.rank} failed", {}
+                    self._stop(f"rank {first.rank} failed", now, stacks=True)
             elif self._returned == len(self.outcomes):  # a count: checking every rank per message is n²
                 self.phase = Phase.DONE
 
@@ -282,7 +285,8 @@ class CallRun:
             self.observer.on_event(RanksStillRunning(self.stragglers.warning(returned, running)))
 
     def _ask_stacks(self, why: str, wait: float, now: float) -> None:
-        """Where every still-running rank is, into its log, before it is stopped."""
+        """A hang: where every still-running rank is, for its HangError, before it is stopped
+        (each hung rank is a failure of its own, named by its place, so the stacks come first)."""
         self._stacks_wanted = self._pending()
         self._stacks_why, self._stacks = why, {}
         if not self._stacks_wanted:
@@ -294,39 +298,58 @@ class CallRun:
 
     def _stacks_collected(self, now: float) -> None:
         self.observer.on_stacks(self._stacks, self._stacks_why)
-        if self._hung:
-            for o in self.outcomes.values():
-                if o.status is RankState.PENDING:
-                    stack = self._stacks.get(o.rank, "")
-                    self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack), None,
-                                 EndReason.HANG)
-            self._stop("the call hung", now)
-        else:
-            self._stop(f"rank {self.failures[0].rank} failed", now)
+        for o in self.outcomes.values():
+            if o.status is RankState.PENDING:
+                stack = self._stacks.get(o.rank, "")
+                self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack), None,
+                             EndReason.HANG)
+        self._stop("the call hung", now)
 
-    def _stop(self, reason: str, now: float) -> None:
-        """Stop every rank of the group now; they never wait for a collective to time out."""
+    def _stop(self, reason: str, now: float, stacks: bool = False) -> None:
+        """Stop every rank of the group now; they never wait for a collective to time out. With
+        `stacks`, the agents say where each rank was as it stopped, and the observer hears of the
+        stopped ranks once they have (`_stopped`): their stacks first, then that they stopped."""
         self.group.broken = True
         self.aborted_at = time.time()
-        self.bus.broadcast(message(Op.STOP, group=self.group.id, grace=self.stop_grace_seconds))
+        self.bus.broadcast(message(Op.STOP, group=self.group.id, grace=self.stop_grace_seconds, stacks=stacks))
         preempted = bool(self.failures) and self.failures[0].rank >= 0 and \
             self.outcomes[self.failures[0].rank].preempted
         for o in self.outcomes.values():
             if o.status is RankState.PENDING:
                 o.status, o.stop_reason, o.ended = RankState.STOPPED, f"stopped because {reason}", time.time()
                 o.preempted = preempted
-                self.observer.on_rank_done(o.rank, o)
+                self._told_stopped.append(o)
+        if not stacks:
+            self._tell_stopped()
         self._stop_waiting = set(self.bus.alive())
         self._stop_until = now + self.stop_confirm_seconds
-        self.phase = Phase.STOPPING if self._stop_waiting else Phase.DONE
+        self.phase = Phase.STOPPING
+        if not self._stop_waiting:
+            self._stopped()
+
+    def _tell_stopped(self) -> None:
+        for o in self._told_stopped:
+            if o.status is RankState.STOPPED:  # not since recorded as a failure that raced the stop
+                self.observer.on_rank_done(o.rank, o)
+        self._told_stopped = []
+
+    def _stopped(self) -> None:
+        """Every agent confirmed (or the wait is over): the stacks the stop brought, then done."""
+        if self._told_stopped:
+            self.observer.on_stacks(self._stacks, self._stacks_why)
+            self._tell_stopped()
+        self.phase = Phase.DONE
 
     def _while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         """Until every agent confirms its ranks are gone, keeping failures that raced the stop."""
         op, rank = msg["op"], msg.get("rank", -1)
         if op in (Op.STOPPED, Op.LOST):
+            for r, stack in (msg.get("stacks") or {}).items():
+                if int(r) in self.outcomes and self.outcomes[int(r)].status is RankState.STOPPED:
+                    self._stacks[int(r)] = stack
             self._stop_waiting.discard(node_rank)
             if not self._stop_waiting:
-                self.phase = Phase.DONE
+                self._stopped()
         elif op == Op.FAILED and msg["call"] in (self.id, None) and self.outcomes[rank].status is RankState.STOPPED:
             self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"))
         elif op == Op.EXITED and self.outcomes[rank].status is RankState.STOPPED and msg["returncode"] not in _OUR_STOP_CODES:

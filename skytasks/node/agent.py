@@ -209,8 +209,8 @@ class NodeAgent:
         threading.Thread(target=self._send_stacks, args=(msg,), daemon=True).start()
 
     def _stop(self, msg: dict[str, Any]) -> None:
-        self.stop_ranks(grace=msg["grace"])
-        self.emit(message(Op.STOPPED, group=msg["group"]))
+        stacks = self.stop_ranks(grace=msg["grace"], dump=msg["stacks"])
+        self.emit(message(Op.STOPPED, group=msg["group"], stacks={str(r): s for r, s in stacks.items()}))
 
     def _spawn(self, msg: dict[str, Any]) -> None:
         # Start every rank before waiting on any: torch import dominates and runs in parallel.
@@ -258,17 +258,19 @@ class NodeAgent:
         with self._lock:
             self._ranks.clear()
 
-    def stop_ranks(self, grace: float) -> None:
+    def stop_ranks(self, grace: float, dump: bool = False) -> dict[int, str]:
+        """Stop every rank; with `dump`, say where each was when it was stopped (rank -> stack)."""
         with self._lock:
             ranks = list(self._ranks.values())
             self._ranks.clear()
-        _stop_and_wait(ranks, grace)
+        stacks = _stop_and_wait(ranks, grace, dump)
         for rp in ranks:
             rp.kill()  # the whole session, stragglers and grandchildren included
             try:
                 rp.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 pass
+        return stacks
 
 
 def _to_each(writers: list[FrameWriter], frame: list[Any]) -> None:
@@ -280,9 +282,14 @@ def _to_each(writers: list[FrameWriter], frame: list[Any]) -> None:
             pass  # its exit is reported by its own watcher
 
 
-def _stop_and_wait(ranks: list[RankProcess], grace: float) -> None:
-    """SIGTERM to every rank (SIGKILL with no grace), then wait for them until the grace is up."""
+def _stop_and_wait(ranks: list[RankProcess], grace: float, dump: bool = False) -> dict[int, str]:
+    """SIGTERM to every rank (SIGKILL with no grace), then wait for them until the grace is up.
+    With `dump`, where each rank was (rank -> stack): a rank's faulthandler writes every thread's
+    stack as SIGTERM reaches it, so the stop itself says where it was, read once the rank is gone
+    (one signal per rank, where asking first and stopping after took two, and a wait on each dump)."""
     for rp in ranks:
+        if dump:
+            rp.dump_from_here()
         rp.stop() if grace > 0 else rp.kill()
     deadline = time.monotonic() + grace
     for rp in ranks:
@@ -290,6 +297,19 @@ def _stop_and_wait(ranks: list[RankProcess], grace: float) -> None:
             rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    if not dump:
+        return {}
+    stacks = {rp.rank: rp.last_stack() for rp in ranks if rp.proc.poll() is not None}
+    # A rank still running took SIGTERM itself (Lightning's trainer does, and does not stop at
+    # once): where it is, asked the usual way (SIGUSR1), before it is killed.
+    survivors = [rp for rp in ranks if rp.proc.poll() is None]
+    threads = [threading.Thread(target=lambda rp=rp: stacks.__setitem__(rp.rank, rp.stack()), daemon=True)
+               for rp in survivors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=2.0)
+    return {rank: stack for rank, stack in sorted(stacks.items()) if stack}
 
 
 def _group_of(ranks: list[RankProcess]) -> int | None:

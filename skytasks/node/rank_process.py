@@ -156,6 +156,13 @@ class RankProcess:
         self._drained.wait(timeout=2.0)
         self._agent.emit(message(Op.EXITED, group=self.group, rank=self.rank, returncode=code, at=exited_at))
 
+    def dump_from_here(self) -> None:
+        """The next `last_stack` starts at the file's end now: only what the rank dumps after this."""
+        try:
+            self.stack_offset = os.path.getsize(self.stack_file)
+        except OSError:
+            self.stack_offset = 0
+
     def last_stack(self) -> str:
         """What the rank dumped since the last read (its SIGTERM dump, when it was signalled)."""
         try:
