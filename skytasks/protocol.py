@@ -12,7 +12,8 @@ the node side has no defaults of its own.
 Controller -> agent:
   SPAWN   group, ranks [{rank, env}], env      start a rank group's processes
   CALL    call, head, refs, blobs, attempt     relayed to every rank of the node as it arrives
-  STACKS  group                                 answer with one STACK per rank (faulthandler)
+  STACKS  group                                 answer with one STACK per rank (faulthandler; the
+                                                straggler warning: the ranks run on)
   STOP    group, grace, stacks                  SIGTERM, then SIGKILL after grace; answer STOPPED (with
                                                 `stacks`, where each rank was when it was stopped)
   CLOSE   group, grace                          ranks leave cleanly (destroy the process group)

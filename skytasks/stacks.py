@@ -2,8 +2,8 @@
 
 A rank dumps every thread's stack, innermost frame first, when its agent sends SIGUSR1, and as the
 SIGTERM that stops it arrives (it works while the rank is blocked inside a C++ collective). The
-controller asks for them when a call hangs, gets them with the stop when fail-fast stops the ranks
-that did not fail, and names where each rank was: the innermost
+controller gets them with the stop when fail-fast stops the ranks that did not fail or a hang stops
+them all, asks for them for the straggler warning, and names where each rank was: the innermost
 frame of the thread running the user's function, and the user's own frame that led there.
 """
 

@@ -185,20 +185,21 @@ def test_a_timeout_names_the_ranks_still_running_and_stops_them():
     assert "rank -1" not in str(err.value)
 
 
-def test_a_hang_collects_stacks_and_fails_each_stuck_rank_with_where_it_was():
+def test_a_hang_stops_every_rank_and_fails_each_with_where_it_was():
     call, _, bus, heard = make_call(hang=5.0)
     call.handle(0, {"op": Op.OUTPUT, "group": call.group.id, "rank": 0, "stream": "stdout", "line": "epoch 1"}, now=3.0)
     assert call.wake_at() == 8.0  # output is progress: the hang clock restarted
     call.tick(now=8.0)
-    assert call.phase is Phase.STACKS
-    stack = 'File "train.py", line 9, in step\n  dist.all_reduce(t)'
+    # One step: the stop brings back where each rank was (its SIGTERM dump)
+    assert call.phase is Phase.STOPPING and bus.sent[-1][1]["op"] == "stop" and bus.sent[-1][1]["stacks"] is True
     for r in (0, 1):
-        call.handle(r, {"op": Op.STACK, "group": call.group.id, "rank": r, "stack": stack}, now=8.1)
-    assert call.phase is Phase.STOPPING
+        call.handle(r, {"op": Op.STOPPED, "group": call.group.id, "stacks": {str(r): STACK_IN_TRAIN}}, now=8.1)
+    assert call.done and heard.done == {0: "failed", 1: "failed"}
+    assert heard.stacks == [({0: STACK_IN_TRAIN, 1: STACK_IN_TRAIN}, "no rank wrote output, reported or finished for 5s")]
     with pytest.raises(DistributedTaskError) as err:
-        call.tick(now=20.0)
         call.result()
     assert all(isinstance(e, HangError) for e in err.value.exceptions) and "hung" in str(err.value)
+    assert "in `all_reduce`" in str(err.value.exceptions[0]) and "train.py:42" in str(err.value.exceptions[0])
 
 
 def test_init_timeout_names_who_never_joined():
@@ -324,8 +325,8 @@ def test_hung_ranks_in_one_place_are_one_member_naming_them_all():
     call.tick(now=5.0)
     for r in range(4):
         frames = STACK_IN_TRAIN if r != 2 else STACK_IN_TRAIN.replace("all_reduce", "barrier")
-        call.handle(*stack(r, call, frames), now=5.1)
-    call.tick(now=30.0)
+        call.handle(r, {"op": Op.STOPPED, "group": call.group.id, "stacks": {str(r): frames}}, now=5.1)
+    assert call.done
     with pytest.raises(DistributedTaskError) as err:
         call.result()
     crowded, alone = err.value.exceptions

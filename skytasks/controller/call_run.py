@@ -1,9 +1,9 @@
 """One call on a rank group, as a state machine driven one event at a time.
 
-    RUNNING --the call hangs--> STACKS --stacks in or 2 s--> STOPPING --agents confirm--> DONE
-    RUNNING --a rank fails: stop, each rank's stack with it---> STOPPING --agents confirm, with stacks--> DONE
-    RUNNING --timeout / init timeout------------------------> STOPPING
-    RUNNING --every rank returned-------------------------------------------------------> DONE
+    RUNNING --a rank fails / the call hangs: stop, with stacks--> STOPPING --agents confirm, with them--> DONE
+    RUNNING --timeout / init timeout---------------------------> STOPPING --agents confirm--> DONE
+    RUNNING --every rank returned---------------------------------------------------------> DONE
+    RUNNING --straggler probe--> (STACKS, then a warning; the call runs on)
 
 `handle(node_rank, msg, now)` takes one message from the nodes, `tick(now)` lets the clocks act,
 and `wake_at()` says when the next clock runs out. The machine's own clocks are the `now` it is
@@ -41,12 +41,10 @@ PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"  # as a rank
 # How a rank ends when our stop reaches it (SIGUSR1: our own stack request, to a rank whose
 # faulthandler was not set up yet): the stop's doing, never the rank's failure.
 _OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGUSR1)
-HANG_STACKS_WAIT_SECONDS = 2.0  # a hang: every rank's stack, before they are stopped
 
 
 class Phase(Enum):
     RUNNING = "running"
-    STACKS = "collecting stacks"
     STOPPING = "stopping"
     DONE = "done"
 
@@ -72,9 +70,8 @@ class CallRun:
             # gets that far is still bounded, at three times the timeout.
             self.init_deadline = now + 3 * group.spec.init_timeout_seconds
         self._stacks: dict[int, str] = {}
-        self._stacks_wanted: set[int] = set()
-        self._stacks_until = 0.0
         self._stacks_why = ""
+        self._hung = False
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
         self._told_stopped: list[RankOutcome] = []  # stopped ranks the observer hears of with their stacks
@@ -96,8 +93,6 @@ class CallRun:
 
     def wake_at(self) -> float | None:
         """The next moment `tick` has something to do; None: only a message can change things."""
-        if self.phase is Phase.STACKS:
-            return self._stacks_until
         if self.phase is Phase.STOPPING:
             return self._stop_until
         hang_at = None if self.hang_timeout is None else self.last_heard + self.hang_timeout
@@ -105,9 +100,7 @@ class CallRun:
         return min(times) if times else None
 
     def tick(self, now: float) -> None:
-        if self.phase is Phase.STACKS and now >= self._stacks_until:
-            self._stacks_collected(now)
-        elif self.phase is Phase.STOPPING and now >= self._stop_until:
+        if self.phase is Phase.STOPPING and now >= self._stop_until:
             self._stopped()  # the agents did not confirm in time: return anyway
         elif self.phase is Phase.RUNNING:
             if self.deadline is not None and now >= self.deadline:
@@ -120,8 +113,12 @@ class CallRun:
                 self._record_call_error(self._init_timeout_error(), EndReason.INIT_TIMEOUT)
                 self._stop("the call timed out", now)
             elif self.hang_timeout is not None and now >= self.last_heard + self.hang_timeout:
-                self._ask_stacks(f"no rank wrote output, reported or finished for {self.hang_timeout:g}s",
-                                 HANG_STACKS_WAIT_SECONDS, now)
+                # Each hung rank fails with a HangError named by its place, which the stop brings
+                # back (see _stopped).
+                self._hung = True
+                self._stacks_why = f"no rank wrote output, reported or finished for {self.hang_timeout:g}s"
+                self._stacks = {}
+                self._stop("the call hung", now, stacks=True)
             elif self.stragglers.due(now):
                 self.stragglers.probe(self._pending(), now)
                 self.bus.broadcast(message(Op.STACKS, group=self.group.id))
@@ -139,17 +136,12 @@ class CallRun:
         elif op == Op.STACK and self.phase is Phase.RUNNING and self.stragglers.probing:
             if self.stragglers.add_stack(msg["rank"], msg["stack"]):
                 self._warn_stragglers()
-        elif op == Op.STACK and self.phase is Phase.STACKS:
-            if msg["rank"] in self._stacks_wanted and msg["stack"]:
-                self._stacks[msg["rank"]] = msg["stack"]
-            if not self._stacks_wanted - set(self._stacks):
-                self._stacks_collected(now)
         else:
             self._running(node_rank, msg, now)
 
     def interrupt(self, now: float) -> None:
         """Ctrl-C, SIGTERM, cancellation: the ranks go before the exception does."""
-        if self.phase in (Phase.RUNNING, Phase.STACKS):
+        if self.phase is Phase.RUNNING:
             self._stop("the caller was interrupted", now)
         self._tell_stopped()  # an interrupt does not wait for the stacks a stop was bringing back
         self.phase = Phase.DONE
@@ -239,9 +231,6 @@ class CallRun:
     def _on_exited(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         rank = msg["rank"]
         self.group.broken = True  # whatever the reason, a group missing a rank can serve no more
-        if self.phase is Phase.STACKS and msg["returncode"] in _OUR_STOP_CODES:
-            self._stacks_wanted.discard(rank)  # our stack request ended it: `_stop` says so
-            return
         if self.outcomes[rank].status is RankState.PENDING:
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
 
@@ -284,27 +273,6 @@ class CallRun:
             returned = sorted(r for r, o in self.outcomes.items() if o.status is RankState.COMPLETED)
             self.observer.on_event(RanksStillRunning(self.stragglers.warning(returned, running)))
 
-    def _ask_stacks(self, why: str, wait: float, now: float) -> None:
-        """A hang: where every still-running rank is, for its HangError, before it is stopped
-        (each hung rank is a failure of its own, named by its place, so the stacks come first)."""
-        self._stacks_wanted = self._pending()
-        self._stacks_why, self._stacks = why, {}
-        if not self._stacks_wanted:
-            self._stacks_collected(now)
-            return
-        self.phase = Phase.STACKS
-        self._stacks_until = now + wait
-        self.bus.broadcast(message(Op.STACKS, group=self.group.id))
-
-    def _stacks_collected(self, now: float) -> None:
-        self.observer.on_stacks(self._stacks, self._stacks_why)
-        for o in self.outcomes.values():
-            if o.status is RankState.PENDING:
-                stack = self._stacks.get(o.rank, "")
-                self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack), None,
-                             EndReason.HANG)
-        self._stop("the call hung", now)
-
     def _stop(self, reason: str, now: float, stacks: bool = False) -> None:
         """Stop every rank of the group now; they never wait for a collective to time out. With
         `stacks`, the agents say where each rank was as it stopped, and the observer hears of the
@@ -334,9 +302,19 @@ class CallRun:
         self._told_stopped = []
 
     def _stopped(self) -> None:
-        """Every agent confirmed (or the wait is over): the stacks the stop brought, then done."""
+        """Every agent confirmed (or the wait is over): the stacks the stop brought, then done.
+        After a hang, each rank that was stopped fails with a HangError naming where it was, at
+        the moment the hang was declared (so it is a root cause, not collateral of the stop)."""
         if self._told_stopped:
             self.observer.on_stacks(self._stacks, self._stacks_why)
+            if self._hung:
+                for o in self._told_stopped:
+                    if o.status is RankState.STOPPED:
+                        stack = self._stacks.get(o.rank, "")
+                        o.stop_reason = ""
+                        self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack),
+                                     self.aborted_at, EndReason.HANG)
+                self._told_stopped = []
             self._tell_stopped()
         self.phase = Phase.DONE
 

@@ -299,10 +299,11 @@ def _stop_and_wait(ranks: list[RankProcess], grace: float, dump: bool = False) -
             pass
     if not dump:
         return {}
-    stacks = {rp.rank: rp.last_stack() for rp in ranks if rp.proc.poll() is not None}
-    # A rank still running took SIGTERM itself (Lightning's trainer does, and does not stop at
-    # once): where it is, asked the usual way (SIGUSR1), before it is killed.
-    survivors = [rp for rp in ranks if rp.proc.poll() is None]
+    stacks = {rp.rank: rp.last_stack() for rp in ranks}
+    # A rank still running with no dump took SIGTERM itself (Lightning's trainer does, and does
+    # not stop at once): where it is, asked the usual way (SIGUSR1), before it is killed. (One
+    # that dumped and is still exiting, on a loaded machine, has said where it was already.)
+    survivors = [rp for rp in ranks if rp.proc.poll() is None and not stacks[rp.rank]]
     threads = [threading.Thread(target=lambda rp=rp: stacks.__setitem__(rp.rank, rp.stack()), daemon=True)
                for rp in survivors]
     for t in threads:
