@@ -3,6 +3,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# With no PREFECT_API_URL, Prefect starts a server of its own for the run and gives it 20 s. With a
+# fresh HOME it first creates and migrates its database: on a slow 2-core machine that took longer,
+# and `make run` failed before the flow began. Yours, if set, wins (`skytasks run` sets the same).
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 
 .PHONY: setup system-deps run test bench clean
 
