@@ -74,7 +74,7 @@ class CallRun:
         self._hung = False
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
-        self._told_stopped: list[RankOutcome] = []  # stopped ranks the observer hears of with their stacks
+        self._untold_stopped: list[RankOutcome] = []  # stopped, not yet said: the observer hears of them with their stacks
         self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
         self.lost: set[int] = set()  # node ranks whose loss this call reported (NodeLost)
         self.stragglers = StragglerWatch(straggler_warn_seconds)
@@ -286,7 +286,7 @@ class CallRun:
             if o.status is RankState.PENDING:
                 o.status, o.stop_reason, o.ended = RankState.STOPPED, f"stopped because {reason}", time.time()
                 o.preempted = preempted
-                self._told_stopped.append(o)
+                self._untold_stopped.append(o)
         if not stacks:
             self._tell_stopped()
         self._stop_waiting = set(self.bus.alive())
@@ -296,25 +296,25 @@ class CallRun:
             self._stopped()
 
     def _tell_stopped(self) -> None:
-        for o in self._told_stopped:
+        for o in self._untold_stopped:
             if o.status is RankState.STOPPED:  # not since recorded as a failure that raced the stop
                 self.observer.on_rank_done(o.rank, o)
-        self._told_stopped = []
+        self._untold_stopped = []
 
     def _stopped(self) -> None:
         """Every agent confirmed (or the wait is over): the stacks the stop brought, then done.
         After a hang, each rank that was stopped fails with a HangError naming where it was, at
         the moment the hang was declared (so it is a root cause, not collateral of the stop)."""
-        if self._told_stopped:
+        if self._untold_stopped:
             self.observer.on_stacks(self._stacks, self._stacks_why)
             if self._hung:
-                for o in self._told_stopped:
+                for o in self._untold_stopped:
                     if o.status is RankState.STOPPED:
                         stack = self._stacks.get(o.rank, "")
                         o.stop_reason = ""
                         self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack),
                                      self.aborted_at, EndReason.HANG)
-                self._told_stopped = []
+                self._untold_stopped = []
             self._tell_stopped()
         self.phase = Phase.DONE
 

@@ -222,17 +222,7 @@ class NodeAgent:
 
     def _send_stacks(self, msg: dict[str, Any]) -> None:
         ranks = [rp for rp in list(self._ranks.values()) if rp.group == msg.get("group")]
-        results: dict[int, str] = {}
-
-        def one(rp: RankProcess) -> None:
-            results[rp.rank] = rp.stack()
-
-        threads = [threading.Thread(target=one, args=(rp,), daemon=True) for rp in ranks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=2.0)
-        for rank, text in sorted(results.items()):
+        for rank, text in sorted(_ask_stacks(ranks).items()):
             self.emit(message(Op.STACK, group=msg["group"], rank=rank, stack=text))
 
     def _forward(self, msg: dict[str, Any]) -> None:
@@ -303,14 +293,23 @@ def _stop_and_wait(ranks: list[RankProcess], grace: float, dump: bool = False) -
     # A rank still running with no dump took SIGTERM itself (Lightning's trainer does, and does
     # not stop at once): where it is, asked the usual way (SIGUSR1), before it is killed. (One
     # that dumped and is still exiting, on a loaded machine, has said where it was already.)
-    survivors = [rp for rp in ranks if rp.proc.poll() is None and not stacks[rp.rank]]
-    threads = [threading.Thread(target=lambda rp=rp: stacks.__setitem__(rp.rank, rp.stack()), daemon=True)
-               for rp in survivors]
+    stacks.update(_ask_stacks([rp for rp in ranks if rp.proc.poll() is None and not stacks[rp.rank]]))
+    return {rank: stack for rank, stack in sorted(stacks.items()) if stack}
+
+
+def _ask_stacks(ranks: list[RankProcess]) -> dict[int, str]:
+    """Each rank's stack, asked with SIGUSR1, all at once (each waits up to half a second for its dump)."""
+    results: dict[int, str] = {}
+
+    def one(rp: RankProcess) -> None:
+        results[rp.rank] = rp.stack()
+
+    threads = [threading.Thread(target=one, args=(rp,), daemon=True) for rp in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=2.0)
-    return {rank: stack for rank, stack in sorted(stacks.items()) if stack}
+    return results
 
 
 def _group_of(ranks: list[RankProcess]) -> int | None:
