@@ -34,7 +34,16 @@ def what_a_rank_is() -> dict:
         "stdin": sys.stdin.read(),
         "hash": hash("skytasks"),
         "frozen": __import__("gc").get_freeze_count(),  # the template's objects, frozen before the fork
+        "template_has_torch": template_has_torch(parent),
     }
+
+
+def template_has_torch(agent: psutil.Process) -> bool | None:
+    template = next((c for c in agent.children() if "skytasks.node.rank_template" in " ".join(c.cmdline())), None)
+    if template is None:
+        return None
+    with open(f"/proc/{template.pid}/maps") as maps:
+        return any("libtorch" in line for line in maps)
 
 
 def test_ranks_are_forked_from_a_warm_template_and_are_still_the_agents_children():
@@ -51,7 +60,41 @@ def test_ranks_are_forked_from_a_warm_template_and_are_still_the_agents_children
         assert r["cmdline"][1:] == ["-m", "skytasks.node.worker"]  # `ps` shows a rank as a rank
         assert r["own_session"] and r["stdin"] == ""
         assert r["frozen"] > 1000  # a rank's collections leave the template's objects (and pages) alone
+        assert r["template_has_torch"] is False  # ranks that do not initialise torch never pay for importing it
     assert len({r["random"] for r in ranks}) == 4  # each rank's random state is its own
+
+
+def torch_in_a_rank() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"ctrl_fd": os.environ["SKYTASKS_CTRL_FD"], "threads": torch.get_num_threads(), "sum": total.item(),
+            "template_has_torch": template_has_torch(psutil.Process().parent())}
+
+
+def test_a_nodes_torch_ranks_are_forked_from_one_import_of_torch_made_with_their_own_thread_settings():
+    """8 ranks importing torch each cost 8 imports of CPU and memory; forked after the template's
+    one import, they share it. Its thread pools read the rank's settings, not the agent's."""
+    pool = GPUPool(nodes=2, procs_per_node=2, env={"OMP_NUM_THREADS": "1"})  # 2 cores here: not the default
+    with pool:
+        ranks = distributed_task(torch_in_a_rank, pool=pool)()
+    assert [r["sum"] for r in ranks] == [4.0] * 4  # a real gloo group of forked ranks
+    for r in ranks:
+        assert r["ctrl_fd"] == FORKED_CTRL_FD and r["template_has_torch"] is True
+        assert r["threads"] == 1
+
+
+def test_a_rank_whose_thread_settings_differ_from_the_templates_torch_starts_cold():
+    from skytasks.node.rank_starter import RankStarter
+
+    starter = RankStarter(None, None, {"PATH": "/bin"})
+    starter._torch_env = {"OMP_NUM_THREADS": "1"}
+    assert not starter._changes_startup({"PATH": "/bin", "OMP_NUM_THREADS": "1", "RANK": "3"})
+    assert starter._changes_startup({"PATH": "/bin", "OMP_NUM_THREADS": "4"})
+    assert starter._changes_startup({"PATH": "/bin"})  # the import saw 1; this rank's pools would take the default
+    assert starter._changes_startup({"PATH": "/bin", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "2"})
 
 
 def test_an_environment_read_only_at_interpreter_start_starts_the_rank_cold():

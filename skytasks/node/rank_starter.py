@@ -15,7 +15,8 @@ import threading
 from typing import BinaryIO
 
 from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, PR_SET_CHILD_SUBREAPER,
-                                         STARTUP_ENV_PREFIXES, UNBUFFERED, serve_as_template)
+                                         STARTUP_ENV_PREFIXES, TORCH_IMPORT_ENV_PREFIXES, UNBUFFERED,
+                                         serve_as_template)
 
 
 class ForkedProcess:
@@ -55,6 +56,8 @@ class RankStarter:
         self._template_env = template_env or {}
         self._lock = threading.Lock()  # one fork request in flight at a time
         self._started: set[int] = set()  # every rank pid this started: someone else reaps those
+        # The environment the template imported torch with, once it has (see `_import_torch`).
+        self._torch_env: dict[str, str] | None = None
 
     @classmethod
     def fork_template(cls) -> RankStarter:
@@ -83,8 +86,17 @@ class RankStarter:
         template can serve are forked in batches, one request each; the rest start cold."""
         started: list[subprocess.Popen | ForkedProcess | None] = [None] * len(requests)
         warm = [i for i, (env, _) in enumerate(requests) if self._sock is not None and not self._changes_startup(env)]
+        import_torch = None
+        if self._torch_env is None:
+            # The node's first torch rank: the template imports torch with its environment, and
+            # ranks whose thread settings differ from it start cold.
+            import_torch = next((requests[i][0] for i in warm if _inits_torch(requests[i][0])), None)
+            if import_torch is not None:
+                self._torch_env = _torch_import_env(import_torch)
+                warm = [i for i in warm if not self._changes_startup(requests[i][0])]
         for batch in _batches(warm, requests):
-            forked = self._fork([requests[i] for i in batch])
+            forked = self._fork([requests[i] for i in batch], import_torch)
+            import_torch = None
             for i, proc in zip(batch, forked or ()):
                 started[i] = proc
         return [proc if proc is not None else self._cold(*requests[i]) for i, proc in enumerate(started)]
@@ -102,15 +114,21 @@ class RankStarter:
         return cold
 
     def _changes_startup(self, env: dict[str, str]) -> bool:
+        """Whether a forked rank would differ from a cold one: the environment that the template's
+        interpreter, and torch in it, took as they started is not this rank's."""
         keys = (set(env) | set(self._template_env)) - {UNBUFFERED}
-        return any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != self._template_env.get(k) for k in keys)
+        if any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != self._template_env.get(k) for k in keys):
+            return True
+        return self._torch_env is not None and _torch_import_env(env) != self._torch_env
 
-    def _fork(self, batch: list[tuple[dict[str, str], int]]) -> list[ForkedProcess] | None:
+    def _fork(self, batch: list[tuple[dict[str, str], int]], import_torch: dict[str, str] | None = None,
+              ) -> list[ForkedProcess] | None:
         pipes = [(os.pipe(), os.pipe(), os.pipe()) for _ in batch]  # stdin, stdout, stderr of each
         fds: list[int] = []
         for ((stdin_r, _), (_, stdout_w), (_, stderr_w)), (_, ctrl_write) in zip(pipes, batch):
             fds += [stdin_r, stdout_w, stderr_w, ctrl_write]
-        request = json.dumps({"envs": [{**env, "SKYTASKS_CTRL_FD": str(CTRL_FD)} for env, _ in batch]}).encode()
+        request = json.dumps({"envs": [{**env, "SKYTASKS_CTRL_FD": str(CTRL_FD)} for env, _ in batch],
+                              "import_torch": import_torch}).encode()
         try:
             with self._lock:
                 if self._sock is None:
@@ -181,6 +199,14 @@ class RankStarter:
 # more than 10 s to answer, and the cold starts that followed cost ten times the CPU.
 TEMPLATE_ANSWER_SECONDS = 120.0
 BATCH_BYTES = 128 * 1024  # a request's environments: well inside a socket's default buffer
+
+
+def _inits_torch(env: dict[str, str]) -> bool:
+    return env.get("SKYTASKS_INIT_TORCH", "1") == "1"  # as the worker reads it
+
+
+def _torch_import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(TORCH_IMPORT_ENV_PREFIXES)}
 
 
 def _batches(indices: list[int], requests: list[tuple[dict[str, str], int]]) -> list[list[int]]:

@@ -43,6 +43,9 @@ import traceback
 
 # Read only as an interpreter (or the dynamic loader) starts: a forked rank would not see a change.
 STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
+# Read as torch (and the thread pools it loads: OpenMP, MKL, OpenBLAS) is imported. The template
+# imports torch with its first torch rank's values of these; a rank with other values starts cold.
+TORCH_IMPORT_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH_", "PYTORCH_")
 UNBUFFERED = "PYTHONUNBUFFERED"  # every rank gets it; a forked rank's streams are made unbuffered
 CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL_FD)
 MAX_MESSAGE = 1 << 20
@@ -103,6 +106,7 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
         # this process (measured: 1,200 page copies and 7 ms of CPU per rank; Instagram's fix).
         gc.collect()
         gc.freeze()
+        native_threads = _threads()
         while True:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
@@ -113,7 +117,10 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
                 return  # the agent closed: it stopped its ranks first
             reply: dict[str, object]
             try:
-                reply = {"pids": _fork_ranks(json.loads(data)["envs"], fds, agent)}
+                request = json.loads(data)
+                if request.get("import_torch") is not None and "torch" not in sys.modules:
+                    native_threads = _import_torch(request["import_torch"])
+                reply = {"pids": _fork_ranks(request["envs"], fds, agent, native_threads)}
             except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the ranks cold
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
@@ -126,12 +133,40 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
         os._exit(code)
 
 
-def _fork_ranks(envs: list[dict[str, str]], fds: list[int], agent: int) -> list[int]:
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _import_torch(env: dict[str, str]) -> int:
+    """torch once, here, for every torch rank of the node: 8 ranks importing it each cost 8 times
+    its CPU (3 s each on a slow 2-core machine) and memory; forked, they share its pages. Imported
+    with a rank's own environment, since its thread pools read theirs as they load. CUDA is
+    initialised only later, in the rank, with its own devices visible. Returns the threads this
+    process now has: numpy's OpenBLAS starts a pool as it loads, which is fork-safe (it stops the
+    pool before each fork and restarts it lazily, in parent and child alike)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+    except Exception:  # noqa: BLE001 - a rank that needs torch says what is wrong, as a cold one would
+        pass
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    gc.collect()
+    gc.freeze()
+    return _threads()
+
+
+def _fork_ranks(envs: list[dict[str, str]], fds: list[int], agent: int, native_threads: int = 1) -> list[int]:
     """Fork a middle process, which forks every rank of the request (4 descriptors each, in
     order) and exits: the ranks are reparented to the agent (the subreaper) and the template
     keeps no children. One middle for a node's whole SPAWN, not one per rank: a fork and an exit
-    saved per rank. Returns the ranks' pids."""
-    if threading.active_count() > 1 or len(os.listdir("/proc/self/task")) > 1:
+    saved per rank. Returns the ranks' pids. `native_threads`: what the template's own imports
+    left running (see `_import_torch`)."""
+    if threading.active_count() > 1 or _threads() > native_threads:
         # fork copies only the calling thread: a lock another thread held would stay held forever
         raise RuntimeError("a thread appeared in the template")
     if len(fds) != FDS_PER_RANK * len(envs):
