@@ -153,12 +153,16 @@ def test_a_failing_rank_under_the_cli_fails_its_records_too(tmp_path):
     assert "exited with code 5" in by_name["failing_rank[rank 1/2]"].state.message
 
 
-def test_with_no_api_configured_the_run_is_in_prefects_own_database_and_no_server_is_left(tmp_path):
+def test_with_no_api_configured_the_run_is_in_prefects_own_database_and_no_server_is_left(tmp_path,
+                                                                                         empty_prefect_database):
+    import shutil
     import sqlite3
 
     import psutil
 
     home = tmp_path / "prefect-home"
+    home.mkdir()
+    shutil.copy(empty_prefect_database, home / "prefect.db")  # migrated already: Prefect's first start skipped
     (tmp_path / "no_api.py").write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
