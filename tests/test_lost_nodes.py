@@ -42,6 +42,33 @@ def test_a_lost_local_node_is_replaced_and_the_retry_succeeds(capsys, tmp_path):
     assert agents_before[1].alive is False
 
 
+def freeze_my_agent_once(marker: str) -> int:
+    info = rank_info()
+    if info.rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getppid(), signal.SIGSTOP)  # the node agent hangs: it can hear nothing, say nothing
+        time.sleep(60)
+    return info.attempt
+
+
+def test_a_frozen_node_is_replaced_without_waiting_for_it_to_end_on_its_own(capsys, tmp_path, monkeypatch):
+    """A node found lost cannot hear the EOF that asks a healthy agent to end: its transport is let
+    go at once (here SIGKILL after 1 s, not 10), so the replacement does not wait on it."""
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_SECONDS", "0.5")
+    monkeypatch.setenv("SKYTASKS_HEARTBEAT_TIMEOUT_SECONDS", "3")
+    pool = GPUPool(nodes=2)
+    with pool:
+        frozen = next(n for n in pool.runtime().session.nodes if n.link.node_rank == 1)
+        attempts = distributed_task(freeze_my_agent_once, pool=pool, init_torch=False)(str(tmp_path / "frozen"))
+    assert attempts == [2, 2]
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if "was lost; replaced by a new node" in x]
+    assert "no heartbeat from the node for 3s" in err
+    replaced_in = float(line.rsplit(" in ", 1)[1].rstrip("s"))
+    assert replaced_in < 8, line  # a graceful end would have waited 10 s for the frozen agent alone
+    assert frozen.alive is False
+
+
 def test_with_no_node_recoveries_the_loss_is_the_error(tmp_path):
     with pytest.raises(DistributedTaskError) as caught:
         distributed_task(kill_my_agent_once, pool=GPUPool(nodes=2), node_recoveries=0)(str(tmp_path / "killed"))

@@ -201,7 +201,7 @@ class PoolSession:
         for node_id in node_ids:
             old = self._by_id(node_id)
             started = time.monotonic()
-            old.link.close()
+            old.link.let_go_lost()
             link = self.provider.replace(old.link.node_id)
             link.node_rank = old.link.node_rank
             new = NodeChannel(link, self.events).start()

@@ -34,6 +34,9 @@ class NodeLink:
     # nodes all share this one; a remote node is a machine of its own).
     machine: str = ""
     close: Callable[[], None] = lambda: None  # release the transport (process, SSH channel)
+    # The same for a node found lost, whose agent cannot answer: no waiting for it to end on its
+    # own (SLURM's srun would wait until SLURM declares the node down). None: `close`.
+    close_lost: Callable[[], None] | None = None
     # Why the stream ended, in the provider's words (SLURM: the node's state and reason), asked
     # when the node is found lost; "" when the provider knows no more than the closed stream.
     loss_detail: Callable[[], str] = lambda: ""
@@ -42,6 +45,9 @@ class NodeLink:
     def __post_init__(self) -> None:
         if self.node_id < 0:
             self.node_id = self.node_rank
+
+    def let_go_lost(self) -> None:
+        (self.close_lost or self.close)()
 
 
 def agent_args(heartbeat_file: str | None = None, notice_file: str | None = None) -> list[str]:

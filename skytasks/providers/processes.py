@@ -5,6 +5,11 @@ from __future__ import annotations
 import subprocess
 
 
+# How long a node found lost is given to end on its own, at each step of `end_child`: it cannot
+# be heard (frozen, or its machine gone), and its replacement waits on this.
+LOST_WAIT_SECONDS = 1.0
+
+
 def end_child(proc: subprocess.Popen, *, terminate_first: bool = False, wait: float = 10.0) -> None:
     """EOF on its stdin (an agent then stops its ranks and exits); if it lingers, SIGTERM when
     `terminate_first` (srun passes it on to the step's tasks), then SIGKILL. Its pipes are closed."""

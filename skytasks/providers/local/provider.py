@@ -11,7 +11,7 @@ import sys
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
-from skytasks.providers.processes import end_child
+from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.providers.reporting import PoolReporter
 from skytasks.wire import widen_pipe
 
@@ -83,6 +83,7 @@ class LocalProvider(NodeProvider):
             env={"PYTHONPATH": self._path},
             machine="this machine",
             close=functools.partial(end_child, proc),
+            close_lost=functools.partial(end_child, proc, wait=LOST_WAIT_SECONDS),  # a frozen agent: not 10 s
         )
 
     def abort(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO, Callable
 
 from skytasks.errors import PoolStartError
 from skytasks.providers.slurm.spec import SlurmSpec
-from skytasks.providers.processes import end_child
+from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.ssh.nodes import load_known_hosts, parse_host
 from skytasks.providers.ssh.bridge import bridge_process
@@ -31,11 +31,14 @@ class Done:
 
 @dataclass
 class Step:
-    """A running command's streams, and how to end it."""
+    """A running command's streams, and how to end it: `close()`, or `close(gone=True)` for a node
+    found lost. An srun whose node died ends only once SLURM has declared the node down
+    (SlurmdTimeout and more: 15 s on the test cluster), whatever it is sent: a replacement does
+    not wait for that."""
 
     inbound: BinaryIO
     outbound: BinaryIO
-    close: Callable[[], None]
+    close: Callable[..., None]
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
 
 
@@ -103,7 +106,8 @@ class SlurmShell:
                                     # stops the ranks in order
                                     start_new_session=True)
             self._procs.append(proc)
-            step = Step(proc.stdout, proc.stdin, lambda: end_child(proc, terminate_first=True))  # type: ignore[arg-type]
+            step = Step(proc.stdout, proc.stdin,  # type: ignore[arg-type]
+                        lambda gone=False: end_child(proc, terminate_first=True, wait=LOST_WAIT_SECONDS if gone else 10.0))
             threading.Thread(target=self._relay_stderr, args=(proc.stderr, label, step), daemon=True).start()
             return step
         conn = self._connected()
@@ -114,7 +118,7 @@ class SlurmShell:
 
         tail: collections.deque = collections.deque(maxlen=8)
         proc, (inbound, outbound, _tasks) = self._call(start(), timeout=60)
-        step = Step(inbound, outbound, lambda: self._close_remote(proc, outbound), tail)
+        step = Step(inbound, outbound, lambda gone=False: self._close_remote(proc, outbound), tail)
         return step
 
     def _relay_stderr(self, stream: BinaryIO, label: str, step: Step) -> None:
