@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from skytasks.wire import RELAY, ChannelClosed, FrameWriter, HeardStream, encode
 from skytasks.node.peers import RelayNode
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess, start_ranks
 from skytasks.node.rank_starter import RankStarter
+from skytasks.node.rank_stops import ask_stacks, stop_and_wait, stop_for_good, wait_until
 
 
 class NodeAgent:
@@ -158,7 +158,7 @@ class NodeAgent:
         self.leaving_known.set()
         with self._lock:
             ranks = list(self._ranks.values())
-        _stop_and_wait(ranks, TERM_GRACE_SECONDS)
+        stop_and_wait(ranks, TERM_GRACE_SECONDS)
         stacks = {str(rp.rank): rp.last_stack() for rp in ranks}
         self.emit(message(Op.LEAVING, reason=reason, stacks=stacks, group=_group_of(ranks)))
 
@@ -222,7 +222,7 @@ class NodeAgent:
 
     def _send_stacks(self, msg: dict[str, Any]) -> None:
         ranks = [rp for rp in list(self._ranks.values()) if rp.group == msg.get("group")]
-        for rank, text in sorted(_ask_stacks(ranks).items()):
+        for rank, text in sorted(ask_stacks(ranks).items()):
             self.emit(message(Op.STACK, group=msg["group"], rank=rank, stack=text))
 
     def _forward(self, msg: dict[str, Any]) -> None:
@@ -239,12 +239,7 @@ class NodeAgent:
         """Ask ranks to leave cleanly (destroy the process group), then make sure they did."""
         ranks = list(self._ranks.values())
         _to_each([rp.to_rank for rp in ranks], encode(message(Op.CLOSE)))
-        deadline = time.monotonic() + msg["grace"]
-        for rp in ranks:
-            try:
-                rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rp.kill()
+        wait_until(ranks, time.monotonic() + msg["grace"], kill=True)
         with self._lock:
             self._ranks.clear()
 
@@ -253,14 +248,7 @@ class NodeAgent:
         with self._lock:
             ranks = list(self._ranks.values())
             self._ranks.clear()
-        stacks = _stop_and_wait(ranks, grace, dump)
-        for rp in ranks:
-            rp.kill()  # the whole session, stragglers and grandchildren included
-            try:
-                rp.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                pass
-        return stacks
+        return stop_for_good(ranks, grace, dump)
 
 
 def _to_each(writers: list[FrameWriter], frame: list[Any]) -> None:
@@ -270,46 +258,6 @@ def _to_each(writers: list[FrameWriter], frame: list[Any]) -> None:
             writer.send_encoded(frame)
         except ChannelClosed:
             pass  # its exit is reported by its own watcher
-
-
-def _stop_and_wait(ranks: list[RankProcess], grace: float, dump: bool = False) -> dict[int, str]:
-    """SIGTERM to every rank (SIGKILL with no grace), then wait for them until the grace is up.
-    With `dump`, where each rank was (rank -> stack): a rank's faulthandler writes every thread's
-    stack as SIGTERM reaches it, so the stop itself says where it was, read once the rank is gone
-    (one signal per rank, where asking first and stopping after took two, and a wait on each dump)."""
-    for rp in ranks:
-        if dump:
-            rp.dump_from_here()
-        rp.stop() if grace > 0 else rp.kill()
-    deadline = time.monotonic() + grace
-    for rp in ranks:
-        try:
-            rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    if not dump:
-        return {}
-    stacks = {rp.rank: rp.last_stack() for rp in ranks}
-    # A rank still running with no dump took SIGTERM itself (Lightning's trainer does, and does
-    # not stop at once): where it is, asked the usual way (SIGUSR1), before it is killed. (One
-    # that dumped and is still exiting, on a loaded machine, has said where it was already.)
-    stacks.update(_ask_stacks([rp for rp in ranks if rp.proc.poll() is None and not stacks[rp.rank]]))
-    return {rank: stack for rank, stack in sorted(stacks.items()) if stack}
-
-
-def _ask_stacks(ranks: list[RankProcess]) -> dict[int, str]:
-    """Each rank's stack, asked with SIGUSR1, all at once (each waits up to half a second for its dump)."""
-    results: dict[int, str] = {}
-
-    def one(rp: RankProcess) -> None:
-        results[rp.rank] = rp.stack()
-
-    threads = [threading.Thread(target=one, args=(rp,), daemon=True) for rp in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=2.0)
-    return results
 
 
 def _group_of(ranks: list[RankProcess]) -> int | None:
