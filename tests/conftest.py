@@ -75,20 +75,15 @@ def prefect_api(tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=90):
-        _keep_an_empty_database(tmp_path_factory.mktemp("prefect-db") / "prefect.db")
-        yield
+        yield _keep_an_empty_database(tmp_path_factory.mktemp("prefect-db") / "prefect.db")
 
 
-EMPTY_DATABASE: Path | None = None
-
-
-def _keep_an_empty_database(copy: Path) -> None:
+def _keep_an_empty_database(copy: Path) -> Path:
     """The harness's database as its server left it on start: migrated, with no run in it yet."""
     import sqlite3
 
     from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
 
-    global EMPTY_DATABASE
     url = PREFECT_SERVER_DATABASE_CONNECTION_URL.value()
     source = sqlite3.connect(url.split(":///", 1)[1])
     target = sqlite3.connect(copy)
@@ -97,16 +92,15 @@ def _keep_an_empty_database(copy: Path) -> None:
     finally:
         source.close()
         target.close()
-    EMPTY_DATABASE = copy
+    return copy
 
 
 @pytest.fixture
-def empty_prefect_database() -> Path:
+def empty_prefect_database(prefect_api: Path) -> Path:
     """A copy of a migrated Prefect database with no run in it. Creating one, on a fresh Prefect
     home's first start, is Prefect's own work (about 20 s here); a test that starts Prefect's own
     server in a fresh home copies this there first."""
-    assert EMPTY_DATABASE is not None
-    return EMPTY_DATABASE
+    return prefect_api
 
 
 def assert_no_orphaned_sshd() -> None:

@@ -145,19 +145,27 @@ def _import_torch(env: dict[str, str]) -> int:
     process now has: numpy's OpenBLAS starts a pool as it loads, which is fork-safe (it stops the
     pool before each fork and restarts it lazily, in parent and child alike)."""
     saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
+    _set_environ(env)
     try:
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
     except Exception:  # noqa: BLE001 - a rank that needs torch says what is wrong, as a cold one would
         pass
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        _set_environ(saved)
     gc.collect()
     gc.freeze()
     return _threads()
+
+
+def _set_environ(env: dict[str, str]) -> None:
+    """This process's environment becomes `env`, changing only what differs (a rank's is mostly
+    the agent's, as the template's is): each change is a libc call."""
+    for key in [k for k in os.environ if k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _fork_ranks(envs: list[dict[str, str]], fds: list[int], agent: int, native_threads: int = 1) -> list[int]:
@@ -221,13 +229,7 @@ def _become_rank(env: dict[str, str], fds: list[int], middle: int, agent: int, g
                     os.close(int(name))
                 except OSError:
                     pass  # the listing's own descriptor
-        # The rank's environment: only what differs from the template's is changed (most of it
-        # is the agent's, the same), each change a libc call.
-        for key in [k for k in os.environ if k not in env]:
-            del os.environ[key]
-        for key, value in env.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
+        _set_environ(env)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
         from skytasks.node import worker

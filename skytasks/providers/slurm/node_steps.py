@@ -10,7 +10,6 @@ the agent. One step per node, no second round trip, and nothing to copy on a sha
 from __future__ import annotations
 
 import asyncio
-import functools
 import shlex
 import threading
 from types import SimpleNamespace
@@ -82,7 +81,7 @@ class NodeSteps:
             raise PoolStartError(f"node {node_rank} ({name}, job {job_id}): the node agent did not start "
                                  f"({self._python} on the node); srun said: {self.last_words(name) or answer!r}")
         return NodeLink(node_rank=node_rank, address=address, inbound=step.inbound, outbound=step.outbound,
-                        machine=name, close=step.close, close_lost=functools.partial(step.close, gone=True))
+                        machine=name, close=step.close, close_lost=step.close_lost)
 
     def last_words(self, name: str) -> str:
         step = self._steps.get(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import shlex
 import subprocess
 import threading
@@ -31,14 +32,14 @@ class Done:
 
 @dataclass
 class Step:
-    """A running command's streams, and how to end it: `close()`, or `close(gone=True)` for a node
-    found lost. An srun whose node died ends only once SLURM has declared the node down
-    (SlurmdTimeout and more: 15 s on the test cluster), whatever it is sent: a replacement does
-    not wait for that."""
+    """A running command's streams, and how to end it: `close`, or `close_lost` for a node found
+    lost. An srun whose node died ends only once SLURM has declared the node down (SlurmdTimeout
+    and more: 15 s on the test cluster), whatever it is sent: a replacement does not wait for that."""
 
     inbound: BinaryIO
     outbound: BinaryIO
-    close: Callable[..., None]
+    close: Callable[[], None]
+    close_lost: Callable[[], None]
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
 
 
@@ -107,7 +108,8 @@ class SlurmShell:
                                     start_new_session=True)
             self._procs.append(proc)
             step = Step(proc.stdout, proc.stdin,  # type: ignore[arg-type]
-                        lambda gone=False: end_child(proc, terminate_first=True, wait=LOST_WAIT_SECONDS if gone else 10.0))
+                        lambda: end_child(proc, terminate_first=True),
+                        lambda: end_child(proc, terminate_first=True, wait=LOST_WAIT_SECONDS))
             threading.Thread(target=self._relay_stderr, args=(proc.stderr, label, step), daemon=True).start()
             return step
         conn = self._connected()
@@ -118,7 +120,8 @@ class SlurmShell:
 
         tail: collections.deque = collections.deque(maxlen=8)
         proc, (inbound, outbound, _tasks) = self._call(start(), timeout=60)
-        step = Step(inbound, outbound, lambda gone=False: self._close_remote(proc, outbound), tail)
+        close = functools.partial(self._close_remote, proc, outbound)  # waits on nothing either way
+        step = Step(inbound, outbound, close, close, tail)
         return step
 
     def _relay_stderr(self, stream: BinaryIO, label: str, step: Step) -> None:
