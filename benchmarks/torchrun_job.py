@@ -10,8 +10,10 @@ import torch.distributed as dist  # noqa: E402
 import workloads  # noqa: E402
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    result = workloads.all_reduce_once() if sys.argv[1] == "all_reduce" else workloads.ddp_steps_per_second()
+    kind = sys.argv[1]
+    dist.init_process_group("nccl" if kind == "ddp_gpu" else "gloo")
+    result = {"all_reduce": workloads.all_reduce_once, "ddp": workloads.ddp_steps_per_second,
+              "ddp_gpu": workloads.ddp_gpu_steps_per_second}[kind]()
     if dist.get_rank() == 0:
         print(f"RESULT {result}", flush=True)
     dist.destroy_process_group()

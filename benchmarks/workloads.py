@@ -37,6 +37,34 @@ def ddp_steps_per_second(steps: int = 200, warmup: int = 10) -> float:
     return steps / (time.perf_counter() - started)
 
 
+def ddp_gpu_steps_per_second(steps: int = 300, warmup: int = 20) -> float:
+    """The same measure on this rank's GPU (the GPU check, benchmarks/gpu_check.py): a wider MLP,
+    so that a step is GPU work and not only launch overhead; synchronised before the clock stops."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    local = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2048)).cuda()
+    model = DDP(net, device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(256, 2048, device="cuda")
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            dist.barrier()
+            started = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return steps / (time.perf_counter() - started)
+
+
 def started_at() -> float:
     return time.time()
 

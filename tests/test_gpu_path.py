@@ -29,7 +29,14 @@ def device_report() -> dict:
             "tensor_on": str(torch.ones(1, device=info.device).device)}
 
 
-def test_every_rank_is_told_its_device_and_the_chosen_backend():
+def cpu_only(monkeypatch) -> None:
+    """What a CPU machine sees, on any machine: an empty CUDA_VISIBLE_DEVICES means no GPU (on the
+    GPU machine these tests then say the same; benchmarks/gpu_check.py proves the GPU side there)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def test_every_rank_is_told_its_device_and_the_chosen_backend(monkeypatch):
+    cpu_only(monkeypatch)
     results = distributed_task(device_report, pool=GPUPool(nodes=2, procs_per_node=2))()
     assert [r["device"] for r in results] == ["cpu"] * 4
     assert {r["env"] for r in results} == {"cpu"}
@@ -37,7 +44,8 @@ def test_every_rank_is_told_its_device_and_the_chosen_backend():
     assert {r["tensor_on"] for r in results} == {"cpu"}
 
 
-def test_explicit_nccl_on_ranks_without_a_gpu_is_refused_before_anything_starts():
+def test_explicit_nccl_on_ranks_without_a_gpu_is_refused_before_anything_starts(monkeypatch):
+    cpu_only(monkeypatch)
     task = distributed_task(device_report, pool=GPUPool(nodes=2), backend="nccl")
     with pytest.raises(PoolConfigError) as err:
         task()
@@ -64,8 +72,10 @@ def raise_gpu_oom() -> None:
     time.sleep(60)
 
 
-def test_gpu_out_of_memory_keeps_its_type_and_names_rank_node_and_device():
+def test_gpu_out_of_memory_keeps_its_type_and_names_rank_node_and_device(monkeypatch):
     import torch
+
+    cpu_only(monkeypatch)  # torch's own OOM, raised by hand: gpu_check.py makes a real one on a GPU
 
     with pytest.raises(DistributedTaskError) as caught:
         distributed_task(raise_gpu_oom, pool=GPUPool(nodes=2))()
@@ -94,7 +104,9 @@ def test_agent_starts_when_skytasks_is_importable_only_through_the_controllers_s
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next(venv.glob("lib/python3*/site-packages"))
     # A plain path entry: the parent environment's .pth files (the editable install) stay unread.
-    (site / "parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # The test environment's packages, and those PYTHONPATH adds (as on the GPU machine).
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not (Path(p) / "skytasks").exists()]
+    (site / "parent.pth").write_text("\n".join([sysconfig.get_paths()["purelib"], *extra]) + "\n")
     checkout = tmp_path / "checkout"
     (checkout / "skytasks").mkdir(parents=True)
     for f in (ROOT / "skytasks").rglob("*.py"):
