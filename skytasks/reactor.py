@@ -39,15 +39,21 @@ class StreamReactor:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._added: queue.SimpleQueue[tuple[Any, OnData, OnEnd]] = queue.SimpleQueue()
+        self._added: queue.SimpleQueue[tuple[int, OnData, OnEnd]] = queue.SimpleQueue()  # our duplicates (see add)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def add(self, stream: Any, on_data: OnData, on_end: OnEnd) -> None:
-        """Read `stream` (a file with a descriptor) from now on. What a buffered reader already
-        holds is handed over first, so nothing read before the hand-over is lost."""
-        fd = stream.fileno()
-        os.set_blocking(fd, False)  # a spurious wake-up must never block every other stream
+        """Read `stream` (a file with a descriptor) from now on, until its writer closes it. What
+        a buffered reader already holds is handed over first, so nothing read before the hand-over
+        is lost.
+
+        The reactor reads its own duplicate of the descriptor, which only its thread closes, after
+        the stream's end. The owner may close the stream whenever it likes (a provider lets a lost
+        node go): its number, free again, is then soon a new node's pipe. Had the reactor watched
+        that number, a wake-up already taken for the old stream would read the new node's first
+        bytes (its hello) into the old node's parser, and the new node would never be heard."""
+        os.set_blocking(stream.fileno(), False)  # a spurious wake-up must never block every other stream
         if isinstance(stream, io.BufferedReader):
             held = stream.read1(CHUNK)  # only what it buffered: a non-blocking pipe has no more yet
             if held:
@@ -56,7 +62,7 @@ class StreamReactor:
                 except Exception as exc:  # noqa: BLE001 - as for any chunk (see _read)
                     on_end(f"{type(exc).__name__}: {exc}")
                     return
-        self._added.put((stream, on_data, on_end))  # the stream itself, held: collected, it would close
+        self._added.put((os.dup(stream.fileno()), on_data, on_end))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="skytasks-reactor")
@@ -71,21 +77,13 @@ class StreamReactor:
             pass
         while True:
             try:
-                stream, on_data, on_end = self._added.get_nowait()
+                fd, on_data, on_end = self._added.get_nowait()
             except queue.Empty:
                 return
             try:
-                fd = stream.fileno()
-            except (OSError, ValueError) as exc:  # closed before the reader got to it
-                on_end(f"the stream closed: {exc}")
-                continue
-            try:  # a number reused after its old stream was closed elsewhere: the old entry is stale
-                self._selector.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-            try:
-                self._selector.register(fd, selectors.EVENT_READ, (on_data, on_end, stream))
+                self._selector.register(fd, selectors.EVENT_READ, (on_data, on_end))
             except (OSError, ValueError) as exc:
+                os.close(fd)
                 on_end(f"the stream could not be watched: {exc}")
 
     def _run(self) -> None:
@@ -94,7 +92,7 @@ class StreamReactor:
                 if key.data is None:
                     self._register_added()
                 else:
-                    on_data, on_end, _stream = key.data
+                    on_data, on_end = key.data
                     self._read(key.fd, on_data, on_end)
 
     def _read(self, fd: int, on_data: OnData, on_end: OnEnd) -> None:
@@ -114,10 +112,8 @@ class StreamReactor:
             self._end(fd, on_end, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ChannelClosed) else str(exc))
 
     def _end(self, fd: int, on_end: OnEnd, why: str) -> None:
-        try:
-            self._selector.unregister(fd)
-        except (KeyError, ValueError):
-            pass
+        self._selector.unregister(fd)
+        os.close(fd)  # ours (see add): only now may its number be used again
         on_end(why)
 
 

@@ -86,6 +86,23 @@ def test_a_nodes_torch_ranks_are_forked_from_one_import_of_torch_made_with_their
         assert r["threads"] == 1
 
 
+def routes_seen() -> dict:
+    from skytasks.node import worker
+
+    return {"routes": dict(worker._ROUTES), "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "head": os.environ["MASTER_ADDR"]}
+
+
+def test_forked_ranks_take_the_interface_towards_the_head_that_their_template_found():
+    """gloo's interface is the one that reaches the head (test_multihost: eth0 in a namespace).
+    A node's template finds it as it forks a group, so its ranks do not each probe again."""
+    pool = GPUPool(nodes=2, procs_per_node=2)
+    with pool:
+        ranks = distributed_task(routes_seen, pool=pool, init_torch=False)()
+    for r in ranks:
+        assert r["routes"] == {r["head"]: "lo"} and r["gloo"] == "lo"
+
+
 def test_a_rank_whose_thread_settings_differ_from_the_templates_torch_starts_cold():
     from skytasks.node.rank_starter import RankStarter
 

@@ -141,3 +141,47 @@ def test_bytes_that_wait_unread_count_as_heard_so_a_reader_behind_is_not_a_silen
     finally:
         stream.close()
         os.close(w)
+
+
+def test_a_stream_closed_by_its_owner_never_reads_the_next_stream_given_its_number():
+    """A lost node is let go while the reactor may hold a wake-up for its stream; its number, free
+    again, becomes the replacement's pipe. The replacement's hello must reach the replacement's
+    callback, never the old node's (it was lost that way once: "the node agent did not answer")."""
+    reactor = StreamReactor()
+    hold_first, hold_second, holding = threading.Event(), threading.Event(), threading.Event()
+    old_got: list[bytes] = []
+    new_got, new_heard = [], threading.Event()
+
+    def holds(until: threading.Event):
+        def on_data(data: bytes) -> None:
+            holding.set()
+            until.wait(10)
+        return on_data
+
+    first_r, first_w = os.pipe()
+    second_r, second_w = os.pipe()
+    old_r, old_w = os.pipe()
+    reactor.add(os.fdopen(first_r, "rb"), holds(hold_first), lambda why: None)
+    reactor.add(os.fdopen(second_r, "rb"), holds(hold_second), lambda why: None)
+    old = os.fdopen(old_r, "rb")
+    reactor.add(old, old_got.append, lambda why: None)
+    os.write(first_w, b"x")  # the reader is held in the first stream's callback...
+    assert holding.wait(5)
+    holding.clear()
+    os.write(second_w, b"x")  # ...while the second stream and the old one's end become ready:
+    os.close(old_w)  # the next wake-up holds both
+    hold_first.set()
+    assert holding.wait(5)  # now held in the second, with the old stream's wake-up still to read
+    number = old.fileno()
+    old.close()  # the owner lets it go; its number is free
+    new_r, new_w = os.pipe()
+    if new_r != number:  # the next pipe takes the lowest free number: make sure it is that one
+        os.dup2(new_r, number)
+        os.close(new_r)
+    reactor.add(os.fdopen(number, "rb"), lambda data: (new_got.append(data), new_heard.set()), lambda why: None)
+    os.write(new_w, b"hello")  # the new agent says hello...
+    hold_second.set()  # ...before the reader goes on to the old stream's wake-up
+    assert new_heard.wait(5), f"the new stream's bytes went to the old stream's callback: {old_got}"
+    assert new_got == [b"hello"] and old_got == []
+    for fd in (first_w, second_w, new_w):
+        os.close(fd)

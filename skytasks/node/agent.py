@@ -15,7 +15,6 @@ network, ranks that keep running would hang in a collective or bill for a GPU fo
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -27,11 +26,11 @@ import traceback
 from typing import Any, BinaryIO
 
 from skytasks.devices import visible_gpus
-from skytasks.preemption import NOTICE_SIGNAL
-from skytasks.node.resources import Sampler
+from skytasks.node.resources import Sampler, physical_gpu
 from skytasks.protocol import Op, message
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header
 
+from skytasks.node.notices import NodeNotice
 from skytasks.node.peers import RelayNode
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess, start_ranks
 from skytasks.node.rank_starter import RankStarter
@@ -49,8 +48,7 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
         self._sample_seconds = sample_seconds
-        self._notice_file = notice_file
-        self._noticed = threading.Event()
+        self.notice = NodeNotice(self.emit, notice_file)
         # PREEMPTION (a node of the pool is going, maybe this one) goes on to every rank at once.
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
                           Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward_notice,
@@ -89,8 +87,7 @@ class NodeAgent:
             silent = self._inbound.silent_for()
             if silent > self._timeout:
                 self._controller_gone(f"no word from the controller for {silent:.0f}s")
-            if self._notice_file and not self._noticed.is_set():
-                self._read_notice_file()
+            self.notice.read_file()
             self.starter.reap_orphans()  # the agent is a subreaper (see rank_template)
             if self._heartbeat_file and self._inbound.last_heard != touched:
                 touched = self._inbound.last_heard
@@ -101,25 +98,8 @@ class NodeAgent:
                     pass
 
     def give_notice(self, reason: str, deadline: float | None = None) -> None:
-        """This node will be taken away at `deadline`: the controller tells every rank, and the
-        node keeps running until it goes (then LEAVING or a lost stream follows). Said once."""
-        if self._noticed.is_set():
-            return
-        self._noticed.set()
-        print(f"skytasks agent: preemption notice: {reason}", file=sys.stderr, flush=True)
-        self.emit(message(Op.NOTICE, reason=reason, deadline=deadline, at=time.time()))
-
-    def _read_notice_file(self) -> None:
-        """The watchdog's word (a spot interruption it read from the instance metadata): a JSON
-        object with `reason` and `deadline` (epoch seconds), written whole by a rename."""
-        try:
-            with open(self._notice_file) as f:  # type: ignore[arg-type]
-                notice = json.load(f)
-        except (OSError, ValueError):
-            return
-        deadline = notice.get("deadline")
-        self.give_notice(str(notice.get("reason") or "a notice from the node's watchdog"),
-                         float(deadline) if deadline is not None else None)
+        """This node will be taken away (a rank got SIGUSR2 itself): see `NodeNotice`."""
+        self.notice.give(reason, deadline)
 
     def serve(self) -> None:
         # What this node has, for the controller's device placement and backend choice.
@@ -172,7 +152,7 @@ class NodeAgent:
                 ranks = [rp for rp in self._ranks.values() if rp.proc.poll() is None]
             if not ranks:
                 continue
-            targets = {rp.rank: (rp.proc.pid, _physical_gpu(rp.device, visible)) for rp in ranks}
+            targets = {rp.rank: (rp.proc.pid, physical_gpu(rp.device, visible)) for rp in ranks}
             try:
                 samples = sampler.sample(targets)
             except Exception:  # noqa: BLE001 - figures are never worth a rank
@@ -266,14 +246,6 @@ def _group_of(ranks: list[RankProcess]) -> int | None:
     return groups.pop() if len(groups) == 1 else None
 
 
-def _physical_gpu(device: str, visible: list[str]) -> str | None:
-    """The GPU nvidia-smi knows (its index or UUID) behind a rank's "cuda:<i>"."""
-    if not device.startswith("cuda:"):
-        return None
-    i = int(device.split(":", 1)[1])
-    return visible[i] if i < len(visible) else None
-
-
 def _heard(msg: dict[str, Any]) -> None:
     """A heartbeat: hearing it was the point (the stream's clock is reset by any byte)."""
 
@@ -321,15 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     agent = NodeAgent(inbound, outbound, args.heartbeat_seconds, args.heartbeat_timeout, args.sample_seconds,
                       args.heartbeat_file, args.notice_file, starter)
-
-    def on_notice_signal(signum: int, frame: object) -> None:
-        # SIGUSR2: SLURM's --signal=USR2@<seconds> before the time limit, `scancel --signal=USR2`,
-        # or a preemption with send_user_signal. Sent from a thread: never from inside a handler
-        # that may have interrupted a send.
-        threading.Thread(target=agent.give_notice, args=(f"{signal.Signals(signum).name} reached the node agent",),
-                         daemon=True).start()
-
-    signal.signal(NOTICE_SIGNAL, on_notice_signal)
+    agent.notice.take_signal()
     agent.serve()
 
 

@@ -4,7 +4,6 @@ that behaves like `subprocess.Popen`. Standard library only."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -14,9 +13,9 @@ import sys
 import threading
 from typing import BinaryIO
 
-from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, PR_SET_CHILD_SUBREAPER,
-                                         STARTUP_ENV_PREFIXES, TORCH_IMPORT_ENV_PREFIXES, UNBUFFERED,
-                                         serve_as_template)
+from skytasks.node.linux import PR_SET_CHILD_SUBREAPER, prctl
+from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, STARTUP_ENV_PREFIXES,
+                                         TORCH_IMPORT_ENV_PREFIXES, UNBUFFERED, serve_as_template)
 
 
 class ForkedProcess:
@@ -64,12 +63,9 @@ class RankStarter:
         """Call first thing in the agent, before any thread. Falls back to cold starts where it cannot."""
         if sys.platform != "linux":  # /proc, SOCK_SEQPACKET, PDEATHSIG and subreapers are Linux's
             return cls()
-        try:
-            # The ranks' parent is then the agent, as a cold rank's is: reparented to it when the
-            # template's short-lived middle process exits.
-            if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
-                return cls()
-        except (OSError, AttributeError):
+        # The ranks' parent is then the agent, as a cold rank's is: reparented to it when the
+        # template's short-lived middle process exits.
+        if not prctl(PR_SET_CHILD_SUBREAPER, 1):
             return cls()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         agent = os.getpid()

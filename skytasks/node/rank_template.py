@@ -41,6 +41,8 @@ import threading
 import time
 import traceback
 
+from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
+
 # Read only as an interpreter (or the dynamic loader) starts: a forked rank would not see a change.
 STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
 # Read as torch (and the thread pools it loads: OpenMP, MKL, OpenBLAS) is imported. The template
@@ -51,7 +53,6 @@ CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL
 MAX_MESSAGE = 1 << 20
 FDS_PER_RANK = 4  # stdin, stdout, stderr, and the channel to the agent
 MAX_FDS = 250  # at most 62 ranks a request: Linux passes 253 descriptors in one message (SCM_MAX_FD)
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 def retitle(*words: str) -> None:
@@ -73,10 +74,7 @@ def retitle(*words: str) -> None:
 
 def _die_with(parent: int) -> None:
     """PDEATHSIG: when `parent` (this process's parent now) dies, the kernel kills this one too."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
 
@@ -120,6 +118,8 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
                 request = json.loads(data)
                 if request.get("import_torch") is not None and "torch" not in sys.modules:
                     native_threads = _import_torch(request["import_torch"])
+                # The interface towards each head, found once for the node's ranks (see worker).
+                skytasks.node.worker.find_routes({env.get("MASTER_ADDR", "") for env in request["envs"]})
                 reply = {"pids": _fork_ranks(request["envs"], fds, agent, native_threads)}
             except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the ranks cold
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
@@ -236,7 +236,7 @@ def _become_rank(env: dict[str, str], fds: list[int], middle: int, agent: int, g
 
         sys.argv = [worker.__file__]
         retitle("-m", "skytasks.node.worker")
-        worker.main()
+        worker.main(forked=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

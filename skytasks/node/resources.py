@@ -62,6 +62,14 @@ def with_descendants(pid: int) -> list[int]:
     return found
 
 
+def physical_gpu(device: str, visible: list[str]) -> str | None:
+    """The GPU nvidia-smi knows (its index or UUID) behind a rank's "cuda:<i>"."""
+    if not device.startswith("cuda:"):
+        return None
+    i = int(device.split(":", 1)[1])
+    return visible[i] if i < len(visible) else None
+
+
 @dataclass(frozen=True)
 class GpuDevice:
     index: str  # as nvidia-smi numbers it (the physical index CUDA_VISIBLE_DEVICES names)

@@ -10,7 +10,6 @@ process (the controller discards the group).
 
 from __future__ import annotations
 
-import ctypes
 import io
 import logging
 import os
@@ -24,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from skytasks import preemption
+from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 from skytasks.rank import ENV_ATTEMPT
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
 from skytasks.protocol import Op, message
@@ -33,16 +33,10 @@ from skytasks.wire import BlobRef, ChannelClosed, FrameWriter, read_frame
 # template imports them once, so each forked rank does not (about 4 ms of CPU each).
 STARTUP_MODULES = ("faulthandler", "fcntl", "socket", "skytasks.metrics")
 
-_PR_SET_PDEATHSIG = 1
-
 
 def _die_with_parent() -> None:
     """If the agent dies, even by SIGKILL, the kernel kills this rank too (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the agent died before prctl took effect
         os._exit(1)
 
@@ -149,10 +143,24 @@ def _pick_socket_interface(head_addr: str) -> None:
     reach, or none at all ("Unable to find address for hostname")."""
     if os.environ.get("GLOO_SOCKET_IFNAME") and os.environ.get("NCCL_SOCKET_IFNAME"):
         return
-    name = _interface_towards(head_addr)
+    if head_addr not in _ROUTES:
+        find_routes({head_addr})
+    name = _ROUTES[head_addr]
     if name:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
+# Head address -> the interface that reaches it. A node's template finds them for each group's
+# ranks before it forks them (one probe a node, not one a rank); a cold rank finds its own.
+_ROUTES: dict[str, str | None] = {}
+
+
+def find_routes(addresses: set[str]) -> None:
+    """Find afresh the interface towards each address (a route can change between groups)."""
+    _ROUTES.clear()
+    for address in addresses:
+        _ROUTES[address] = _interface_towards(address) if address else None
 
 
 def _interface_towards(address: str) -> str | None:
@@ -276,8 +284,9 @@ def _take_notices(channel: io.BufferedReader) -> None:
         os._exit(1)
 
 
-def main() -> None:
-    _die_with_parent()
+def main(forked: bool = False) -> None:
+    if not forked:  # a forked rank was bound to the agent as it was forked (rank_template)
+        _die_with_parent()
     _dump_stacks_on_request()
     preemption.take_signal()  # SLURM's --signal reaches every process of the step, ranks too
     ctrl_fd = int(os.environ["SKYTASKS_CTRL_FD"])
