@@ -87,9 +87,9 @@ def test_a_nodes_torch_ranks_are_forked_from_one_import_of_torch_made_with_their
 
 
 def routes_seen() -> dict:
-    from skytasks.node import worker
+    from skytasks.node import routes
 
-    return {"routes": dict(worker._ROUTES), "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+    return {"routes": dict(routes._ROUTES), "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
             "head": os.environ["MASTER_ADDR"]}
 
 

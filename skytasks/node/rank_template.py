@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 
+from skytasks.node import routes
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 
 # Read only as an interpreter (or the dynamic loader) starts: a forked rank would not see a change.
@@ -119,7 +120,7 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
                 if request.get("import_torch") is not None and "torch" not in sys.modules:
                     native_threads = _import_torch(request["import_torch"])
                 # The interface towards each head, found once for the node's ranks (see worker).
-                skytasks.node.worker.find_routes({env.get("MASTER_ADDR", "") for env in request["envs"]})
+                routes.find_routes({env.get("MASTER_ADDR", "") for env in request["envs"]})
                 reply = {"pids": _fork_ranks(request["envs"], fds, agent, native_threads)}
             except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the ranks cold
                 reply = {"error": f"{type(exc).__name__}: {exc}"}

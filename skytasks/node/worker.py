@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from skytasks import preemption
+from skytasks.node import routes
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 from skytasks.rank import ENV_ATTEMPT
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
@@ -123,7 +124,7 @@ def _init_process_group(out: FrameWriter) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.set_device(torch.device(device))  # torch.cuda.current_device() is this rank's GPU
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _pick_socket_interface(os.environ["MASTER_ADDR"])
+    routes.pick_socket_interface(os.environ["MASTER_ADDR"])
     # Only the rendezvous is bounded by the init timeout (the controller's clock fires first and
     # names the missing ranks); collectives keep torch's own default timeout, since a long
     # checkpoint on the head must not break a barrier. Fail-fast never waits on either.
@@ -134,54 +135,6 @@ def _init_process_group(out: FrameWriter) -> None:
         timeout=timedelta(seconds=init_timeout), wait_for_workers=True,
     )
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
-
-
-def _pick_socket_interface(head_addr: str) -> None:
-    """Point gloo (and nccl's bootstrap) at the interface that reaches the head, unless the user
-    chose one. Left alone, gloo binds to whatever this machine's hostname resolves to, which on
-    multi-NIC hosts, in containers or in network namespaces is often an address the peers cannot
-    reach, or none at all ("Unable to find address for hostname")."""
-    if os.environ.get("GLOO_SOCKET_IFNAME") and os.environ.get("NCCL_SOCKET_IFNAME"):
-        return
-    if head_addr not in _ROUTES:
-        find_routes({head_addr})
-    name = _ROUTES[head_addr]
-    if name:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
-
-
-# Head address -> the interface that reaches it. A node's template finds them for each group's
-# ranks before it forks them (one probe a node, not one a rank); a cold rank finds its own.
-_ROUTES: dict[str, str | None] = {}
-
-
-def find_routes(addresses: set[str]) -> None:
-    """Find afresh the interface towards each address (a route can change between groups)."""
-    _ROUTES.clear()
-    for address in addresses:
-        _ROUTES[address] = _interface_towards(address) if address else None
-
-
-def _interface_towards(address: str) -> str | None:
-    import fcntl
-    import socket
-    import struct
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((address, 9))  # a UDP connect sends nothing; it only picks the route
-            local = probe.getsockname()[0]
-            for _, name in socket.if_nameindex():
-                try:
-                    packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-                except OSError:
-                    continue  # no IPv4 address on this interface
-                if socket.inet_ntoa(packed[20:24]) == local:
-                    return name
-    except OSError:
-        pass
-    return None
 
 
 _BLOBS: dict[str, Any] = {}  # this call's large arguments, kept for the next call
@@ -312,7 +265,7 @@ def main(forked: bool = False) -> None:
     _enter_workdir()
     # Also for ranks that do not initialise torch here (run_script): a script's own
     # init_process_group inherits the choice.
-    _pick_socket_interface(os.environ["MASTER_ADDR"])
+    routes.pick_socket_interface(os.environ["MASTER_ADDR"])
     init_torch = os.environ.get("SKYTASKS_INIT_TORCH", "1") == "1"
     if init_torch:
         try:
