@@ -119,7 +119,7 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
                 request = json.loads(data)
                 if request.get("import_torch") is not None and "torch" not in sys.modules:
                     native_threads = _import_torch(request["import_torch"])
-                # The interface towards each head, found once for the node's ranks (see worker).
+                # The interface towards each head, found once for the node's ranks (see routes).
                 routes.find_routes({env.get("MASTER_ADDR", "") for env in request["envs"]})
                 reply = {"pids": _fork_ranks(request["envs"], fds, agent, native_threads)}
             except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the ranks cold
