@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -185,3 +186,34 @@ def test_a_stream_closed_by_its_owner_never_reads_the_next_stream_given_its_numb
     assert new_got == [b"hello"] and old_got == []
     for fd in (first_w, second_w, new_w):
         os.close(fd)
+
+
+def one() -> int:
+    return 1
+
+
+def test_pools_that_come_and_go_leave_no_descriptor_open_in_the_controller():
+    """The reader closes its duplicate of a node's stream once the stream ends: a flow that brings
+    pools up and down for hours does not run out of descriptors."""
+    from skytasks import GPUPool, distributed_task
+
+    def open_fds() -> int:  # pipes: what node streams are here (the Prefect client's sockets come and go)
+        pipes = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                pipes += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+            except OSError:
+                pass  # the listing's own descriptor, gone
+        return pipes
+
+    task = distributed_task(one, init_torch=False)
+    task.with_options(pool=GPUPool(nodes=2))()  # the reader's own thread and pipe, made once
+    before = open_fds()
+    for _ in range(3):
+        pool = GPUPool(nodes=2)
+        with pool:
+            assert task.with_options(pool=pool)() == [1, 1]
+    deadline = time.monotonic() + 5  # the last streams' ends reach the reader just after the pool is down
+    while open_fds() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_fds() == before
