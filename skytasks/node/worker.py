@@ -30,9 +30,9 @@ from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release
 from skytasks.protocol import Op, message
 from skytasks.wire import BlobRef, ChannelClosed, FrameWriter, read_frame
 
-# What a rank imports as it starts (main, its interface pick, its stack dumps): a node's warm
-# template imports them once, so each forked rank does not (about 4 ms of CPU each).
-STARTUP_MODULES = ("faulthandler", "fcntl", "socket", "skytasks.metrics")
+# What a rank imports as it starts beyond this module's own imports (its stack dumps, main): a
+# node's warm template imports them once, so each forked rank does not (about 4 ms of CPU each).
+STARTUP_MODULES = ("faulthandler", "skytasks.metrics")
 
 
 def _die_with_parent() -> None:
@@ -124,7 +124,6 @@ def _init_process_group(out: FrameWriter) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.set_device(torch.device(device))  # torch.cuda.current_device() is this rank's GPU
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    routes.pick_socket_interface(os.environ["MASTER_ADDR"])
     # Only the rendezvous is bounded by the init timeout (the controller's clock fires first and
     # names the missing ranks); collectives keep torch's own default timeout, since a long
     # checkpoint on the head must not break a barrier. Fail-fast never waits on either.
@@ -263,8 +262,8 @@ def main(forked: bool = False) -> None:
     root.setLevel(logging.INFO)
 
     _enter_workdir()
-    # Also for ranks that do not initialise torch here (run_script): a script's own
-    # init_process_group inherits the choice.
+    # Before torch's group is made here, and for ranks that do not make one (run_script): a
+    # script's own init_process_group inherits the choice.
     routes.pick_socket_interface(os.environ["MASTER_ADDR"])
     init_torch = os.environ.get("SKYTASKS_INIT_TORCH", "1") == "1"
     if init_torch:

@@ -17,7 +17,6 @@ say something about the API, Prefect is left to do as it always does.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib.util
 import logging
 import os
@@ -29,6 +28,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 
 _CONFIGURING_ENV = ("PREFECT_API_", "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "PREFECT_PROFILE", "PREFECT_CLOUD_",
                     "PREFECT_UI_URL")
@@ -114,10 +115,7 @@ def _detach() -> None:
     still has to be written), but killed with this process if it dies without stopping it.
     Nothing is imported here: a child between fork and exec must not take the import lock."""
     os.setsid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def start_early_server() -> EarlyServer | None:
