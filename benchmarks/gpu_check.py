@@ -1,6 +1,6 @@
 """The GPU path on a machine with a GPU: what `make test` cannot prove on a CPU machine.
 
-    python benchmarks/gpu_check.py [--out results.json]
+    python benchmarks/gpu_check.py [--out results.json] [--only TEXT] [--rounds N]
 
 Each check prints one line, PASS or FAIL with what it saw, and the figures go to --out:
   - a 1-node pool on one GPU: nccl, the rank's device, an all-reduce on it, the rank forked from
@@ -9,7 +9,7 @@ Each check prints one line, PASS or FAIL with what it saw, and the figures go to
   - two local nodes sharing the GPU: gloo, with CUDA tensors, said once;
   - a real CUDA out-of-memory on one rank keeps torch's type, names rank, node and device;
   - an unchanged Hugging Face Trainer on the GPU, through the decorator;
-  - one-rank nccl DDP steps per second against torchrun's, alternated, in the same run.
+  - one-rank nccl DDP steps per second, forked and cold ranks against torchrun's, alternated.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import workloads  # noqa: E402
 from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info  # noqa: E402
 
 RESULTS: dict = {}
+ROUNDS = 3
 CHECKS: list = []
 
 
@@ -195,31 +196,56 @@ def torchrun_ddp_gpu() -> float:
     return float(out.split("RESULT")[1].split()[0])
 
 
+def rank_facts() -> dict:
+    """What could make a rank's launch-bound loop slower than torchrun's: its threads and CPUs."""
+    import torch
+
+    return {"threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
+            "omp": os.environ.get("OMP_NUM_THREADS"), "nice": os.nice(0)}
+
+
 @check("one-rank nccl DDP steps/s against torchrun")
 def throughput() -> dict:
-    pool = GPUPool(nodes=1)
-    task = distributed_task(workloads.ddp_gpu_steps_per_second, pool=pool, name="ddp_gpu")
-    ours, theirs = [], []
-    with pool:
-        for _ in range(3):  # alternated, so a noisy moment does not land on one side
+    """Forked ranks, cold ranks and torchrun, alternated, so a noisy moment does not land on one side."""
+    ours: dict = {"fork": [], "exec": []}
+    theirs: list = []
+    facts = {}
+    pools = {}
+    for start in ours:
+        os.environ["SKYTASKS_RANK_START"] = start
+        pools[start] = GPUPool(nodes=1).__enter__()
+        facts[start] = distributed_task(rank_facts, pool=pools[start])()[0]
+    os.environ.pop("SKYTASKS_RANK_START")
+    try:
+        for _ in range(ROUNDS):
             theirs.append(torchrun_ddp_gpu())
-            ours.append(task()[0])
-    seen = {"skytasks": round(statistics.median(ours), 1), "torchrun": round(statistics.median(theirs), 1)}
-    seen["ratio"] = round(seen["skytasks"] / seen["torchrun"], 3)
+            for start, pool in pools.items():
+                ours[start].append(distributed_task(workloads.ddp_gpu_steps_per_second, pool=pool, name="ddp_gpu")()[0])
+    finally:
+        for pool in pools.values():
+            pool.__exit__(None, None, None)
+    seen = {"torchrun": round(statistics.median(theirs), 1), "runs": {"torchrun": theirs, **ours}, "facts": facts}
+    for start, figures in ours.items():
+        seen[start] = round(statistics.median(figures), 1)
+        seen[f"{start}_ratio"] = round(seen[start] / seen["torchrun"], 3)
     return seen
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
-    out = parser.parse_args().out
+    parser.add_argument("--only", help="run only the checks whose name holds this text")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the throughput check")
+    args = parser.parse_args()
+    out, ROUNDS = args.out, args.rounds
     import torch
 
     RESULTS["machine"] = {"torch": torch.__version__, "gpus": torch.cuda.device_count(),
                           "name": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     print(RESULTS["machine"], flush=True)
     for name, fn in CHECKS:
-        run(name, fn)
+        if not args.only or args.only in name:
+            run(name, fn)
     if out:
         Path(out).write_text(json.dumps(RESULTS, indent=1))
     sys.exit(0 if all(r.get("ok", True) for r in RESULTS.values()) else 1)
