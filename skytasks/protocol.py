@@ -40,15 +40,17 @@ Agent -> controller:
   NOTICE  reason, deadline, at                  the node will be taken away (SIGUSR2 from a scheduler,
                                                 a spot interruption): it still runs until then
   RESOURCES group, samples {rank: figures}      every few seconds while ranks run: CPU, RSS, GPU
-Rank -> controller (relayed by the agent, which adds `group` and `rank`):
+Rank -> controller (each frame stamped with the rank's `group` and `rank`; its agent passes the
+  frames on as their bytes, never unpickled there):
   JOINING                                       entering init_process_group
   READY   pid                                   rendezvous done (or skipped), waiting for calls
   LOG     level, logger, line                   a logging record
   REPORT  metrics                               skytasks.report(...)
   RESULT  call, value, started, ended           the call's return value (out-of-band buffers)
   FAILED  call, type, message, traceback, exception, started, ended
-Rank -> agent (not relayed): NOTICE reason, deadline, at: SIGUSR2 reached the rank itself; the agent
-  makes it the node's NOTICE, so every rank of every node and the controller hear it.
+Rank -> agent (not relayed; the frame's TO_AGENT flag says so): NOTICE reason, deadline, at: SIGUSR2
+  reached the rank itself; the agent makes it the node's NOTICE, so every rank of every node and
+  the controller hear it.
 Controller -> rank (through the agent): CALL, CLOSE, PREEMPTION.
 Made on the controller, never sent:
   LOST    reason                                a stream closed or fell silent
@@ -96,7 +98,7 @@ NODE_FAILURES = frozenset({Op.LOST, Op.AGENT_ERROR, Op.LEAVING})
 
 
 # -- one message type per op -------------------------------------------------------------------
-# `group` and `rank` on a rank's messages are added by its agent as it relays them; `channel` is
+# `group` and `rank` on a rank's messages are stamped by the rank as it sends them; `channel` is
 # added on the controller to everything a node sends (see controller/channel.py).
 
 class Spawn(TypedDict):

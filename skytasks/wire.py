@@ -24,6 +24,9 @@ from typing import Any, BinaryIO, Callable, NamedTuple, Protocol, Sequence
 
 _HEADER = struct.Struct(">QIB")  # meta length, buffer count, flags
 RELAY = 1  # flag: a node agent streams this frame on to its ranks as it arrives
+# flag: a rank's frame for its own agent (SIGUSR2's notice). Every other frame a rank sends, its
+# agent passes on to the controller as the same bytes, never unpickled there (see rank_process).
+TO_AGENT = 2
 RELAY_CHUNK = 1 << 20
 _LENGTH = struct.Struct(">Q")
 # A frame larger than this is a corrupted stream, not a message: fail loudly instead of
@@ -83,13 +86,13 @@ def _out_of_band(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def encode(msg: dict[str, Any], relay: bool = False) -> list[Any]:
+def encode(msg: dict[str, Any], relay: bool = False, flags: int = 0) -> list[Any]:
     """The frame as a list of byte chunks, ready for writelines (no concatenation copies)."""
     buffers: list[pickle.PickleBuffer] = []
     if type(msg["op"]) is not str:  # a protocol.Op: the wire carries its plain string
         msg = {**msg, "op": str(msg["op"])}
     meta = pickle.dumps(_out_of_band(msg), protocol=5, buffer_callback=buffers.append)
-    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers), RELAY if relay else 0), meta]
+    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers), flags | (RELAY if relay else 0)), meta]
     for buf in buffers:
         view = buf.raw()
         chunks += [_LENGTH.pack(view.nbytes), view]
@@ -188,11 +191,23 @@ class FrameParser:
         """The frames `data` completes, in order; the rest is kept for the next piece."""
         self._buf += data
         frames = []
-        while (msg := self._take()) is not None:
-            frames.append(msg)
+        while (end := self._next_end()) is not None:
+            frames.append(decode(self._buf))  # one copy of a large buffer, into its bytearray
+            del self._buf[:end]  # cheap at the front of a bytearray
         return frames
 
-    def _take(self) -> dict[str, Any] | None:
+    def feed_raw(self, data: bytes | bytearray | memoryview) -> list[tuple[int, bytearray]]:
+        """The same frames as (flags, the frame's own bytes), not unpickled: a node agent passes
+        its ranks' frames on as they are, so it never decodes and re-encodes a rank's result."""
+        self._buf += data
+        frames = []
+        while (end := self._next_end()) is not None:
+            frames.append((_HEADER.unpack_from(self._buf, 0)[2], self._buf[:end]))
+            del self._buf[:end]
+        return frames
+
+    def _next_end(self) -> int | None:
+        """Where the first whole frame in the buffer ends; None until one is whole."""
         buf, have = self._buf, len(self._buf)
         if have < _HEADER.size:
             return None
@@ -200,22 +215,28 @@ class FrameParser:
         if meta_len > MAX_FRAME:
             raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
         pos = _HEADER.size + meta_len
-        spans = []
         for _ in range(count):
             if have < pos + _LENGTH.size:
                 return None
             (size,) = _LENGTH.unpack_from(buf, pos)
             if size > MAX_FRAME:
                 raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
-            pos += _LENGTH.size
-            spans.append((pos, size))
-            pos += size
-        if have < pos:
-            return None
-        meta = bytes(buf[_HEADER.size:_HEADER.size + meta_len])
-        buffers = [bytearray(buf[start:start + size]) for start, size in spans]
-        del buf[:pos]  # cheap at the front of a bytearray
-        return pickle.loads(meta, buffers=buffers)
+            pos += _LENGTH.size + size
+        return pos if have >= pos else None
+
+
+def decode(frame: bytes | bytearray) -> dict[str, Any]:
+    """The message in the whole frame at the start of `frame` (as `FrameParser.feed_raw` gives
+    them); its large buffers become bytearrays of their own."""
+    meta_len, count, _flags = _HEADER.unpack_from(frame, 0)
+    pos = _HEADER.size + meta_len
+    buffers = []
+    for _ in range(count):
+        (size,) = _LENGTH.unpack_from(frame, pos)
+        pos += _LENGTH.size
+        buffers.append(frame[pos:pos + size] if isinstance(frame, bytearray) else bytearray(frame[pos:pos + size]))
+        pos += size
+    return pickle.loads(bytes(frame[_HEADER.size:_HEADER.size + meta_len]), buffers=buffers)
 
 
 def _bytes_waiting(stream: Any) -> bool:
@@ -263,8 +284,8 @@ class FrameWriter:
         self._stream = stream
         self.lock = threading.Lock()
 
-    def send(self, msg: dict[str, Any]) -> None:
-        self.send_encoded(encode(msg))
+    def send(self, msg: dict[str, Any], flags: int = 0) -> None:
+        self.send_encoded(encode(msg, flags=flags))
 
     def send_if_idle(self, msg: dict[str, Any]) -> None:
         """Send unless another frame is on its way (a heartbeat: that frame proves as much)."""

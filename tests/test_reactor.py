@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from skytasks.reactor import StreamReactor
-from skytasks.wire import ChannelClosed, FrameParser, HeardStream, encode
+from skytasks.wire import TO_AGENT, ChannelClosed, FrameParser, HeardStream, decode, encode
 
 
 def _bytes(msg: dict) -> bytes:
@@ -35,6 +35,24 @@ def test_frames_come_out_whole_and_in_order_however_the_bytes_are_cut(cut):
     for i in range(0, len(stream), cut):
         got += parser.feed(stream[i:i + cut])
     assert got == MESSAGES
+
+
+@pytest.mark.parametrize("cut", [1, 4096, 1 << 20], ids=["byte by byte", "4 KiB", "all at once"])
+def test_an_agent_passes_its_ranks_frames_on_as_their_bytes_and_keeps_the_ones_for_itself(cut):
+    """A node agent does not unpickle what its ranks send: it splits the stream into whole frames,
+    passes each on as the same bytes, and decodes only the frames flagged for itself."""
+    sent = [b"".join(bytes(c) for c in encode(m, flags=TO_AGENT if m["op"] == "notice" else 0))
+            for m in [*MESSAGES, {"op": "notice", "reason": "SIGUSR2"}]]
+    stream = b"".join(sent)
+    parser = FrameParser()
+    got = []
+    for i in range(0, len(stream), cut):
+        got += parser.feed_raw(stream[i:i + cut])
+    assert [bytes(frame) for _, frame in got] == sent
+    assert [flags for flags, _ in got] == [0, 0, 0, 0, TO_AGENT]
+    assert [decode(frame) for _, frame in got] == [*MESSAGES, {"op": "notice", "reason": "SIGUSR2"}]
+    # What the controller's parser makes of the passed-on bytes is what the rank sent.
+    assert FrameParser().feed(b"".join(bytes(frame) for _, frame in got[:-1])) == MESSAGES
 
 
 def test_a_corrupt_stream_is_an_error_not_an_allocation():

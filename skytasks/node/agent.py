@@ -59,8 +59,12 @@ class NodeAgent:
         self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
 
     def emit(self, msg: dict[str, Any]) -> None:
+        self.emit_encoded(encode(msg))
+
+    def emit_encoded(self, chunks: list[Any]) -> None:
+        """Frames already encoded: a rank's own, passed on as its bytes."""
         try:
-            self._out.send(msg)
+            self._out.send_encoded(chunks)
         except ChannelClosed:
             self._controller_gone("the stream to the controller closed")
 

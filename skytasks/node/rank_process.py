@@ -11,7 +11,7 @@ import time
 from typing import Any, NamedTuple, Protocol
 
 from skytasks.reactor import shared_reactor
-from skytasks.wire import PIPE_BYTES, FrameParser, FrameWriter, widen_pipe
+from skytasks.wire import PIPE_BYTES, TO_AGENT, FrameParser, FrameWriter, decode, widen_pipe
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
@@ -25,6 +25,7 @@ class RankHost(Protocol):
     starter: RankStarter  # forks ranks from the node's warm template, or starts them cold
 
     def emit(self, msg: dict[str, Any]) -> None: ...
+    def emit_encoded(self, chunks: list[Any]) -> None: ...
     def give_notice(self, reason: str, deadline: float | None = None) -> None: ...
 
 class _LineSplitter:
@@ -63,7 +64,8 @@ def start_ranks(agent: RankHost, group: int, specs: list[tuple[int, dict[str, st
         ctrl_read, ctrl_write = _control_channel()
         # Where the rank's faulthandler writes its stacks on SIGUSR1 (see `stack`).
         stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "SKYTASKS_STACK_FILE": stack_file}
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "SKYTASKS_STACK_FILE": stack_file,
+                    "SKYTASKS_GROUP": str(group)}  # the rank stamps its frames with its group (and rank)
         full_env.update(slurm_task_environment(full_env))  # inside a SLURM step: this rank's task variables
         launches.append(_Launch(rank, env, full_env, ctrl_read, ctrl_write, stack_file))
     try:
@@ -117,20 +119,26 @@ class RankProcess:
         self._streams_lock = threading.Lock()
         reactor = shared_reactor()
         frames = FrameParser()
-        reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed(data)), self.stream_ended)
+        reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed_raw(data)),
+                    self.stream_ended)
         for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
             lines = _LineSplitter(self, name)
             reactor.add(stream, lines.feed, lines.end)
         threading.Thread(target=self._report_exit, daemon=True).start()
 
-    def _relay_frames(self, msgs: list[dict[str, Any]]) -> None:
-        for msg in msgs:
-            if msg["op"] == Op.NOTICE:  # SIGUSR2 reached this rank: it is the node's notice
+    def _relay_frames(self, frames: list[tuple[int, bytearray]]) -> None:
+        """The rank's frames go on to the controller as the rank wrote them (it stamped them with
+        its rank and group): no unpickling and pickling again of every result, line and log
+        record at the agent, one write for all that one read brought."""
+        onward = []
+        for flags, frame in frames:
+            if flags & TO_AGENT:  # SIGUSR2 reached this rank: it is the node's notice
+                msg = decode(frame)
                 self._agent.give_notice(msg["reason"], msg.get("deadline"))
-                continue
-            msg["rank"] = self.rank
-            msg["group"] = self.group
-            self._agent.emit(msg)
+            else:
+                onward.append(frame)
+        if onward:
+            self._agent.emit_encoded(onward)
 
     def relay_line(self, raw: bytes, name: str) -> None:
         line = raw.decode("utf-8", "replace")

@@ -28,7 +28,7 @@ from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 from skytasks.rank import ENV_ATTEMPT
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
 from skytasks.protocol import Op, message
-from skytasks.wire import BlobRef, ChannelClosed, FrameWriter, read_frame
+from skytasks.wire import TO_AGENT, BlobRef, ChannelClosed, FrameWriter, read_frame
 
 # What a rank imports as it starts beyond this module's own imports (its stack dumps, main): a
 # node's warm template imports them once, so each forked rank does not (about 4 ms of CPU each).
@@ -40,6 +40,18 @@ def _die_with_parent() -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the agent died before prctl took effect
         os._exit(1)
+
+
+class _RankWriter(FrameWriter):
+    """The rank's channel to its agent. Every frame carries the rank and its group, so the agent
+    passes it on to the controller as it is, without unpickling it (`rank_process`)."""
+
+    def __init__(self, stream: Any, rank: int, group: int):
+        super().__init__(stream)
+        self._stamp = {"rank": rank, "group": group}
+
+    def send(self, msg: dict[str, Any], flags: int = 0) -> None:
+        super().send({**msg, **self._stamp}, flags)
 
 
 class _ShipLogRecords(logging.Handler):
@@ -242,7 +254,7 @@ def main(forked: bool = False) -> None:
     _dump_stacks_on_request()
     preemption.take_signal()  # SLURM's --signal reaches every process of the step, ranks too
     ctrl_fd = int(os.environ["SKYTASKS_CTRL_FD"])
-    out = FrameWriter(os.fdopen(ctrl_fd, "wb"))
+    out = _RankWriter(os.fdopen(ctrl_fd, "wb"), int(os.environ["RANK"]), int(os.environ["SKYTASKS_GROUP"]))
     inbound = os.fdopen(os.dup(0), "rb")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # user code gets an empty stdin, the frames stay ours
@@ -254,7 +266,8 @@ def main(forked: bool = False) -> None:
     from skytasks import metrics
 
     metrics._channel = out
-    preemption.tell_node = lambda reason: out.send(message(Op.NOTICE, reason=reason, deadline=None, at=time.time()))
+    preemption.tell_node = lambda reason: out.send(message(Op.NOTICE, reason=reason, deadline=None, at=time.time()),
+                                                   TO_AGENT)
     sys.stdout = _RankStream(out, "stdout")
     sys.stderr = _RankStream(out, "stderr")
     root = logging.getLogger()
