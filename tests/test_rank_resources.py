@@ -275,3 +275,27 @@ def test_a_call_shorter_than_the_sampling_interval_still_says_what_the_rank_used
     usage.add_own({"peak_rss": 345 * MB, "cpu_seconds": 1.8}, seconds=2.0)
     assert usage.summary() == "peak RSS 345 MB, mean CPU 90%"
     assert usage.columns() == {"peak RSS MB": "345", "mean RSS MB": "n/a", "mean CPU %": "90"}
+
+
+def test_a_table_cell_that_is_nan_is_written_as_null_and_a_row_without_one_as_it_is():
+    import json
+
+    from skytasks.prefect_records.artifacts import table_data
+
+    rows = [{"rank": 0, "mean CPU %": float("nan"), "figures": [1.0, float("nan")]}, {"rank": 1, "mean CPU %": 2.5}]
+    assert json.loads(table_data(rows)) == [{"rank": 0, "mean CPU %": None, "figures": [1.0, None]},
+                                            {"rank": 1, "mean CPU %": 2.5}]
+    assert table_data([{"rank": 1, "mean CPU %": 2.5}]) == '[{"rank": 1, "mean CPU %": 2.5}]'
+
+
+@pytest.mark.parametrize("last_said, now, expected", [
+    ({0: None, 1: None}, 10.0, [0, 1]),  # never said: both
+    ({0: 8.0, 1: 4.0}, 10.0, [1]),  # rank 0 was said 2 s ago: not yet again
+    ({0: 9.0, 1: None, 2: 1.0, 3: 2.0}, 10.0, [1, 2, 3]),  # never said first, then the longest ago
+    ({r: None for r in range(1024)}, 10.0, list(range(64))),  # at most 64 a write, whatever the size
+    ({**{r: 10.0 for r in range(64)}, **{r: None for r in range(64, 1024)}}, 15.0, list(range(64, 128))),
+], ids=["never said", "said recently", "stalest first", "64 at most", "the next 64"])
+def test_resource_events_go_out_for_the_ranks_said_longest_ago_at_most_64_a_time(last_said, now, expected):
+    from skytasks.prefect_records.observer import ranks_to_announce
+
+    assert ranks_to_announce(last_said, now) == expected

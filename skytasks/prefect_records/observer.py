@@ -24,7 +24,7 @@ from skytasks.call_options import rank_runs_for
 from skytasks.controller.places import stack_lines
 from skytasks.metrics import progress_percent
 from skytasks.prefect_records.pool_events import emit_event, record_pool_event
-from skytasks.prefect_records.artifacts import LiveTable, ProgressBar, wait_for, write_table
+from skytasks.prefect_records.artifacts import WRITER, LiveTable, ProgressBar, wait_for, write_table
 from skytasks.prefect_records.events import emit, pool_resource, rank_resource
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
@@ -35,6 +35,10 @@ from skytasks.stacks import user_frame, where
 
 METRICS_ARTIFACT_EVERY_SECONDS = 5.0  # the live metrics table is rewritten in place at most this often
 RESOURCES_ARTIFACT_EVERY_SECONDS = 5.0  # the live resources table and events: at most this often
+# `skytasks.rank.resources` events per write, the ranks said longest ago first: up to 64 ranks,
+# each rank's every 5 s; at 1,024 ranks each rank's every 80 s, and the server gets 13 a second,
+# not 205 (each event is also a Prefect model to build here, about 1-2 ms on a slow core).
+RESOURCE_EVENTS_PER_WRITE = 64
 METRICS_ROWS_KEPT = 500  # the live metrics table shows the newest reports (an hour at 2 a second would be 7,200)
 
 
@@ -42,6 +46,15 @@ METRICS_ROWS_KEPT = 500  # the live metrics table shows the newest reports (an h
 # would otherwise send every sampled rank's figures at every call's end (hundreds of events a
 # call at 1,024 ranks), where the promise is every few seconds.
 _RESOURCES_SAID: dict[tuple[str, str, int], float] = {}
+
+
+def ranks_to_announce(last_said: dict[int, float | None], now: float,
+                      every: float = RESOURCES_ARTIFACT_EVERY_SECONDS,
+                      limit: int = RESOURCE_EVENTS_PER_WRITE) -> list[int]:
+    """Whose `skytasks.rank.resources` event goes out now: ranks not said for `every` seconds
+    (never said first, then the longest ago, then by rank), at most `limit` of them."""
+    due = [r for r, at in last_said.items() if at is None or now - at >= every]
+    return sorted(due, key=lambda r: (last_said[r] is not None, last_said[r] or 0.0, r))[:limit]
 
 
 def artifact_key(label: str, suffix: str) -> str:
@@ -190,13 +203,20 @@ class PrefectObserver:
         rows = [{"rank": u.rank, "latest": u.line(), **u.columns()} for u in usages]
         self._resources_table.set(rows)
         now = time.monotonic()
-        for u in usages:
-            said = (self.pool_name, self.label, u.rank)
-            if now - _RESOURCES_SAID.get(said, -RESOURCES_ARTIFACT_EVERY_SECONDS) < RESOURCES_ARTIFACT_EVERY_SECONDS:
-                continue
-            _RESOURCES_SAID[said] = now
-            emit("skytasks.rank.resources", rank_resource(self.label, u.rank), related=[pool_resource(self.pool_name)],
-                 payload={"task": self.label, "rank": u.rank, "latest": u.latest, "summary": u.columns()})
+        by_rank = {u.rank: u for u in usages}
+        events = []
+        for rank in ranks_to_announce({r: _RESOURCES_SAID.get((self.pool_name, self.label, r)) for r in by_rank}, now):
+            _RESOURCES_SAID[(self.pool_name, self.label, rank)] = now
+            u = by_rank[rank]
+            events.append((rank_resource(self.label, rank),
+                           {"task": self.label, "rank": rank, "latest": u.latest, "summary": u.columns()}))
+        if events:
+            # Sent by the artifact writer, in the call's context, beside the call rather than in
+            # its loop; the call's end waits for them as for its artifacts.
+            related = [pool_resource(self.pool_name)]
+            self._writes.append(WRITER.submit(lambda client: [
+                emit("skytasks.rank.resources", resource, related=related, payload=payload)
+                for resource, payload in events]))
 
     def on_pool_event(self, event: Event, pool_name: str) -> None:
         """An event of the call's pool, said before the run existed (`skytasks run`): recorded
