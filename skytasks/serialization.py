@@ -81,7 +81,15 @@ def release(blob: Blob) -> None:
                 pass
 
 
+# Values that plain pickle writes exactly as cloudpickle would (no code, nothing by reference): a
+# rank's result is most often one of these, and pickle's C writer skips building a cloudpickle
+# Pickler for every rank of every call.
+_PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def dumps_out_of_band(value: Any) -> Blob:
+    if type(value) in _PLAIN:
+        return pickle.dumps(value, protocol=5), []
     buffers: list[pickle.PickleBuffer] = []
     meta = dumps(value, buffer_callback=buffers.append)
     return meta, [b.raw() for b in buffers]

@@ -71,8 +71,13 @@ class ChannelClosed(EOFError):
     """The other end of the stream has gone away."""
 
 
+_LEAVES = frozenset({str, int, float, bool, type(None)})  # most of a message: nothing to look into
+
+
 def _out_of_band(value: Any, depth: int = 0) -> Any:
     """Wrap large byte payloads (in dicts, lists and tuples) so pickle leaves them out of band."""
+    if type(value) in _LEAVES:
+        return value
     if isinstance(value, (bytes, bytearray, memoryview)):
         if len(value) >= OUT_OF_BAND_BYTES:
             return pickle.PickleBuffer(value)

@@ -167,27 +167,30 @@ def _unpack(msg: dict[str, Any]) -> tuple[Any, tuple, dict]:
     return fn, tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
 
-def _cpu_seconds() -> float:
-    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+def _usage_now() -> tuple[Any, Any]:
+    return resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
 
 
-def _used(cpu_before: float) -> dict[str, float]:
+def _cpu_seconds(usage: tuple[Any, Any]) -> float:
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+def _used(before: tuple[Any, Any]) -> dict[str, float]:
     """Peak RSS (this process or its largest waited-for child, a script's) and CPU seconds of the call."""
-    peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    return {"peak_rss": float(peak_kb * 1024), "cpu_seconds": _cpu_seconds() - cpu_before}
+    after = _usage_now()
+    return {"peak_rss": float(max(u.ru_maxrss for u in after) * 1024),
+            "cpu_seconds": _cpu_seconds(after) - _cpu_seconds(before)}
 
 
 def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
     rank = int(os.environ["RANK"])
     os.environ[ENV_ATTEMPT] = str(msg["attempt"])
-    started, cpu_before = time.time(), _cpu_seconds()
+    started, usage_before = time.time(), _usage_now()
     try:
         fn, args, kwargs = _unpack(msg)
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything, KeyboardInterrupt included, goes back
-        out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), used=_used(cpu_before),
+        out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), used=_used(usage_before),
                          **_describe_exception(exc)))
         return False
     try:
@@ -200,7 +203,7 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
         out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), **_describe_exception(err)))
         return False
     out.send(message(Op.RESULT, call=msg["call"], value=blob, started=started, ended=time.time(),
-                     used=_used(cpu_before)))
+                     used=_used(usage_before)))
     return True
 
 
