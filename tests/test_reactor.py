@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from skytasks.reactor import StreamReactor
-from skytasks.wire import TO_AGENT, ChannelClosed, FrameParser, HeardStream, decode, encode
+from skytasks.heard import HeardStream
+from skytasks.wire import TO_AGENT, ChannelClosed, FrameParser, decode, encode
 
 
 def _bytes(msg: dict) -> bytes:

@@ -18,7 +18,8 @@ from skytasks.protocol import Op, check, message
 from skytasks.reactor import shared_reactor
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
-from skytasks.wire import ChannelClosed, FrameParser, FrameWriter, HeardStream, encode, encoded_size, read_frame
+from skytasks.heard import HeardStream
+from skytasks.wire import ChannelClosed, FrameParser, FrameWriter, encode, encoded_size, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20
 # A CALL at least this large, on a pool of at least RELAY_TREE_NODES nodes, goes down the relay tree

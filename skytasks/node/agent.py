@@ -28,7 +28,8 @@ from typing import Any, BinaryIO
 from skytasks.devices import visible_gpus
 from skytasks.node.resources import Sampler, physical_gpu
 from skytasks.protocol import Op, message
-from skytasks.wire import RELAY, ChannelClosed, FrameWriter, HeardStream, encode, read_body, read_header
+from skytasks.heard import HeardStream
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
 from skytasks.node.notices import NodeNotice
 from skytasks.node.peers import RelayNode

@@ -25,6 +25,7 @@ from typing import Any
 from skytasks import preemption
 from skytasks.node import routes
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
+from skytasks.node.rank_channel import RankStream, RankWriter, ShipLogRecords
 from skytasks.rank import ENV_ATTEMPT
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
 from skytasks.protocol import Op, message
@@ -40,70 +41,6 @@ def _die_with_parent() -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the agent died before prctl took effect
         os._exit(1)
-
-
-class _RankWriter(FrameWriter):
-    """The rank's channel to its agent. Every frame carries the rank and its group, so the agent
-    passes it on to the controller as it is, without unpickling it (`rank_process`)."""
-
-    def __init__(self, stream: Any, rank: int, group: int):
-        super().__init__(stream)
-        self._stamp = {"rank": rank, "group": group}
-
-    def send(self, msg: dict[str, Any], flags: int = 0) -> None:
-        super().send({**msg, **self._stamp}, flags)
-
-
-class _ShipLogRecords(logging.Handler):
-    """Sends Python logging records to the controller with their level intact."""
-
-    def __init__(self, out: FrameWriter):
-        super().__init__(logging.NOTSET)
-        self._out = out
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._out.send(message(Op.LOG, level=record.levelno, logger=record.name, line=self.format(record)))
-        except Exception:  # noqa: BLE001 - a logging handler must never raise into user code
-            pass
-
-
-class _RankStream(io.TextIOBase):
-    """sys.stdout/sys.stderr of a rank: whole lines go out as frames on the same channel as the
-    result, so every line printed before `return` reaches the controller before the result.
-    (Output written straight to fd 1/2 by C code still arrives, through the agent's pipes.)"""
-
-    def __init__(self, out: FrameWriter, name: str):
-        self._out, self._name, self._buf = out, name, ""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        self._buf += text
-        if "\n" in self._buf:
-            *lines, self._buf = self._buf.split("\n")
-            for line in lines:
-                self._send(line)
-        return len(text)
-
-    def flush(self) -> None:
-        if self._buf:
-            line, self._buf = self._buf, ""
-            self._send(line)
-
-    def _send(self, line: str) -> None:
-        try:
-            self._out.send(message(Op.OUTPUT, stream=self._name, line=line))
-        except ChannelClosed:
-            os._exit(1)
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return "utf-8"
-
-    def isatty(self) -> bool:
-        return False
 
 
 def _describe_exception(exc: BaseException) -> dict[str, Any]:
@@ -257,7 +194,7 @@ def main(forked: bool = False) -> None:
     _dump_stacks_on_request()
     preemption.take_signal()  # SLURM's --signal reaches every process of the step, ranks too
     ctrl_fd = int(os.environ["SKYTASKS_CTRL_FD"])
-    out = _RankWriter(os.fdopen(ctrl_fd, "wb"), int(os.environ["RANK"]), int(os.environ["SKYTASKS_GROUP"]))
+    out = RankWriter(os.fdopen(ctrl_fd, "wb"), int(os.environ["RANK"]), int(os.environ["SKYTASKS_GROUP"]))
     inbound = os.fdopen(os.dup(0), "rb")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # user code gets an empty stdin, the frames stay ours
@@ -271,10 +208,10 @@ def main(forked: bool = False) -> None:
     metrics._channel = out
     preemption.tell_node = lambda reason: out.send(message(Op.NOTICE, reason=reason, deadline=None, at=time.time()),
                                                    TO_AGENT)
-    sys.stdout = _RankStream(out, "stdout")
-    sys.stderr = _RankStream(out, "stderr")
+    sys.stdout = RankStream(out, "stdout")
+    sys.stderr = RankStream(out, "stderr")
     root = logging.getLogger()
-    root.addHandler(_ShipLogRecords(out))
+    root.addHandler(ShipLogRecords(out))
     root.setLevel(logging.INFO)
 
     _enter_workdir()

@@ -214,9 +214,12 @@ class PrefectObserver:
             # Sent by the artifact writer, in the call's context, beside the call rather than in
             # its loop; the call's end waits for them as for its artifacts.
             related = [pool_resource(self.pool_name)]
-            self._writes.append(WRITER.submit(lambda client: [
-                emit("skytasks.rank.resources", resource, related=related, payload=payload)
-                for resource, payload in events]))
+
+            def send(client: Any) -> None:
+                for resource, payload in events:
+                    emit("skytasks.rank.resources", resource, related=related, payload=payload)
+
+            self._writes.append(WRITER.submit(send))
 
     def on_pool_event(self, event: Event, pool_name: str) -> None:
         """An event of the call's pool, said before the run existed (`skytasks run`): recorded
