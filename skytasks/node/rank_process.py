@@ -130,9 +130,12 @@ class RankProcess:
         """The rank's frames go on to the controller as the rank wrote them (it stamped them with
         its rank and group): no unpickling and pickling again of every result, line and log
         record at the agent, one write for all that one read brought."""
-        onward = []
+        onward: list[bytearray] = []
         for flags, frame in frames:
             if flags & TO_AGENT:  # SIGUSR2 reached this rank: it is the node's notice
+                if onward:  # what the rank said before it goes first
+                    self._agent.emit_encoded(onward)
+                    onward = []
                 msg = decode(frame)
                 self._agent.give_notice(msg["reason"], msg.get("deadline"))
             else:
