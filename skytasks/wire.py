@@ -89,13 +89,14 @@ def _out_of_band(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def encode(msg: dict[str, Any], relay: bool = False, flags: int = 0) -> list[Any]:
-    """The frame as a list of byte chunks, ready for writelines (no concatenation copies)."""
+def encode(msg: dict[str, Any], flags: int = 0) -> list[Any]:
+    """The frame as a list of byte chunks, ready for writelines (no concatenation copies);
+    `flags`: RELAY, TO_AGENT or none."""
     buffers: list[pickle.PickleBuffer] = []
     if type(msg["op"]) is not str:  # a protocol.Op: the wire carries its plain string
         msg = {**msg, "op": str(msg["op"])}
     meta = pickle.dumps(_out_of_band(msg), protocol=5, buffer_callback=buffers.append)
-    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers), flags | (RELAY if relay else 0)), meta]
+    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers), flags), meta]
     for buf in buffers:
         view = buf.raw()
         chunks += [_LENGTH.pack(view.nbytes), view]

@@ -19,7 +19,7 @@ from skytasks.reactor import shared_reactor
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
 from skytasks.heard import HeardStream
-from skytasks.wire import ChannelClosed, FrameParser, FrameWriter, encode, encoded_size, read_frame
+from skytasks.wire import RELAY, ChannelClosed, FrameParser, FrameWriter, encode, encoded_size, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20
 # A CALL at least this large, on a pool of at least RELAY_TREE_NODES nodes, goes down the relay tree
@@ -157,7 +157,7 @@ class NodeChannel:
 def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False) -> None:
     """One message to every node, encoded once; large ones go to all nodes at the same time.
     With `relay`, each agent streams it on to its ranks as it arrives."""
-    _send_to_all(nodes, encode(msg, relay=relay))
+    _send_to_all(nodes, encode(msg, flags=RELAY if relay else 0))
 
 
 def _send_to_all(nodes: list[NodeChannel], chunks: list[Any]) -> None:
@@ -175,7 +175,7 @@ def _send_to_all(nodes: list[NodeChannel], chunks: list[Any]) -> None:
 def send_call(nodes: list[NodeChannel], msg: dict[str, Any], group: int) -> None:
     """A CALL to every node, relayed on to its ranks. A large one on a pool of several nodes goes
     to the first node only, with the relay tree (ROUTE): each node passes it to its children."""
-    chunks = encode(msg, relay=True)  # once, whichever way it goes
+    chunks = encode(msg, flags=RELAY)  # once, whichever way it goes
     if encoded_size(chunks) < RELAY_TREE_BYTES or len(nodes) < RELAY_TREE_NODES or not all(n.peer_port for n in nodes):
         _send_to_all(nodes, chunks)
         return
