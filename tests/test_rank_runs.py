@@ -13,6 +13,12 @@ from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
 from skytasks import GPUPool, PoolConfigError, distributed_task, rank_info
 from skytasks.call_options import rank_runs_for
+from skytasks.controller.outcome import RankState
+from skytasks.controller.rank_group import RankOutcome
+from skytasks.errors import RankFailure
+from skytasks.prefect_records.held_observer import RECORDED_AT
+from skytasks.prefect_records.rank_runs import final_state
+from skytasks.prefect_records.run_states import RecordCopies, new_id
 from tests.prefect_api import settled_task_runs
 
 
@@ -22,6 +28,86 @@ from tests.prefect_api import settled_task_runs
 ])
 def test_the_default_is_a_run_per_rank_up_to_64_ranks_and_per_node_above(choice, world, mode):
     assert rank_runs_for(choice, world) == mode
+
+
+def _outcome(status: RankState, failure: Exception | None = None, preempted: bool = False, why: str = "") -> RankOutcome:
+    return RankOutcome(rank=3, node_rank=1, node_addr="127.0.0.1", status=status, preempted=preempted, stop_reason=why,
+                       failure=RankFailure(3, 1, "127.0.0.1", failure, at=0.0) if failure else None)
+
+
+@pytest.mark.parametrize("outcome, kind, name, message", [
+    (_outcome(RankState.COMPLETED), "Completed", None, None),
+    (_outcome(RankState.FAILED, ValueError("bad batch")), "Failed", None, "rank 3 failed: ValueError: bad batch"),
+    (_outcome(RankState.STOPPED, why="stopped because rank 0 failed"), "Cancelled", None,
+     "rank 3: stopped because rank 0 failed"),
+    (_outcome(RankState.STOPPED), "Cancelled", None, "rank 3: stopped"),
+    (_outcome(RankState.STOPPED, preempted=True, why="node 1 was reclaimed"), "Cancelled", "Preempted",
+     "rank 3: the attempt ended for a preemption: node 1 was reclaimed"),
+    (_outcome(RankState.FAILED, RuntimeError("spot reclaimed"), preempted=True), "Cancelled", "Preempted",
+     "rank 3: the attempt ended for a preemption: spot reclaimed"),
+])
+def test_a_runs_final_state_follows_its_ranks_outcome(outcome, kind, name, message):
+    constructor, got_name, got_message = final_state(3, outcome)
+    assert (constructor.__name__, got_name, got_message) == (kind, name, message)
+
+
+def test_a_runs_records_are_prefects_own_each_with_its_own_id_time_and_run():
+    """The task runs and states of 128 node runs are copies of one made by Prefect's
+    constructors, not 128 of each."""
+    from prefect.client.schemas.objects import TaskRun
+    from prefect.states import Cancelled, Completed, Running, StateType
+
+    flow_run, parent = new_id(), new_id()
+    records, run = RecordCopies(flow_run, parent, "skytasks-rank"), new_id()
+    first = records.state(Completed, run, at=1_700_000_000.0)
+    second = records.state(Completed, new_id())
+    assert first.is_completed() and first.name == "Completed" and first.message is None
+    assert (first.state_details.task_run_id, first.state_details.flow_run_id) == (run, flow_run)
+    assert first.id != second.id and first.id.version == 7
+    assert first.timestamp.timestamp() == 1_700_000_000.0 and second.timestamp > first.timestamp
+    assert first.state_details is not second.state_details  # a copy each: the template is not shared
+    preempted = records.state(Cancelled, run, name="Preempted", message="rank 3: reclaimed")
+    assert (preempted.type, preempted.name, preempted.message) == (StateType.CANCELLED, "Preempted", "rank 3: reclaimed")
+    token = RECORDED_AT.set(1_600_000_000.5)  # news handed over late keeps the time it happened
+    try:
+        assert records.state(Completed, run).timestamp.timestamp() == 1_600_000_000.5
+    finally:
+        RECORDED_AT.reset(token)
+    running = records.state(Running, run)
+    task_run = records.task_run(run, "step[node 1: ranks 8-15/16]", "key-1", ["node:1"], running)
+    other = records.task_run(new_id(), "step[node 0: ranks 0-7/16]", "key-0", ["node:0"], records.state(Running, run))
+    assert (task_run.id, task_run.name, task_run.tags, task_run.flow_run_id) == (run, "step[node 1: ranks 8-15/16]",
+                                                                                 ["node:1"], flow_run)
+    assert task_run.state is running and task_run.start_time == running.timestamp and other.id != task_run.id
+    assert task_run.task_inputs["__parents__"][0].id == parent
+    # What Prefect's event carries is the same as for a run it validated itself.
+    dumped = task_run.model_dump(mode="json", exclude_none=True)
+    assert TaskRun.model_validate(dumped).model_dump(mode="json", exclude_none=True) == dumped
+
+
+def test_run_ids_are_time_ordered_version_7_uuids_and_a_forked_child_never_repeats_its_parents():
+    import os
+    import uuid
+
+    ids = []
+    for _ in range(3):
+        ids.append(new_id())
+        time.sleep(0.002)
+    assert ids == sorted(ids, key=lambda u: u.int) and all(u.version == 7 and u.variant == uuid.RFC_4122 for u in ids)
+    assert abs((ids[0].int >> 80) - time.time() * 1000) < 5_000  # its first 48 bits: Unix milliseconds
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the ids it makes go back over the pipe
+        os.write(write, b"".join(new_id().bytes for _ in range(100)))
+        os._exit(0)
+    os.close(write)
+    theirs = b""
+    while chunk := os.read(read, 65536):
+        theirs += chunk
+    os.waitpid(pid, 0)
+    os.close(read)
+    mine = {new_id().bytes[6:] for _ in range(100)}  # the random bits: the time may match
+    assert len(theirs) == 1600 and not mine & {theirs[i + 6:i + 16] for i in range(0, 1600, 16)}
 
 
 def test_an_unknown_rank_runs_is_refused_naming_it():

@@ -17,27 +17,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from datetime import timedelta, timezone
-from typing import Any, cast
-from uuid import UUID, uuid4
+from datetime import timedelta
+from typing import Any, Callable, cast
 
 from prefect import Task
 from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import TaskRun, TaskRunPolicy, TaskRunResult
 from prefect.logging.loggers import task_run_logger
 from prefect.states import Cancelled, Completed, Failed, Running, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
 from skytasks.prefect_records.held_observer import RECORDED_AT
+from skytasks.prefect_records.run_states import RecordCopies, new_id
 from skytasks.stacks import rank_ranges
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
-
-try:  # Prefect's run ids are time-ordered; fall back to random ones on older releases
-    from prefect._internal.uuid7 import uuid7 as _new_id
-except ImportError:  # pragma: no cover
-    def _new_id() -> UUID:  # type: ignore[misc]
-        return uuid4()
 
 
 # A rank run says Running once it has lasted this long; one that ends sooner sends only its end.
@@ -49,14 +42,6 @@ def _rank_run(label: str, rank: int, world: int) -> None:
 
 
 RANK_TASK = Task(_rank_run, name="skytasks-rank", cache_policy=NO_CACHE, persist_result=False, retries=0)
-
-
-def stamped(state: State) -> State:
-    """The state at the time its event happened, when it is handed over late (`RECORDED_AT`)."""
-    at = RECORDED_AT.get()
-    if at is not None:
-        state.timestamp = type(state.timestamp).fromtimestamp(at, tz=timezone.utc)
-    return state
 
 
 def log_at_its_time(logger: Any, level: int, msg: str, *args: Any, exc_info: Any = None,
@@ -97,37 +82,30 @@ def _quiet_consoles() -> None:
 PREEMPTED_STATE = "Preempted"  # a Cancelled-type state: the cloud's or the scheduler's doing, not the code's
 
 
-def final_state(rank: int, outcome: RankOutcome) -> State:
+def final_state(rank: int, outcome: RankOutcome) -> tuple[Callable[..., State], str | None, str | None]:
+    """A run's final state for `outcome`: Prefect's constructor, the state's name, its message."""
     if outcome.status is RankState.COMPLETED:
-        return Completed()
+        return Completed, None, None
     if outcome.preempted:
         why = str(outcome.failure.exception) if outcome.failure is not None else outcome.stop_reason
-        return Cancelled(name=PREEMPTED_STATE, message=f"rank {rank}: the attempt ended for a preemption: {why}")
+        return Cancelled, PREEMPTED_STATE, f"rank {rank}: the attempt ended for a preemption: {why}"
     if outcome.status is RankState.FAILED and outcome.failure is not None:
         exc = outcome.failure.exception
-        return Failed(message=f"rank {rank} failed: {type(exc).__name__}: {exc}")
-    return Cancelled(message=f"rank {rank}: {outcome.stop_reason or 'stopped'}")
+        return Failed, None, f"rank {rank} failed: {type(exc).__name__}: {exc}"
+    return Cancelled, None, f"rank {rank}: {outcome.stop_reason or 'stopped'}"
 
 
 class RankRun:
     """One task run of an attempt, for one rank or one node's ranks: Running from the start of the
     attempt, fed its lines, then final."""
 
-    def __init__(self, name: str, key: str, flow_run_id: Any, parent_id: Any, attempt: int, tags: list[str],
+    def __init__(self, name: str, key: str, attempt: int, parent_id: Any, tags: list[str], records: RecordCopies,
                  quiet: bool = False) -> None:
-        self.quiet = quiet  # its "Finished" line in the API only: 128 node runs are not 128 console lines
-        running = stamped(Running())
-        at: Any = running.timestamp  # a datetime; TaskRun's annotations name Prefect's own DateTime
-        self.task_run = TaskRun(
-            id=_new_id(), name=name, flow_run_id=flow_run_id,
-            task_key=RANK_TASK.task_key, dynamic_key=f"{parent_id}-{attempt}-{key}",
-            empirical_policy=TaskRunPolicy(), tags=tags, run_count=1,
-            task_inputs={"__parents__": [TaskRunResult(id=parent_id)]},
-            expected_start_time=at, start_time=at,
-            state=running, state_id=running.id, state_type=running.type, state_name=running.name,
-            created=at, updated=at,
-        )
-        running.state_details.task_run_id, running.state_details.flow_run_id = self.task_run.id, flow_run_id
+        self.quiet = quiet  # a node's run: "Finished" only if it failed or was preempted (see finish)
+        self._records = records
+        run_id = new_id()
+        self.task_run = records.task_run(run_id, name, f"{parent_id}-{attempt}-{key}", tags,
+                                         records.state(Running, run_id))
         self.logger = task_run_logger(self.task_run, task=RANK_TASK)
         self.outcome: RankOutcome | None = None
         self._last_event: Any = None  # Running is said only once the run lasts (say_running)
@@ -157,14 +135,17 @@ class RankRun:
             exc = outcome.failure.exception
             log_at_its_time(self.logger, logging.ERROR, "[rank %d] failed", outcome.rank,
                             exc_info=(type(exc), exc, exc.__traceback__))
-        before, after = self.task_run.state, stamped(final_state(outcome.rank, outcome))
+        kind, name, message = final_state(outcome.rank, outcome)
+        before = self.task_run.state
+        after = self._records.state(kind, self.task_run.id, name=name, message=message)
         assert before is not None  # a rank run is made Running
         if after.timestamp <= before.timestamp:
             after.timestamp = before.timestamp + timedelta(microseconds=1)
-        after.state_details.task_run_id, after.state_details.flow_run_id = self.task_run.id, self.task_run.flow_run_id
         level = logging.ERROR if after.is_failed() else logging.WARNING if outcome.preempted else logging.INFO
-        log_at_its_time(self.logger, level, "Finished in state %s", after.name,
-                        api_only=self.quiet and level < logging.WARNING)
+        if not self.quiet or level >= logging.WARNING:
+            # A quiet run (one per node) that completed or was stopped says nothing more: its state
+            # says it, and at 1,024 ranks those lines were 128 log records a call for the server.
+            log_at_its_time(self.logger, level, "Finished in state %s", after.name)
         run = self.task_run
         if before.is_running():
             run.total_run_time += after.timestamp - before.timestamp
@@ -206,8 +187,11 @@ class RankRuns:
         self._held: dict[int, deque[tuple[int, str]]] = {}  # "head": the other ranks' last lines
         suffix = "" if attempt == 1 else f", attempt {attempt}"  # a later attempt says so in its names
 
+        # Made in the call's context: the runs' states carry its traceparent.
+        records = RecordCopies(flow_run_id, parent_id, RANK_TASK.task_key)
+
         def run(name: str, key: str, extra_tags: list[str]) -> RankRun:
-            return RankRun(f"{label}[{name}{suffix}]", key, flow_run_id, parent_id, attempt, [*extra_tags, *tags],
+            return RankRun(f"{label}[{name}{suffix}]", key, attempt, parent_id, [*extra_tags, *tags], records,
                            quiet=mode == "node")
 
         if mode == "node":
@@ -248,8 +232,8 @@ class RankRuns:
         self._line(rank, level, line)
 
     def on_usage(self, rank: int, line: str) -> None:
-        """What a rank used, on its own run's page: a line per call in the API (never the console);
-        with a run per node or the head's only, the rank table holds it instead."""
+        """What a rank used, on its own run's page: a line per call in the API (never the console).
+        The observer says it only with a run per rank; otherwise the rank table holds it."""
         if self.mode == "rank":
             self.runs[rank].log(logging.INFO, rank, line, api_only=True)
 
