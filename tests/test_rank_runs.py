@@ -153,8 +153,16 @@ def test_a_run_per_node_or_the_heads_only_with_the_failed_ranks_lines_in_the_par
     # A node's run: its ranks' lines, prefixed; its state the worst of its ranks'.
     assert runs["by-node[node 1: ranks 2-3/4]"].state.is_failed()
     assert runs["by-node[node 0: ranks 0-1/4]"].state.is_cancelled()
-    node1 = asyncio.run(_logs(runs["by-node[node 1: ranks 2-3/4]"].id))
+    deadline = time.monotonic() + 10  # logs are batched apart from the runs' state events
+    while "Finished in state Failed" not in (node1 := asyncio.run(_logs(runs["by-node[node 1: ranks 2-3/4]"].id))):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert {"[rank 2] hello from rank 2", "[rank 3] hello from rank 3"} <= set(node1), node1
+    # A node's run says it finished only when that is news: failed here, not when stopped.
+    assert "Finished in state Failed" in node1
+    node0 = asyncio.run(_logs(runs["by-node[node 0: ranks 0-1/4]"].id))
+    assert "[rank 0] hello from rank 0" in node0 and not any(m.startswith("Finished") for m in node0), node0
     # Only the head's run; the failed rank's lines and failure reach the parent's log, the others' never.
     assert runs["by-head[rank 0/4]"].state.is_cancelled()
     parent = asyncio.run(_logs(runs["by-head"].id))
