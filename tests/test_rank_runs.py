@@ -59,7 +59,11 @@ def test_a_runs_records_are_prefects_own_each_with_its_own_id_time_and_run():
 
     flow_run, parent = new_id(), new_id()
     records, run = RecordCopies(flow_run, parent, "skytasks-rank"), new_id()
-    first = records.state(Completed, run, at=1_700_000_000.0)
+    token = RECORDED_AT.set(1_700_000_000.0)  # news handed over late keeps the time it happened
+    try:
+        first = records.state(Completed, run)
+    finally:
+        RECORDED_AT.reset(token)
     second = records.state(Completed, new_id())
     assert first.is_completed() and first.name == "Completed" and first.message is None
     assert (first.state_details.task_run_id, first.state_details.flow_run_id) == (run, flow_run)
@@ -68,7 +72,7 @@ def test_a_runs_records_are_prefects_own_each_with_its_own_id_time_and_run():
     assert first.state_details is not second.state_details  # a copy each: the template is not shared
     preempted = records.state(Cancelled, run, name="Preempted", message="rank 3: reclaimed")
     assert (preempted.type, preempted.name, preempted.message) == (StateType.CANCELLED, "Preempted", "rank 3: reclaimed")
-    token = RECORDED_AT.set(1_600_000_000.5)  # news handed over late keeps the time it happened
+    token = RECORDED_AT.set(1_600_000_000.5)
     try:
         assert records.state(Completed, run).timestamp.timestamp() == 1_600_000_000.5
     finally:

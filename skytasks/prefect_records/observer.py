@@ -154,10 +154,7 @@ class PrefectObserver:
             usage = self._usage.setdefault(rank, RankUsage(rank))
             if outcome.used and outcome.started and outcome.ended:
                 usage.add_own(outcome.used, outcome.ended - outcome.started)
-        # What it used, on the rank's own task-run page (the API only); a run per node or the
-        # head's only has the rank table for it.
-        if self.runs.mode == "rank" and (used := usage.summary()):  # type: ignore[union-attr]
-            self.runs.on_usage(rank, f"used over the call: {used}")  # type: ignore[union-attr]
+        self.runs.on_usage(rank, usage.summary)  # type: ignore[union-attr]
         self.runs.on_rank_done(rank, outcome)  # type: ignore[union-attr]
         if outcome.status is RankState.FAILED and not outcome.preempted:
             exc = outcome.failure.exception if outcome.failure else None

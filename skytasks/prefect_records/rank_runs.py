@@ -231,11 +231,12 @@ class RankRuns:
     def on_log(self, rank: int, level: int, line: str) -> None:
         self._line(rank, level, line)
 
-    def on_usage(self, rank: int, line: str) -> None:
+    def on_usage(self, rank: int, summary: Callable[[], str]) -> None:
         """What a rank used, on its own run's page: a line per call in the API (never the console).
-        The observer says it only with a run per rank; otherwise the rank table holds it."""
-        if self.mode == "rank":
-            self.runs[rank].log(logging.INFO, rank, line, api_only=True)
+        With a run per node or the head's only, the rank table holds it, and the words are never
+        built (1,024 of them a call)."""
+        if self.mode == "rank" and (used := summary()):
+            self.runs[rank].log(logging.INFO, rank, f"used over the call: {used}", api_only=True)
 
     def on_rank_done(self, rank: int, outcome: RankOutcome) -> None:
         with self._lock:

@@ -44,12 +44,6 @@ def new_id() -> UUID:
     return UUID(int=(ms << 80) | (0x7 << 76) | ((r >> 62) << 64) | (0b10 << 62) | (r & _RAND_B))
 
 
-def event_time() -> float:
-    """When a state happened: now, or when its news was printed if it is handed over late."""
-    at = RECORDED_AT.get()
-    return time.time() if at is None else at
-
-
 class RecordCopies:
     """The task runs and states of one attempt's runs: each kind made once, then copied per run."""
 
@@ -60,16 +54,17 @@ class RecordCopies:
                             empirical_policy=TaskRunPolicy(), run_count=1,
                             task_inputs={"__parents__": [TaskRunResult(id=parent_id)]})
 
-    def state(self, kind: Callable[..., State], task_run_id: Any, *, at: float | None = None,
-              name: str | None = None, message: str | None = None) -> State:
-        """A state made by `kind` (Prefect's `Completed`, ...), of the run `task_run_id`, at `at`
-        (the event's time if not given)."""
+    def state(self, kind: Callable[..., State], task_run_id: Any, *, name: str | None = None,
+              message: str | None = None) -> State:
+        """A state made by `kind` (Prefect's `Completed`, ...), of the run `task_run_id`: now, or
+        when its news happened if it is handed over late (`RECORDED_AT`)."""
         template = self._states.get((kind, name))
         if template is None:
             template = self._states[(kind, name)] = kind(name=name) if name else kind()
         details = BaseModel.model_copy(template.state_details,
                                        update={"task_run_id": task_run_id, "flow_run_id": self.flow_run_id})
-        stamp = datetime.fromtimestamp(event_time() if at is None else at, tz=timezone.utc)
+        at = RECORDED_AT.get()
+        stamp = datetime.fromtimestamp(time.time() if at is None else at, tz=timezone.utc)
         return BaseModel.model_copy(template, update={"id": new_id(), "timestamp": stamp, "state_details": details,
                                                       "message": message})
 
