@@ -236,3 +236,46 @@ def test_pools_that_come_and_go_leave_no_descriptor_open_in_the_controller():
     while open_fds() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert open_fds() == before
+
+
+def test_the_reader_hears_a_process_end_and_runs_timers_without_a_thread_of_either():
+    """An agent hears each rank's end on its one reader thread (a pidfd), not on a thread per
+    rank blocked in waitpid; what must wait a bounded time (a rank's exit report until its
+    streams drain) is a timer on the same thread. The process is left for its owner to reap."""
+    import subprocess
+    import sys
+
+    from skytasks.reactor import ENDED
+
+    reactor = StreamReactor()
+    reactor.call_later(0.0, lambda: None)  # the reader's one thread, started
+    threads_before = threading.active_count()
+    ended: list[tuple[str, int | None, str]] = []
+    heard = threading.Event()
+    procs = [subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({0.3 + 0.2 * i})"]) for i in range(3)]
+    for p in procs:
+        assert reactor.watch_exit(p.pid, lambda why, p=p: (ended.append((why, p.returncode, threading.current_thread().name)),
+                                                              len(ended) == 3 and heard.set()))
+    fired: list[float] = []
+    started = time.monotonic()
+    for delay in (0.4, 0.1, 0.25):
+        reactor.call_later(delay, lambda: fired.append(round(time.monotonic() - started, 1)))
+    assert threading.active_count() == threads_before  # no thread for any of them
+    assert heard.wait(10)
+    assert [why for why, _, _ in ended] == [ENDED] * 3
+    assert {name for _, _, name in ended} == {"skytasks-reactor"}
+    assert all(code is None for _, code, _ in ended)  # not reaped by the reader: its owner does
+    assert [p.wait(5) for p in procs] == [0, 0, 0]
+    deadline = time.monotonic() + 5
+    while len(fired) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(fired) == 3 and fired == sorted(fired) and fired[0] >= 0.1, fired  # each when due, in order
+
+
+def test_a_process_reaped_already_cannot_be_watched_and_says_so():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert StreamReactor().watch_exit(p.pid, lambda why: None) is False  # the caller waits the old way

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, NamedTuple, Protocol
 
-from skytasks.reactor import shared_reactor
+from skytasks.reactor import ENDED, shared_reactor
 from skytasks.wire import PIPE_BYTES, TO_AGENT, FrameParser, FrameWriter, decode, widen_pipe
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
@@ -115,16 +115,20 @@ class RankProcess:
         # Its three streams are read by the agent's one reader thread (skytasks.reactor), not a
         # thread each: at 8 ranks a node that was 24 threads waking for every result and line.
         self._open_streams = 3
-        self._drained = threading.Event()  # all three ended: nothing more can come from the rank
-        self._streams_lock = threading.Lock()
-        reactor = shared_reactor()
+        self._exit: tuple[int, float] | None = None  # (code, when), once heard
+        self._awaiting_drain = False  # the exit is to be reported once its streams have ended
+        self._reported = False
+        self._streams_lock = threading.Lock()  # the streams' count, the exit and its report
+        self._reactor = reactor = shared_reactor()
         frames = FrameParser()
         reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed_raw(data)),
                     self.stream_ended)
         for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
             lines = _LineSplitter(self, name)
             reactor.add(stream, lines.feed, lines.end)
-        threading.Thread(target=self._report_exit, daemon=True).start()
+        # Its end is heard on the same thread as its streams, not in a thread of its own.
+        if not reactor.watch_exit(self.proc.pid, self._on_exit):
+            threading.Thread(target=self._wait_for_exit, daemon=True).start()
 
     def _relay_frames(self, frames: list[tuple[int, bytearray]]) -> None:
         """The rank's frames go on to the controller as the rank wrote them (it stamped them with
@@ -150,22 +154,55 @@ class RankProcess:
     def stream_ended(self, why: str) -> None:
         with self._streams_lock:
             self._open_streams -= 1
-            if self._open_streams == 0:
-                self._drained.set()
+            report_now = self._open_streams == 0 and self._awaiting_drain
+        if report_now:
+            self._report()
 
-    def _report_exit(self) -> None:
-        code = self.proc.wait()
-        exited_at = time.time()  # before the relays drain: when it really ended, for root-cause order
-        if code == -signal.SIGTERM and not self.stopped_by_agent:
-            # Someone signalled the whole node (a scheduler's preemption or cancel): the agent
-            # got the same SIGTERM, and its LEAVING, not this exit, is the news.
-            self._agent.leaving_known.wait(0.5)
-        if self._agent.leaving_known.is_set():
+    # -- its exit, heard on the reactor's thread (or `_wait_for_exit`'s) -------------------------
+
+    def _wait_for_exit(self) -> None:
+        """Where no pidfd could be had: wait here, then carry on on the reactor's thread."""
+        try:
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)  # ended, left for poll to reap
+        except ChildProcessError:
+            pass  # reaped already
+        self._reactor.call_later(0.0, lambda: self._on_exit(ENDED))
+
+    def _on_exit(self, why: str) -> None:
+        code = self.proc.poll()
+        if code is None:  # the watch failed to register (why says so): wait the old way
+            threading.Thread(target=self._wait_for_exit, daemon=True).start()
             return
-        # Let the relays drain first, so a result or traceback sent just before the exit is
-        # reported before the exit itself. A grandchild holding a pipe open must not stall this.
-        self._drained.wait(timeout=2.0)
-        self._agent.emit(message(Op.EXITED, group=self.group, rank=self.rank, returncode=code, at=exited_at))
+        exit_at = time.time()  # before the relays drain: when it really ended, for root-cause order
+        self._exit = (code, exit_at)
+        if code == -signal.SIGTERM and not self.stopped_by_agent and not self._agent.leaving_known.is_set():
+            # Someone signalled the whole node (a scheduler's preemption or cancel): the agent
+            # got the same SIGTERM, and its LEAVING, not this exit, may be the news.
+            self._reactor.call_later(0.5, self._report_once_drained)
+        else:
+            self._report_once_drained()
+
+    def _report_once_drained(self) -> None:
+        # The relays drain first, so a result or traceback sent just before the exit is reported
+        # before the exit itself (`stream_ended` reports then). A grandchild holding a pipe open
+        # must not stall this: 2 s at most.
+        with self._streams_lock:
+            self._awaiting_drain = True
+            drained = self._open_streams == 0
+        if drained:
+            self._report()
+        else:
+            self._reactor.call_later(2.0, self._report)
+
+    def _report(self) -> None:
+        with self._streams_lock:
+            if self._reported or self._exit is None:
+                return
+            self._reported = True
+            code, exit_at = self._exit
+        if self._agent.leaving_known.is_set():
+            return  # the agent's LEAVING says it, with where every rank was
+        self._agent.emit(message(Op.EXITED, group=self.group, rank=self.rank, returncode=code, at=exit_at))
 
     def dump_from_here(self) -> None:
         """The next `last_stack` starts at the file's end now: only what the rank dumps after this."""

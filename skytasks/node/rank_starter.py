@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import BinaryIO
 
 from skytasks.node.linux import PR_SET_CHILD_SUBREAPER, prctl
@@ -20,28 +21,37 @@ from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MES
 
 class ForkedProcess:
     """A rank the template forked, as the agent sees it: what the agent used of `Popen`. The rank
-    is the agent's own child (the agent is a subreaper), so the agent reaps it as Popen would."""
+    is the agent's own child (the agent is a subreaper), so the agent reaps it as Popen would:
+    `poll` reaps it once it has ended, never blocking. Nothing waits for it in a thread of its own:
+    its `RankProcess` hears the end on the agent's reactor and polls (see `skytasks.reactor`)."""
 
     def __init__(self, pid: int, stdin: BinaryIO, stdout: BinaryIO, stderr: BinaryIO):
         self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
         self.returncode: int | None = None
         self._ended = threading.Event()
-        threading.Thread(target=self._reap, daemon=True, name=f"reap-{pid}").start()
-
-    def _reap(self) -> None:
-        try:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:  # not ours after all: the template's report was wrong
-            self.returncode = -signal.SIGKILL
-        self._ended.set()
+        self._reaping = threading.Lock()  # the reactor and a stop may poll at once: one reaps
 
     def poll(self) -> int | None:
-        return self.returncode
+        with self._reaping:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # not ours after all: the template's report was wrong
+                    pid, status = self.pid, -1
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status) if status != -1 else -signal.SIGKILL
+                    self._ended.set()
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+        """As Popen's: until it has ended, reaped by whoever polls first. Whoever hears the end
+        (the reactor) polls at once; the short poll here is only for a caller nobody told."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+            self._ended.wait(left)
         assert self.returncode is not None
         return self.returncode
 
