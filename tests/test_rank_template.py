@@ -64,6 +64,31 @@ def test_ranks_are_forked_from_a_warm_template_and_are_still_the_agents_children
     assert len({r["random"] for r in ranks}) == 4  # each rank's random state is its own
 
 
+def ask_my_own_stack() -> dict:
+    import signal
+
+    path = os.environ["SKYTASKS_STACK_FILE"]
+    os.kill(os.getpid(), signal.SIGUSR1)  # as the agent asks: faulthandler writes, the rank goes on
+    deadline = time.monotonic() + 5
+    while "ask_my_own_stack" not in open(path).read() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"rank": int(os.environ["RANK"]), "file": path, "stack": open(path).read(),
+            "ctrl_fd": os.environ["SKYTASKS_CTRL_FD"]}
+
+
+def test_a_forked_rank_can_be_asked_where_it_is_from_birth_and_says_it_in_its_own_file():
+    """The template registers faulthandler once for every rank it forks (a registration per rank
+    cost each 0.5 ms of CPU); each rank points it at its own stack file as it starts."""
+    pool = GPUPool(nodes=1, procs_per_node=3)
+    with pool:
+        ranks = distributed_task(ask_my_own_stack, pool=pool, init_torch=False)()
+    assert [r["ctrl_fd"] for r in ranks] == [FORKED_CTRL_FD] * 3  # forked ones
+    assert len({r["file"] for r in ranks}) == 3
+    for r in ranks:
+        assert "ask_my_own_stack" in r["stack"] and "test_rank_template.py" in r["stack"], r["stack"]
+        assert r["stack"].count("ask_my_own_stack") == 1  # its own dump only, none of its siblings'
+
+
 def torch_in_a_rank() -> dict:
     import torch
     import torch.distributed as dist

@@ -156,18 +156,30 @@ def _enter_workdir() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
 
 
-def _dump_stacks_on_request() -> None:
-    """SIGUSR1 makes faulthandler write every thread's stack to the agent's file for this rank.
+def dump_stacks_to(file: Any) -> None:
+    """SIGUSR1 makes faulthandler write every thread's stack to `file` (a file, or a descriptor).
     So does SIGTERM, before the default action ends the rank: when a scheduler (SLURM's
     preemption, a time limit) signals the whole node at once, where each rank was survives it."""
     import faulthandler
 
+    faulthandler.register(signal.SIGUSR1, file=file, all_threads=True, chain=False)
+    faulthandler.register(signal.SIGTERM, file=file, all_threads=True, chain=True)
+
+
+def _dump_stacks_on_request(stack_fd: int | None = None) -> None:
+    """Stacks to the agent's file for this rank. `stack_fd`: a forked rank's template registered
+    faulthandler on that descriptor already (see rank_template): the file takes its place."""
     path = os.environ.get("SKYTASKS_STACK_FILE")
-    if path:
-        global _STACK_FILE
-        _STACK_FILE = open(path, "a")  # kept open: faulthandler writes to its descriptor
-        faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True, chain=False)
-        faulthandler.register(signal.SIGTERM, file=_STACK_FILE, all_threads=True, chain=True)
+    if not path:
+        return
+    if stack_fd is not None:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, stack_fd)
+        os.close(fd)
+        return
+    global _STACK_FILE
+    _STACK_FILE = open(path, "a")  # kept open: faulthandler writes to its descriptor
+    dump_stacks_to(_STACK_FILE)
 
 
 _STACK_FILE: Any = None
@@ -188,10 +200,10 @@ def _take_notices(channel: io.BufferedReader) -> None:
         os._exit(1)
 
 
-def main(forked: bool = False) -> None:
+def main(forked: bool = False, stack_fd: int | None = None) -> None:
     if not forked:  # a forked rank was bound to the agent as it was forked (rank_template)
         _die_with_parent()
-    _dump_stacks_on_request()
+    _dump_stacks_on_request(stack_fd)
     preemption.take_signal()  # SLURM's --signal reaches every process of the step, ranks too
     ctrl_fd = int(os.environ["SKYTASKS_CTRL_FD"])
     out = RankWriter(os.fdopen(ctrl_fd, "wb"), int(os.environ["RANK"]), int(os.environ["SKYTASKS_GROUP"]))
