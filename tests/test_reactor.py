@@ -279,3 +279,42 @@ def test_a_process_reaped_already_cannot_be_watched_and_says_so():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     assert StreamReactor().watch_exit(p.pid, lambda why: None) is False  # the caller waits the old way
+
+
+def test_without_pidfds_a_ranks_end_is_still_reported_after_its_last_words(monkeypatch):
+    """Where Python or the kernel has no pidfd, the agent waits for a rank's end in a thread, as
+    before; the report still comes once, after everything the rank said."""
+    import socket
+    import subprocess
+    import sys
+
+    from skytasks.node.rank_process import RankProcess
+    from skytasks.protocol import Op
+
+    monkeypatch.delattr(os, "pidfd_open")
+    said: list[dict] = []
+    reported = threading.Event()
+
+    class Agent:
+        scratch, leaving_known, starter = "/tmp", threading.Event(), None
+
+        def emit(self, msg: dict) -> None:
+            said.append(msg)
+            if msg["op"] == Op.EXITED:
+                reported.set()
+
+        def emit_encoded(self, chunks: list) -> None:
+            pass
+
+        def give_notice(self, reason: str, deadline: float | None = None) -> None:
+            pass
+
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2); print('last words')"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    theirs.close()  # the rank's end of its channel: this rank never had it, so it reads as closed
+    RankProcess(Agent(), 7, 0, {}, proc, ours.detach(), "/tmp/unused-stack-file")
+    assert reported.wait(10)
+    time.sleep(0.3)  # nothing more comes: one report
+    assert [(m["op"], m.get("line")) for m in said] == [(Op.OUTPUT, "last words"), (Op.EXITED, None)]
+    assert said[-1]["returncode"] == 0 and said[-1]["group"] == 7

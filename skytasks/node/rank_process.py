@@ -162,10 +162,7 @@ class RankProcess:
 
     def _wait_for_exit(self) -> None:
         """Where no pidfd could be had: wait here, then carry on on the reactor's thread."""
-        try:
-            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)  # ended, left for poll to reap
-        except ChildProcessError:
-            pass  # reaped already
+        self.proc.wait()
         self._reactor.call_later(0.0, lambda: self._on_exit(ENDED))
 
     def _on_exit(self, why: str) -> None:
