@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import cast
 
 
 def _run_parser(commands: argparse._SubParsersAction) -> None:
@@ -67,7 +68,8 @@ def _aws_gc(args: argparse.Namespace) -> list[str]:
     from skytasks.providers.aws.gc import sweep
 
     if args.aws_credentials:
-        creds = AwsCredentials.load(args.aws_credentials)
+        # No event loop runs here, so Prefect's load returns the block itself, not a coroutine.
+        creds = cast(AwsCredentials, AwsCredentials.load(args.aws_credentials))
     else:
         params = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
         creds = AwsCredentials(region_name=args.region, aws_client_parameters=params)

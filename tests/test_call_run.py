@@ -172,6 +172,28 @@ def test_a_lost_node_fails_its_own_ranks_as_the_root_cause():
     assert isinstance(err.value.exceptions[0], ConnectionError) and "node 1" in str(err.value.exceptions[0])
 
 
+def test_a_peers_connection_error_that_beats_the_lost_nodes_news_leaves_the_lost_node_the_root_cause():
+    call, _, _, heard = make_call()
+    call.handle(*failed(call, 0, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4")),
+                now=1.0)
+    assert call.phase is Phase.STOPPING  # rank 1 stopped: its node's loss is not known yet
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
+    call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
+    assert call.done and heard.done == {0: "failed", 1: "failed"}
+    outcome = call.outcome()
+    assert outcome.reason == "node lost"  # a node recovery, not a retry
+    assert isinstance(outcome.cause, ConnectionError) and "lost the agent of node 1" in str(outcome.cause)
+
+
+def test_a_node_lost_after_a_real_failure_stays_collateral():
+    call, _, _, heard = make_call()
+    call.handle(*failed(call, 0, ValueError("bad batch")), now=1.0)
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
+    call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
+    assert call.done and heard.done[1] == "stopped"
+    assert call.outcome().reason == "rank failed" and isinstance(call.outcome().cause, ValueError)
+
+
 def test_a_timeout_names_the_ranks_still_running_and_stops_them():
     call, _, bus, heard = make_call(deadline=30.0)
     call.handle(*result(call, 0, 0), now=1.0)
@@ -200,6 +222,19 @@ def test_a_hang_stops_every_rank_and_fails_each_with_where_it_was():
         call.result()
     assert all(isinstance(e, HangError) for e in err.value.exceptions) and "hung" in str(err.value)
     assert "in `all_reduce`" in str(err.value.exceptions[0]) and "train.py:42" in str(err.value.exceptions[0])
+
+
+def test_the_hang_clock_starts_when_the_group_is_up_not_while_torch_is_still_importing():
+    call, *_ = make_call(init_torch=True, init_timeout=10.0, hang=3.0)
+    assert call.wake_at() == 30.0  # only the init clock runs while no rank has joined
+    call.tick(now=29.0)  # a slow start, far past the hang timeout: no hang
+    assert call.phase is Phase.RUNNING
+    for r in (0, 1):
+        call.handle(r, {"op": Op.JOINING, "group": call.group.id, "rank": r}, now=29.5)
+        call.handle(r, {"op": Op.READY, "group": call.group.id, "rank": r, "pid": 100 + r}, now=30.0)
+    assert call.wake_at() == 33.0  # every rank ready: now silence counts
+    call.tick(now=33.0)
+    assert call.phase is Phase.STOPPING
 
 
 def test_init_timeout_names_who_never_joined():

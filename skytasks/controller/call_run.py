@@ -25,7 +25,7 @@ import time
 from enum import Enum
 from typing import Any
 
-from skytasks.controller.failures import failure_error, rebuild_exception
+from skytasks.controller.failures import failure_error, is_collateral, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.controller.stragglers import StragglerWatch
@@ -95,9 +95,17 @@ class CallRun:
         """The next moment `tick` has something to do; None: only a message can change things."""
         if self.phase is Phase.STOPPING:
             return self._stop_until
-        hang_at = None if self.hang_timeout is None else self.last_heard + self.hang_timeout
+        hang_at = self._hang_at()
         times = [t for t in (self.deadline, self.init_deadline, hang_at, self.stragglers.wake_at()) if t is not None]
         return min(times) if times else None
+
+    def _hang_at(self) -> float | None:
+        """When the call counts as hung. Not while its group is still starting: that is the init
+        timeout's (a slow torch import on a busy machine is no hang), and the last rank's READY
+        starts the clock."""
+        if self.hang_timeout is None or self.init_deadline is not None:
+            return None
+        return self.last_heard + self.hang_timeout
 
     def tick(self, now: float) -> None:
         if self.phase is Phase.STOPPING and now >= self._stop_until:
@@ -112,7 +120,7 @@ class CallRun:
             elif self.init_deadline is not None and now >= self.init_deadline:
                 self._record_call_error(self._init_timeout_error(), EndReason.INIT_TIMEOUT)
                 self._stop("the call timed out", now)
-            elif self.hang_timeout is not None and now >= self.last_heard + self.hang_timeout:
+            elif (hang_at := self._hang_at()) is not None and now >= hang_at:
                 # Each hung rank fails with a HangError named by its place, which the stop brings
                 # back (see _stopped).
                 self._hung = True
@@ -234,7 +242,8 @@ class CallRun:
         if self.outcomes[rank].status is RankState.PENDING:
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
 
-    def _on_node_failure(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+    def _on_node_failure(self, node_rank: int, msg: dict[str, Any], now: float, *,
+                         take: tuple[RankState, ...] = (RankState.PENDING,)) -> None:
         op = Op(msg["op"])
         what = {Op.LOST: f"lost the agent of node {node_rank}", Op.LEAVING: f"node {node_rank} is going away",
                 }.get(op, f"the agent of node {node_rank} failed")
@@ -249,7 +258,7 @@ class CallRun:
             stacks = {int(r): s for r, s in (msg.get("stacks") or {}).items() if s}
             self.observer.on_stacks(stacks, f"stopped because node {node_rank} is going away")
         for o in self.outcomes.values():
-            if o.node_rank == node_rank and o.status is RankState.PENDING:
+            if o.node_rank == node_rank and o.status in take:
                 self._record(o, ConnectionError(f"{what} ({o.node_addr}): {detail}"), None, EndReason.NODE_LOST)
 
     def _on_resources(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
@@ -321,6 +330,11 @@ class CallRun:
     def _while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         """Until every agent confirms its ranks are gone, keeping failures that raced the stop."""
         op, rank = msg["op"], msg.get("rank", -1)
+        if op == Op.LOST and self._stopped_by_collateral_only():
+            # A peer's "connection closed" can beat the news of the node that vanished under it
+            # (a busy controller reads the two streams in either order): the lost node is the
+            # root cause, and the attempt is a node recovery, not a retry.
+            self._on_node_failure(node_rank, msg, now, take=(RankState.PENDING, RankState.STOPPED))
         if op in (Op.STOPPED, Op.LOST):
             for r, stack in (msg.get("stacks") or {}).items():
                 if int(r) in self.outcomes and self.outcomes[int(r)].status is RankState.STOPPED:
@@ -335,6 +349,10 @@ class CallRun:
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
         elif op in (Op.OUTPUT, Op.LOG):
             self._relay_line(msg)
+
+    def _stopped_by_collateral_only(self) -> bool:
+        """Every failure so far is a peer's vanishing under a collective, not a cause of its own."""
+        return bool(self.failures) and all(f.rank >= 0 and is_collateral(f.exception) for f in self.failures)
 
     def _relay_line(self, msg: dict[str, Any]) -> None:
         """A rank's output line or logging record to the observer, in every phase."""
