@@ -24,7 +24,7 @@ system-deps:
 # uv installs what pip would, in seconds: on a fresh 2-core machine 32 s where pip took 2 min 47 s,
 # most of CI's set-up. It reads no pip configuration, so it is handed pip's own find-links: the
 # folder where this machine keeps its CPU build of torch (without it, a multi-GB CUDA build).
-# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (it is on the CI machine)
+# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (it is on this machine)
 # nothing is cached later, and every process, each rank included, would compile Prefect and torch
 # from source at each import (measured: the suite 3 min slower).
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
