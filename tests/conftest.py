@@ -43,6 +43,36 @@ def started_here() -> list[psutil.Process]:
     return [p for p in skytasks_processes() if p.pid in mine]
 
 
+def fork_servers() -> list[psutil.Process]:
+    """Every local fork server on this machine (`skytasks.node.forkserver`), one per controller."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if "skytasks.node.forkserver" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def orphaned_fork_servers(timeout: float = 10.0) -> list[psutil.Process]:
+    """Fork servers whose controller has gone: each must leave with its controller."""
+    deadline = time.monotonic() + timeout
+    while True:
+        orphans = []
+        for p in fork_servers():
+            try:
+                cmd = p.cmdline()
+                owner = int(cmd[cmd.index("--controller") + 1])
+                if not psutil.pid_exists(owner) or psutil.Process(owner).status() == psutil.STATUS_ZOMBIE:
+                    orphans.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, IndexError):
+                pass
+        if not orphans or time.monotonic() > deadline:
+            return orphans
+        time.sleep(0.1)
+
+
 def orphaned_test_sshd() -> list[psutil.Process]:
     """sshd processes started during this test session that no test server owns any more: a
     session whose listener is gone (its parent is then init, not sshd or this process)."""
@@ -122,6 +152,8 @@ def no_leaked_processes():
     yield
     left = wait_for_no_skytasks_processes()
     assert not left, f"leaked skytasks processes: {[(p.pid, p.cmdline()) for p in left]}"
+    servers = orphaned_fork_servers()
+    assert not servers, f"fork servers left behind by their controllers: {[(p.pid, p.cmdline()) for p in servers]}"
     assert_no_orphaned_sshd()
 
 

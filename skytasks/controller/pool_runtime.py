@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from skytasks.controller.session import PoolSession
 from skytasks.events import PoolDown, PoolUp
 from skytasks.pool_spec import PoolSpec
+from skytasks.providers import PreloadsImports
 from skytasks.providers.registry import provider_for
 from skytasks.providers.reporting import PoolReporter
 
@@ -56,8 +57,11 @@ class PoolRuntime:
 
     # -- sessions --------------------------------------------------------------------------
 
-    def start_session(self, starting: dict | None = None) -> PoolSession:
+    def start_session(self, starting: dict | None = None, preload: tuple[str, ...] = ()) -> PoolSession:
+        """`preload`: what the ranks of the call it starts for will import ("torch"), where known."""
         provider = provider_for(self.spec)
+        if preload and isinstance(provider, PreloadsImports):
+            provider.preload(preload)
         if starting is not None:  # lets a cancelled `async with` abort a launch in progress
             starting["provider"] = provider
         session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
@@ -74,11 +78,12 @@ class PoolRuntime:
             PoolReporter(self.spec.name, self.spec.provider).event(PoolDown(self.spec.provider))
 
     @contextmanager
-    def calls(self) -> Iterator[CallSessions]:
+    def calls(self, preload: tuple[str, ...] = ()) -> Iterator[CallSessions]:
         """For one call: the pool's own session if it is up, else one started on first use and
-        torn down at the end. Calls on one pool take turns (they cannot share a process group)."""
+        torn down at the end (`preload`: what that call's ranks import). Calls on one pool take
+        turns (they cannot share a process group)."""
         with self._call_lock:
-            sessions = CallSessions(self)
+            sessions = CallSessions(self, preload)
             try:
                 yield sessions
             finally:
@@ -171,8 +176,8 @@ class CallSessions:
     """The session one call runs on. A call-scoped one starts on first use, inside the runner's
     attempt loop (a pool that fails to start is retried like a failed attempt)."""
 
-    def __init__(self, runtime: PoolRuntime):
-        self._runtime = runtime
+    def __init__(self, runtime: PoolRuntime, preload: tuple[str, ...] = ()):
+        self._runtime, self._preload = runtime, preload
         self._own: PoolSession | None = None
         self._trapped = False
 
@@ -186,7 +191,7 @@ class CallSessions:
             if not self._trapped:
                 self._runtime.trap_sigterm()
                 self._trapped = True
-            self._own = self._runtime.start_session()
+            self._own = self._runtime.start_session(preload=self._preload)
         return self._own
 
     def close(self) -> None:

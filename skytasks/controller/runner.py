@@ -55,7 +55,7 @@ class Runtime(Protocol):
 
     spec: PoolSpec
 
-    def calls(self) -> ContextManager[Sessions]: ...
+    def calls(self, preload: tuple[str, ...] = ()) -> ContextManager[Sessions]: ...
 
 
 class PreparedCall:
@@ -109,7 +109,8 @@ def run_call(runtime: Runtime, payload: PackedCall, options: CallOptions, observ
     spent = Spent()
     error: BaseException | None = None
     try:
-        with runtime.calls() as sessions:
+        # A pool started for this call alone knows what its ranks import: its nodes may have it ready.
+        with runtime.calls(preload=("torch",) if options.init_torch else ()) as sessions:
             attempt = 0
             while True:
                 attempt += 1

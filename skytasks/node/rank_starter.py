@@ -56,17 +56,23 @@ class ForkedProcess:
         return self.returncode
 
 
+# Set in an agent forked from a fork server that imported torch (see `forkserver`): the torch
+# variables it imported torch with. The agent's template then has torch from its first moment.
+TORCH_PRELOADED_WITH: dict[str, str] | None = None
+
+
 class RankStarter:
     """Starts a node's rank processes: forked from the template while it serves, else cold."""
 
     def __init__(self, template: socket.socket | None = None, template_pid: int | None = None,
-                 template_env: dict[str, str] | None = None):
+                 template_env: dict[str, str] | None = None, torch_env: dict[str, str] | None = None):
         self._sock, self._template_pid = template, template_pid
         self._template_env = template_env or {}
         self._lock = threading.Lock()  # one fork request in flight at a time
         self._started: set[int] = set()  # every rank pid this started: someone else reaps those
-        # The environment the template imported torch with, once it has (see `_import_torch`).
-        self._torch_env: dict[str, str] | None = None
+        # The environment the template imported torch with, once it has (see `_import_torch`),
+        # or the fork server did before the template was forked.
+        self._torch_env = torch_env
 
     @classmethod
     def fork_template(cls) -> RankStarter:
@@ -84,7 +90,7 @@ class RankStarter:
             os.close(ours.detach())  # the agent's end: held here, the agent's close would never be heard
             serve_as_template(theirs, agent)  # never returns
         theirs.close()
-        return cls(ours, pid, dict(os.environ))
+        return cls(ours, pid, dict(os.environ), TORCH_PRELOADED_WITH)
 
     def start_many(self, requests: list[tuple[dict[str, str], int]]) -> list[subprocess.Popen | ForkedProcess]:
         """A rank process for each (`env` whole, `ctrl_write` its channel to the agent), with

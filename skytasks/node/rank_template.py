@@ -168,20 +168,20 @@ def _import_torch(env: dict[str, str]) -> int:
     process now has: numpy's OpenBLAS starts a pool as it loads, which is fork-safe (it stops the
     pool before each fork and restarts it lazily, in parent and child alike)."""
     saved = dict(os.environ)
-    _set_environ(env)
+    set_environ(env)
     try:
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
     except Exception:  # noqa: BLE001 - a rank that needs torch says what is wrong, as a cold one would
         pass
     finally:
-        _set_environ(saved)
+        set_environ(saved)
     gc.collect()
     gc.freeze()
     return _threads()
 
 
-def _set_environ(env: dict[str, str]) -> None:
+def set_environ(env: dict[str, str]) -> None:
     """This process's environment becomes `env`, changing only what differs (a rank's is mostly
     the agent's, as the template's is): each change is a libc call."""
     for key in [k for k in os.environ if k not in env]:
@@ -252,7 +252,7 @@ def _become_rank(env: dict[str, str], fds: list[int], middle: int, agent: int, g
                     os.close(int(name))
                 except OSError:
                     pass  # the listing's own descriptor
-        _set_environ(env)
+        set_environ(env)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
         from skytasks.node import worker

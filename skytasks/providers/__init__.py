@@ -9,7 +9,7 @@ it is given (`skytasks.providers.reporting`); the controller asks it, never its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Protocol, runtime_checkable
 
 from skytasks.settings import settings
 
@@ -99,6 +99,14 @@ class NodeProvider(Protocol):
     def stop(self) -> None:
         """Tear down everything `start` made. Idempotent, safe after a partial start. Raises
         PoolTeardownError (after trying every step) when something may be left behind."""
+
+
+@runtime_checkable
+class PreloadsImports(Protocol):
+    """A provider whose agents can start with what the session's ranks will import already
+    imported (the local provider's fork server): asked before `start`."""
+
+    def preload(self, modules: tuple[str, ...]) -> None: ...
 
 
 class ProviderClass(Protocol):

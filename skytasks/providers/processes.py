@@ -3,6 +3,23 @@
 from __future__ import annotations
 
 import subprocess
+from typing import IO, Protocol
+
+
+class ChildProcess(Protocol):
+    """What of `subprocess.Popen` ending one takes (a forked local agent has the same)."""
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+    @property
+    def stderr(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
 
 
 # How long a node found lost is given to end on its own, at each step of `end_child`: it cannot
@@ -10,7 +27,7 @@ import subprocess
 LOST_WAIT_SECONDS = 1.0
 
 
-def end_child(proc: subprocess.Popen, *, terminate_first: bool = False, wait: float = 10.0) -> None:
+def end_child(proc: ChildProcess, *, terminate_first: bool = False, wait: float = 10.0) -> None:
     """EOF on its stdin (an agent then stops its ranks and exits); if it lingers, SIGTERM when
     `terminate_first` (srun passes it on to the step's tasks), then SIGKILL. Its pipes are closed."""
     if proc.poll() is None:

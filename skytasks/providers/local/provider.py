@@ -11,8 +11,10 @@ import sys
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
+from skytasks.providers.local.forked_agents import AgentProcess, agent_process, torch_env_of
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.providers.reporting import PoolReporter
+from skytasks.settings import settings
 from skytasks.wire import widen_pipe
 
 LOOPBACK = "127.0.0.1"
@@ -25,8 +27,14 @@ class LocalProvider(NodeProvider):
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
-        self._procs: dict[int, subprocess.Popen] = {}  # node id -> its agent
+        self._procs: dict[int, subprocess.Popen | AgentProcess] = {}  # node id -> its agent
         self._next_id = spec.nodes  # the ids of nodes grown later
+        self._preload: tuple[str, ...] = ()
+
+    def preload(self, modules: tuple[str, ...]) -> None:
+        """The session is for ranks that import these ("torch"): its agents are forked from a
+        server that imported them already, so no node imports them again (see forked_agents)."""
+        self._preload = modules
 
     def start(self) -> list[NodeLink]:
         self._gpus = visible_gpus()
@@ -63,15 +71,22 @@ class LocalProvider(NodeProvider):
         env = {**os.environ, "PYTHONPATH": self._path}
         if self._gpus:  # each node sees its own slice; LOCAL_RANK indexes into it, as torchrun's
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._slices[node_id % len(self._slices)])
-        proc = subprocess.Popen(
-            [sys.executable, *agent_args()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            # A session of its own: Ctrl-C at the terminal reaches the controller only,
-            # which then stops the ranks in order instead of everything dying at once.
-            start_new_session=True,
-        )
+        args = agent_args()
+        proc: subprocess.Popen | AgentProcess | None = None
+        if settings().rank_start == "fork":  # "exec": every process a fresh interpreter
+            # The ranks' torch variables are the agent's and the pool's own `env`.
+            torch_env = torch_env_of({**env, **self._spec.env}) if "torch" in self._preload else None
+            proc = agent_process(args, env, torch_env)
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                # A session of its own: Ctrl-C at the terminal reaches the controller only,
+                # which then stops the ranks in order instead of everything dying at once.
+                start_new_session=True,
+            )
         self._procs[node_id] = proc
         widen_pipe(proc.stdin)
         widen_pipe(proc.stdout)
