@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import signal
 import socket
 import sys
 import traceback
+
+from skytasks.node.rank_template import answer
 
 MAX_MESSAGE = 1 << 20
 FDS_PER_AGENT = 3  # its stdin, stdout and stderr
@@ -47,26 +48,20 @@ def serve(sock: socket.socket) -> None:
             data, fds = b"", []
         if not data:
             break
-        reply: dict[str, object]
-        try:
-            request = json.loads(data)
-            if "reap" in request:
-                reply = {"code": _reap(int(request["reap"]))}
-            elif "warm" in request:
-                reply = {"torch": _warm(request["warm"])}
-            else:
-                reply = {"pid": _fork_agent(request["argv"], request["env"], request["cwd"], fds)}
-        except Exception as exc:  # noqa: BLE001 - said to the controller, which starts that agent fresh
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            for fd in fds:
-                os.close(fd)
-        sock.send(json.dumps(reply).encode())
+        answer(sock, data, fds, _handle)  # an error is said to the controller, which starts that agent fresh
     while True:  # reap the agents still running, so none is left a zombie of this process
         try:
             os.wait()
         except ChildProcessError:
             return
+
+
+def _handle(request: dict, fds: list[int]) -> dict[str, object]:
+    if "reap" in request:
+        return {"code": _reap(int(request["reap"]))}
+    if "warm" in request:
+        return {"torch": _warm(request["warm"])}
+    return {"pid": _fork_agent(request["argv"], request["env"], request["cwd"], fds)}
 
 
 def _warm(torch_env: dict[str, str] | None) -> bool:

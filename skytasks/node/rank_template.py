@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable
 
 from skytasks.node import routes
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
@@ -117,24 +118,36 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
             if not data:
                 code = 0
                 return  # the agent closed: it stopped its ranks first
-            reply: dict[str, object]
-            try:
-                request = json.loads(data)
+
+            def fork(request: dict, fds: list[int]) -> dict[str, object]:
+                nonlocal native_threads
                 if request.get("import_torch") is not None and "torch" not in sys.modules:
                     native_threads = _import_torch(request["import_torch"])
                 # The interface towards each head, found once for the node's ranks (see routes).
                 routes.find_routes({env.get("MASTER_ADDR", "") for env in request["envs"]})
-                reply = {"pids": _fork_ranks(request["envs"], fds, agent, native_threads)}
-            except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the ranks cold
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            sock.send(json.dumps(reply).encode())
+                return {"pids": _fork_ranks(request["envs"], fds, agent, native_threads)}
+
+            answer(sock, data, fds, fork)
     except BaseException:  # noqa: BLE001 - the agent then starts its ranks cold
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def answer(sock: socket.socket, data: bytes, fds: list[int],
+           handle: Callable[[dict, list[int]], dict[str, object]]) -> None:
+    """One request to a fork server (this template, or the agents' `forkserver`): `handle` makes
+    the reply; its exception is said as {"error": ...} to the asker, which then starts what it
+    asked for the old way. The descriptors that came with the request are closed either way."""
+    reply: dict[str, object]
+    try:
+        reply = handle(json.loads(data), fds)
+    except Exception as exc:  # noqa: BLE001 - said to the asker
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for fd in fds:
+            os.close(fd)
+    sock.send(json.dumps(reply).encode())
 
 
 # The descriptor the template registered faulthandler on; each forked rank puts its stack file there.
