@@ -1,4 +1,4 @@
-"""provider="local": node agents as child processes of this machine (`provider.py`). It reads
+"""provider="local": node agents as processes of this machine (`provider.py`). It reads
 no field beyond the pool's shape."""
 
 from skytasks.providers import ProviderPlugin

@@ -1,4 +1,5 @@
-"""provider="local": node agents as child processes of this machine, reached over pipes."""
+"""provider="local": node agents as processes of this machine, reached over pipes: forked
+from the controller's fork server (`forked_agents`), or started fresh where it cannot serve."""
 
 from __future__ import annotations
 
