@@ -32,7 +32,8 @@ import socket
 import sys
 import traceback
 
-from skytasks.node.rank_template import answer
+from skytasks.node.rank_template import (answer, close_fds_above, live_then_exit, retitle, set_environ,
+                                         torch_import_env)
 
 MAX_MESSAGE = 1 << 20
 FDS_PER_AGENT = 3  # its stdin, stdout and stderr
@@ -60,14 +61,15 @@ def _handle(request: dict, fds: list[int]) -> dict[str, object]:
     if "reap" in request:
         return {"code": _reap(int(request["reap"]))}
     if "warm" in request:
-        return {"torch": _warm(request["warm"])}
+        _warm(request["warm"])
+        return {"warm": True}
     return {"pid": _fork_agent(request["argv"], request["env"], request["cwd"], fds)}
 
 
-def _warm(torch_env: dict[str, str] | None) -> bool:
+def _warm(torch_env: dict[str, str] | None) -> None:
     """The agent's modules and those its template takes, once for every agent forked from here;
     torch too when `torch_env` is given, imported with those of its variables (its thread pools
-    read them as they load). Returns whether torch is now imported."""
+    read them as they load)."""
     import cloudpickle  # noqa: F401 - the template warms it for every rank
     import skytasks.node.agent  # noqa: F401
     import skytasks.node.worker
@@ -76,10 +78,8 @@ def _warm(torch_env: dict[str, str] | None) -> bool:
         importlib.import_module(name)
     if torch_env is not None:
         from skytasks.node import rank_starter
-        from skytasks.node.rank_template import TORCH_IMPORT_ENV_PREFIXES, set_environ
-
         saved = dict(os.environ)
-        set_environ({**{k: v for k, v in saved.items() if not k.startswith(TORCH_IMPORT_ENV_PREFIXES)}, **torch_env})
+        set_environ({**{k: v for k, v in saved.items() if k not in torch_import_env(saved)}, **torch_env})
         try:
             import torch  # noqa: F401
             import torch.distributed  # noqa: F401
@@ -93,7 +93,6 @@ def _warm(torch_env: dict[str, str] | None) -> bool:
     # an agent's collections do not copy the pages it shares with this process.
     gc.collect()
     gc.freeze()
-    return "torch" in sys.modules
 
 
 def _fork_agent(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> int:
@@ -108,40 +107,23 @@ def _fork_agent(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) 
 
 
 def _become_agent(args: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
-    code = 1
-    try:
+    def life() -> None:
         os.setsid()  # as `start_new_session=True`: Ctrl-C at the terminal is the controller's alone
         for target, fd in enumerate(fds):
             os.dup2(fd, target)  # dup2 clears close-on-exec: the agent's own children may inherit
-        for name in os.listdir("/proc/self/fd"):
-            if int(name) > 2:  # this process's socket, the descriptors as received
-                try:
-                    os.close(int(name))
-                except OSError:
-                    pass  # the listing's own descriptor
+        close_fds_above(2)  # this process's socket, the descriptors as received
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.chdir(cwd)
         if sys.path and sys.path[0] == _STARTED_IN:
             sys.path[0] = cwd  # `python -m` puts the directory it started in first
         from skytasks.node.agent import main
-        from skytasks.node.rank_template import retitle, set_environ
 
         set_environ(env)
-
         retitle("-m", "skytasks.node.agent")
         sys.argv = ["-m", "skytasks.node.agent", *args]
         main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+
+    live_then_exit(life)
 
 
 def _reap(pid: int) -> int:

@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from skytasks.node.linux import PR_SET_CHILD_SUBREAPER, prctl
 from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, STARTUP_ENV_PREFIXES,
-                                         TORCH_IMPORT_ENV_PREFIXES, UNBUFFERED, serve_as_template)
+                                         UNBUFFERED, serve_as_template, torch_import_env)
 
 
 class ForkedProcess:
@@ -104,7 +104,7 @@ class RankStarter:
             # ranks whose thread settings differ from it start cold.
             import_torch = next((requests[i][0] for i in warm if _inits_torch(requests[i][0])), None)
             if import_torch is not None:
-                self._torch_env = _torch_import_env(import_torch)
+                self._torch_env = torch_import_env(import_torch)
                 warm = [i for i in warm if not self._changes_startup(requests[i][0])]
         for batch in _batches(warm, requests):
             forked = self._fork([requests[i] for i in batch], import_torch)
@@ -131,7 +131,7 @@ class RankStarter:
         keys = (set(env) | set(self._template_env)) - {UNBUFFERED}
         if any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != self._template_env.get(k) for k in keys):
             return True
-        return self._torch_env is not None and _torch_import_env(env) != self._torch_env
+        return self._torch_env is not None and torch_import_env(env) != self._torch_env
 
     def _fork(self, batch: list[tuple[dict[str, str], int]], import_torch: dict[str, str] | None = None,
               ) -> list[ForkedProcess] | None:
@@ -215,10 +215,6 @@ BATCH_BYTES = 128 * 1024  # a request's environments: well inside a socket's def
 
 def _inits_torch(env: dict[str, str]) -> bool:
     return env.get("SKYTASKS_INIT_TORCH", "1") == "1"  # as the worker reads it
-
-
-def _torch_import_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(TORCH_IMPORT_ENV_PREFIXES)}
 
 
 def _batches(indices: list[int], requests: list[tuple[dict[str, str], int]]) -> list[list[int]]:

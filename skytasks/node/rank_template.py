@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, NoReturn
 
 from skytasks.node import routes
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
@@ -194,6 +194,11 @@ def _import_torch(env: dict[str, str]) -> int:
     return _threads()
 
 
+def torch_import_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of `env` that torch and its thread pools read as they load."""
+    return {k: v for k, v in env.items() if k.startswith(TORCH_IMPORT_ENV_PREFIXES)}
+
+
 def set_environ(env: dict[str, str]) -> None:
     """This process's environment becomes `env`, changing only what differs (a rank's is mostly
     the agent's, as the template's is): each change is a libc call."""
@@ -248,8 +253,8 @@ def _fork_ranks(envs: list[dict[str, str]], fds: list[int], agent: int, native_t
 
 def _become_rank(env: dict[str, str], fds: list[int], middle: int, agent: int, gate: int) -> None:
     """In the forked child: what `python -m skytasks.node.worker` with these pipes would be."""
-    code = 1
-    try:
+
+    def life() -> None:
         os.read(gate, 1)  # its end: the middle is exiting
         os.close(gate)
         while os.getppid() == middle:  # an exit closes its files before it reparents the children: microseconds
@@ -259,12 +264,7 @@ def _become_rank(env: dict[str, str], fds: list[int], middle: int, agent: int, g
         high = [os.dup(fd) for fd in fds]  # out of the way of 0-3 before they are filled
         for target, fd in enumerate(high):
             os.dup2(fd, target)
-        for name in os.listdir("/proc/self/fd"):  # the template's own and the copies above
-            if int(name) > CTRL_FD and int(name) != _STACK_FD:
-                try:
-                    os.close(int(name))
-                except OSError:
-                    pass  # the listing's own descriptor
+        close_fds_above(CTRL_FD, keep=_STACK_FD)  # the template's own and the copies above
         set_environ(env)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
@@ -273,10 +273,36 @@ def _become_rank(env: dict[str, str], fds: list[int], middle: int, agent: int, g
         sys.argv = [worker.__file__]
         retitle("-m", "skytasks.node.worker")
         worker.main(forked=True, stack_fd=_STACK_FD)
+
+    live_then_exit(life)
+
+
+def close_fds_above(highest: int, keep: int | None = None) -> None:
+    """In a forked child: close every descriptor above `highest` (but `keep`), what it inherited
+    from the process it was forked from, as an exec'd process would not have them."""
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > highest and int(name) != keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass  # the listing's own descriptor
+
+
+def live_then_exit(life: Callable[[], None]) -> NoReturn:
+    """A forked child's whole life: `life`, then `os._exit` with its code (a SystemExit's; 1 for
+    any other exception, whose traceback goes to stderr). It never returns into the code of the
+    process it was forked from, nor runs that process's exit handlers."""
+    code = 1
+    try:
+        life()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     finally:
-        os._exit(code)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)

@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import BinaryIO
 
-from skytasks.node.rank_template import STARTUP_ENV_PREFIXES, TORCH_IMPORT_ENV_PREFIXES
+from skytasks.node.rank_template import STARTUP_ENV_PREFIXES
 
 MAX_SERVERS = 4  # startup environments a controller keeps a server for; past that, agents start fresh
 # Warming imports torch, which on a busy 2-core machine has taken 10 s and more; a fork is
@@ -101,7 +101,7 @@ class ForkServer:
                                           stdout=subprocess.DEVNULL, env=env, start_new_session=True)
         finally:
             theirs.close()
-        self.torch = bool(self._ask({"warm": torch_env}, WARM_SECONDS).get("torch"))
+        self._ask({"warm": torch_env}, WARM_SECONDS)  # answered once its imports are done
 
     def fork_agent(self, argv: list[str], env: dict[str, str]) -> AgentProcess:
         stdin_r, stdin_w = os.pipe()
@@ -200,11 +200,6 @@ def _room_for_one_more() -> bool:
         if server is not None:
             server.close()
     return len(_servers) < MAX_SERVERS
-
-
-def torch_env_of(env: dict[str, str]) -> dict[str, str]:
-    """The variables torch reads as it loads, of a rank's environment (see `rank_template`)."""
-    return dict(_only(env, TORCH_IMPORT_ENV_PREFIXES))
 
 
 def _only(env: dict[str, str], prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -12,7 +12,8 @@ import sys
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
-from skytasks.providers.local.forked_agents import AgentProcess, agent_process, torch_env_of
+from skytasks.node.rank_template import torch_import_env
+from skytasks.providers.local.forked_agents import AgentProcess, agent_process
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.providers.reporting import PoolReporter
 from skytasks.settings import settings
@@ -76,7 +77,7 @@ class LocalProvider(NodeProvider):
         proc: subprocess.Popen | AgentProcess | None = None
         if settings().rank_start == "fork":  # "exec": every process a fresh interpreter
             # The ranks' torch variables are the agent's and the pool's own `env`.
-            torch_env = torch_env_of({**env, **self._spec.env}) if "torch" in self._preload else None
+            torch_env = torch_import_env({**env, **self._spec.env}) if "torch" in self._preload else None
             proc = agent_process(args, env, torch_env)
         if proc is None:
             proc = subprocess.Popen(
