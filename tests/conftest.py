@@ -24,17 +24,22 @@ ROLES = ("skytasks.node.agent", "skytasks.node.rank_template", "skytasks.node.wo
 SESSION_STARTED = psutil.Process().create_time()  # psutil's clock: comparable with its create_time()
 
 
-def skytasks_processes() -> list[psutil.Process]:
-    """Every node agent and rank process on this machine, orphans included."""
+def running(*roles: str) -> list[psutil.Process]:
+    """Every live process on this machine whose command line names one of `roles`, orphans included."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if any(role in cmd for role in ROLES) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if any(role in cmd for role in roles) and p.info["status"] != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+def skytasks_processes() -> list[psutil.Process]:
+    """Every node agent and rank process on this machine, orphans included."""
+    return running(*ROLES)
 
 
 def started_here() -> list[psutil.Process]:
@@ -45,14 +50,7 @@ def started_here() -> list[psutil.Process]:
 
 def fork_servers() -> list[psutil.Process]:
     """Every local fork server on this machine (`skytasks.node.forkserver`), one per controller."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if "skytasks.node.forkserver" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
+    return running("skytasks.node.forkserver")
 
 
 def orphaned_fork_servers(timeout: float = 10.0) -> list[psutil.Process]:
