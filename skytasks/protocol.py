@@ -52,6 +52,10 @@ Rank -> agent (not relayed; the frame's TO_AGENT flag says so): NOTICE reason, d
   reached the rank itself; the agent makes it the node's NOTICE, so every rank of every node and
   the controller hear it.
 Controller -> rank (through the agent): CALL, CLOSE, PREEMPTION.
+Agent -> rank, on its control channel:
+  SHARED  token                                 with one file descriptor beside it (SCM_RIGHTS): the
+                                                memory file of a large buffer of the next CALL, which
+                                                names it by `token` in the frame (wire.BY_REF)
 Made on the controller, never sent:
   LOST    reason                                a stream closed or fell silent
 """
@@ -89,6 +93,7 @@ class Op(StrEnum):
     RESULT = "result"
     FAILED = "failed"
     LOST = "lost"
+    SHARED = "shared"
 
 
 # What shows a call is not hung (with hang_timeout_seconds): a rank starting, writing or finishing.
@@ -250,13 +255,17 @@ class Lost(TypedDict):
     reason: str
 
 
+class Shared(TypedDict):
+    token: int
+
+
 MESSAGES: dict[Op, type] = {
     Op.SPAWN: Spawn, Op.CALL: Call, Op.STACKS: Stacks, Op.STOP: Stop, Op.CLOSE: Close, Op.HEARTBEAT: Heartbeat,
     Op.HELLO: Hello, Op.OUTPUT: Output, Op.EXITED: Exited, Op.STACK: Stack, Op.STOPPED: Stopped,
     Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.NOTICE: Notice, Op.PREEMPTION: Preemption,
     Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
     Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
-    Op.PEERS: Peers, Op.ROUTE: Route, Op.PEER_READY: PeerReady,
+    Op.PEERS: Peers, Op.ROUTE: Route, Op.PEER_READY: PeerReady, Op.SHARED: Shared,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})
 _FIELDS: dict[Op, tuple[frozenset[str], frozenset[str]]] = {}  # op -> (required, allowed), made on first use

@@ -20,8 +20,9 @@ from typing import Any
 
 import cloudpickle
 
+from skytasks.wire import SHARED_BYTES
+
 Blob = tuple[bytes, list[memoryview]]
-SHARED_BYTES = 1 << 20  # a received buffer this large gets memory of its own (see `SharedBuffer`)
 
 
 class SharedBuffer(mmap.mmap):
@@ -49,6 +50,14 @@ def shared_buffer(size: int) -> SharedBuffer | None:
     except OSError:
         os.close(fd)
         return None
+    buf.fd = fd
+    return buf
+
+
+def mapped_buffer(fd: int, size: int) -> SharedBuffer:
+    """A memory file the node's agent wrote and handed over (`wire.relay_frame`), mapped read-only:
+    the node's ranks share its pages, and each call still maps it privately (`private_view`)."""
+    buf = SharedBuffer(fd, size, prot=mmap.PROT_READ)
     buf.fd = fd
     return buf
 

@@ -15,6 +15,7 @@ Pickle here is code execution, which is why the stream must always be an authent
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 import threading
@@ -27,11 +28,17 @@ RELAY = 1  # flag: a node agent streams this frame on to its ranks as it arrives
 TO_AGENT = 2
 RELAY_CHUNK = 1 << 20
 _LENGTH = struct.Struct(">Q")
+# A buffer's length with this bit set: its bytes are not in the stream. A token follows, naming
+# the memory file the node's agent handed the rank beside it (see relay_frame's `hand_over`).
+BY_REF = 1 << 63
 # A frame larger than this is a corrupted stream, not a message: fail loudly instead of
 # trying to allocate it.
 MAX_FRAME = 1 << 40
 # Byte payloads at least this large travel out of band (no copy into the pickle stream).
 OUT_OF_BAND_BYTES = 64 * 1024
+# A buffer this large gets memory of its own: a memory file a node's agent hands its ranks
+# (relay_frame), and where a rank reads it from its pipe, one of the rank's (serialization).
+SHARED_BYTES = 1 << 20
 
 
 PIPE_BYTES = 1 << 20  # Linux's default ceiling (/proc/sys/fs/pipe-max-size) for an unprivileged process
@@ -123,18 +130,25 @@ def read_header(stream: Readable) -> tuple[int, int, int]:
     return meta_len, count, flags
 
 
-def read_frame(stream: Readable, buffer_for: Callable[[int], Any] | None = None) -> dict[str, Any]:
+def read_frame(stream: Readable, buffer_for: Callable[[int], Any] | None = None,
+               by_ref: Callable[[int, int], Any] | None = None) -> dict[str, Any]:
     """Block until one whole message arrives; raise ChannelClosed at end of stream.
-    `buffer_for(size)`, when given, may supply the memory a large buffer is read into."""
-    return read_body(stream, *read_header(stream), buffer_for=buffer_for)
+    `buffer_for(size)`, when given, may supply the memory a large buffer is read into;
+    `by_ref(token, size)`, the memory of a buffer its sender handed over beside the stream."""
+    return read_body(stream, *read_header(stream), buffer_for=buffer_for, by_ref=by_ref)
 
 
 def read_body(stream: Readable, meta_len: int, count: int, flags: int = 0,
-              buffer_for: Callable[[int], Any] | None = None) -> dict[str, Any]:
+              buffer_for: Callable[[int], Any] | None = None,
+              by_ref: Callable[[int, int], Any] | None = None) -> dict[str, Any]:
     meta = _read_exact(stream, meta_len)
     buffers = []
     for _ in range(count):
         (size,) = _LENGTH.unpack(_read_exact(stream, _LENGTH.size))
+        if size & BY_REF and by_ref is not None:
+            (token,) = _LENGTH.unpack(_read_exact(stream, _LENGTH.size))
+            buffers.append(by_ref(token, size & ~BY_REF))
+            continue
         if size > MAX_FRAME:
             raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
         buffers.append(_read_exact(stream, size, buffer_for(size) if buffer_for else None))
@@ -142,17 +156,25 @@ def read_body(stream: Readable, meta_len: int, count: int, flags: int = 0,
 
 
 def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[FrameWriter],
-                onward: Sequence[FrameWriter] = ()) -> None:
+                onward: Sequence[FrameWriter] = (), hand_over: Callable[[int], int | None] | None = None) -> None:
     """Stream one frame from `stream` to every target as it arrives (cut-through): a large
-    payload crosses the agent without waiting for its last byte, and is never held whole.
+    payload crosses the agent without waiting for its last byte.
     `onward` targets (the next agents of a relay tree) get it still marked RELAY, to pass on.
-    A target that has gone away is dropped; its rank's exit is reported elsewhere."""
+    A target that has gone away is dropped; its rank's exit is reported elsewhere.
+
+    With `hand_over`, a buffer of SHARED_BYTES or more reaches the targets (a node's ranks) as one
+    memory file, not through each one's pipe: it is written there once as it arrives (the
+    onward agents still get it cut-through), `hand_over(fd)` gives that file to every target
+    beside the stream and names it with a token, and each target reads the token where the bytes
+    would be (BY_REF). A node of eight ranks then receives a large argument once and holds it
+    once, where it was copied through eight pipes into eight copies. Where no memory file can be
+    had, or `hand_over` says None, the bytes go inline as before."""
     meta_len, count, flags = header
     every = list(targets) + list(onward)
     live = list(every)
 
-    def fan_out(chunk: Any) -> None:
-        for t in list(live):
+    def fan_out(chunk: Any, to: Sequence[FrameWriter] = every) -> None:
+        for t in [t for t in to if t in live]:
             try:
                 t.write_raw(chunk)
             except ChannelClosed:
@@ -169,12 +191,28 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
         fan_out(_read_exact(stream, meta_len))
         for _ in range(count):
             size_bytes = _read_exact(stream, _LENGTH.size)
-            fan_out(size_bytes)
             (left,) = _LENGTH.unpack(size_bytes)
-            while left:
-                chunk = _read_exact(stream, min(left, RELAY_CHUNK))
-                fan_out(chunk)
-                left -= len(chunk)
+            fd = _memory_file(left) if hand_over is not None and targets and left >= SHARED_BYTES else None
+            if fd is None:
+                fan_out(size_bytes)
+                _copy(stream, left, fan_out)
+                continue
+            fan_out(size_bytes, onward)
+
+            def to_file_and_onward(chunk: Any, fd: int = fd) -> None:
+                _write_all(fd, chunk)
+                fan_out(chunk, onward)
+
+            try:
+                _copy(stream, left, to_file_and_onward)
+                token = hand_over(fd)  # type: ignore[misc]  # not None: checked above
+                if token is None:
+                    fan_out(size_bytes, targets)
+                    _copy_file(fd, left, lambda chunk: fan_out(chunk, targets))
+                else:
+                    fan_out(_LENGTH.pack(left | BY_REF) + _LENGTH.pack(token), targets)
+            finally:
+                os.close(fd)  # each target holds the file it was handed, as long as it needs it
         for t in live:
             try:
                 t.flush_raw()
@@ -183,6 +221,34 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
     finally:
         for t in every:
             t.lock.release()
+
+
+def _memory_file(size: int) -> int | None:
+    try:
+        return os.memfd_create("skytasks-argument", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # not Linux, or no memfd: the bytes go inline
+        return None
+
+
+def _copy(stream: Readable, left: int, out: Callable[[Any], Any]) -> None:
+    while left:
+        chunk = _read_exact(stream, min(left, RELAY_CHUNK))
+        out(chunk)
+        left -= len(chunk)
+
+
+def _write_all(fd: int, chunk: Any) -> None:
+    view = memoryview(chunk)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _copy_file(fd: int, size: int, out: Callable[[Any], Any]) -> None:
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(RELAY_CHUNK, size - offset), offset)
+        out(chunk)
+        offset += len(chunk)
 
 
 class FrameParser:

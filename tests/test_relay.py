@@ -1,11 +1,14 @@
-"""A large argument leaves the controller once, down a relay tree of agents; the relay listeners
-admit only the pool's members (a per-pool secret over the controller's channel), on the nodes'
-own address only."""
+"""A large argument leaves the controller once, down a relay tree of agents, and a node receives
+it once, for all its ranks; the relay listeners admit only the pool's members (a per-pool secret
+over the controller's channel), on the nodes' own address only."""
 
 from __future__ import annotations
 
 import hashlib
+import io
+import os
 import socket
+import threading
 
 import numpy as np
 import psutil
@@ -15,7 +18,9 @@ from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.controller.channel import bytes_sent
 from skytasks.node.peers import DIGEST_BYTES, NONCE_BYTES, PeerListener, connect, relay_tree
 from skytasks.protocol import Op, message
-from skytasks.wire import ChannelClosed, read_frame
+from skytasks.node.control_channel import HandedFiles, serve_control_channel
+from skytasks.serialization import SharedBuffer, mapped_buffer
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_frame, read_header, relay_frame
 
 
 def digest(a: np.ndarray) -> tuple[int, str]:
@@ -81,3 +86,99 @@ def test_only_the_secret_opens_a_listener():
         assert heard == [{"op": Op.HEARTBEAT}] and listener.refused == 1
     finally:
         listener.close()
+
+
+def held_and_changed(a: np.ndarray) -> tuple[int, int, list[str], str]:
+    """Which memory files this rank maps its argument from, after changing its copy in place."""
+    files = sorted({line.split()[4] for line in open("/proc/self/maps") if "skytasks-argument" in line})
+    a[:16] = 7
+    return rank_info().rank, rank_info().node_rank, files, hashlib.sha256(a.tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("nodes,per_node,start", [(2, 3, "fork"), (3, 2, "fork"), (2, 2, "exec")],
+                         ids=["straight from the controller", "down the relay tree", "fresh interpreters"])
+def test_a_node_receives_a_large_argument_once_for_all_its_ranks_and_each_may_change_its_own(
+        nodes, per_node, start, monkeypatch):
+    monkeypatch.setenv("SKYTASKS_RANK_START", start)
+    arg = np.random.default_rng(1).integers(0, 255, size=4 << 20, dtype=np.uint8)
+    changed = arg.copy()
+    changed[:16] = 7
+    with GPUPool(nodes=nodes, procs_per_node=per_node) as pool:
+        task = distributed_task(held_and_changed, pool=pool, init_torch=False)
+        task(np.zeros(1, dtype=np.uint8))
+        first, again = task(arg), task(arg)  # the second: the ranks' cached copy, sent once
+        after = distributed_task(digest, pool=pool, init_torch=False)(arg)
+    for out in (first, again):
+        assert [r for r, *_ in out] == list(range(nodes * per_node))
+        assert {h for *_, h in out} == {hashlib.sha256(changed.tobytes()).hexdigest()}
+        per_node_files = {n: {tuple(f) for _, node, f, _ in out if node == n} for n in range(nodes)}
+        # one memory file per node, the same for each of its ranks; none shared across nodes
+        assert all(len(files) == 1 and len(next(iter(files))) == 1 for files in per_node_files.values()), out
+        assert len({next(iter(files)) for files in per_node_files.values()}) == nodes
+    # what each rank changed was its own: the node's file, and the cache, kept the bytes as sent
+    assert after == [(r, hashlib.sha256(arg.tobytes()).hexdigest()) for r in range(nodes * per_node)]
+
+
+class _Rank:
+    """A rank as the relay sees it: a pipe, and a control channel to hand it files on."""
+
+    def __init__(self, refuse: bool = False):
+        r, w = os.pipe()
+        self.reads, self.to_rank = os.fdopen(r, "rb"), FrameWriter(os.fdopen(w, "wb"))
+        self.agent_end, self.rank_end = socket.socketpair()
+        self.refuse = refuse
+
+    def hand_fd(self, token: int, fd: int) -> bool:
+        if self.refuse:
+            return False
+        socket.send_fds(self.agent_end, [b"".join(bytes(c) for c in encode(message(Op.SHARED, token=token)))], [fd])
+        return True
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["handed over", "one rank refuses: inline"])
+def test_a_relayed_frame_names_a_handed_file_or_falls_back_to_its_bytes(refuse):
+    from skytasks.node.peers import hand_over_to
+
+    big, small = os.urandom(3 << 20), os.urandom(100 << 10)
+    frame = b"".join(bytes(c) for c in encode(message(Op.HEARTBEAT) | {"big": big, "small": small}, flags=RELAY))
+    ranks = [_Rank(), _Rank(refuse=refuse)]
+    stream = io.BytesIO(frame)
+    writer = threading.Thread(target=relay_frame, args=(stream, read_header(stream), [r.to_rank for r in ranks]),
+                              kwargs={"hand_over": hand_over_to(ranks)}, daemon=True)
+    got: dict[int, dict] = {}
+
+    def rank_reads(i: int, rank: _Rank) -> None:  # each at once, as ranks do: a full pipe stalls the relay
+        handed = HandedFiles(mapped_buffer)
+
+        def control() -> None:
+            with pytest.raises(ChannelClosed):  # until the agent's end closes, below
+                serve_control_channel(rank.rank_end, handed, lambda m: None)
+
+        threading.Thread(target=control, daemon=True).start()
+        got[i] = read_frame(rank.reads, by_ref=handed.take)
+
+    readers = [threading.Thread(target=rank_reads, args=(i, r)) for i, r in enumerate(ranks)]
+    for t in readers + [writer]:
+        t.start()
+    for t in readers + [writer]:
+        t.join(timeout=30)
+    for rank in ranks:
+        rank.agent_end.close()
+    assert len(got) == 2
+    for msg in got.values():
+        assert bytes(msg["big"]) == big and bytes(msg["small"]) == small
+        base = msg["big"].obj if isinstance(msg["big"], memoryview) else msg["big"]
+        assert isinstance(base, SharedBuffer) is not refuse  # the handed file, mapped; or bytes read inline
+
+
+def test_a_handed_file_is_taken_by_its_token_and_older_untaken_ones_are_closed():
+    handed = HandedFiles(lambda fd, size: (fd, size))
+    fds = [os.memfd_create("t") for _ in range(3)]
+    for token, fd in enumerate(fds, start=1):
+        handed.put(token, fd)
+    assert handed.take(2, 10) == (fds[1], 10)
+    with pytest.raises(OSError):
+        os.fstat(fds[0])  # token 1 was never taken and never will be: closed
+    assert handed.take(3, 5) == (fds[2], 5)
+    os.close(fds[1])
+    os.close(fds[2])

@@ -179,13 +179,13 @@ class NodeAgent:
             port = 0
         self.emit(message(Op.PEER_READY, port=port))
 
-    def _ranks_of(self, group: int | None, wait: float = 0.0) -> list[FrameWriter]:
-        """The pipes to the ranks of `group` (None: every rank here), waiting up to `wait` for its
-        SPAWN: a CALL from a peer may overtake the controller's SPAWN."""
+    def _ranks_of(self, group: int | None, wait: float = 0.0) -> list[RankProcess]:
+        """The ranks of `group` (None: every rank here), waiting up to `wait` for its SPAWN: a
+        CALL from a peer may overtake the controller's SPAWN."""
         with self._spawned:
             self._spawned.wait_for(lambda: group is None or any(rp.group == group for rp in self._ranks.values()),
                                    timeout=wait)
-            return [rp.to_rank for rp in self._ranks.values() if group is None or rp.group == group]
+            return [rp for rp in self._ranks.values() if group is None or rp.group == group]
 
     def _dispatch(self, op: str, msg: dict[str, Any]) -> None:
         self._handlers[Op(op)](msg)

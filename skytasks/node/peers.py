@@ -18,11 +18,12 @@ Standard library only, like the rest of the node side.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 from skytasks.protocol import Op, message
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, Readable, read_body, read_header, relay_frame
@@ -164,12 +165,36 @@ def relay_tree(peers: list[tuple[str, int]], fan_out: int = 2) -> list[dict[str,
     return below(0)
 
 
+class LocalRank(Protocol):
+    """A rank of this node as the relay sees it (a `RankProcess`)."""
+
+    to_rank: FrameWriter  # its pipe: the frames it reads between calls
+
+    def hand_fd(self, token: int, fd: int) -> bool:
+        """Give the rank `fd`, named `token`, beside its pipe; False if it could not be given."""
+        ...
+
+
+_tokens = itertools.count(1)
+
+
+def hand_over_to(ranks: Sequence[LocalRank]) -> Callable[[int], int | None]:
+    """`relay_frame`'s hand_over for these ranks: the memory file to each of them, one token for
+    all; None (the bytes go inline) if a rank that is still there could not take it."""
+
+    def hand_over(fd: int) -> int | None:
+        token = next(_tokens)
+        return token if all([rank.hand_fd(token, fd) for rank in ranks]) else None
+
+    return hand_over
+
+
 class RelayNode:
     """An agent's part in the relay tree: its listener for its parent, its connections to its
     children, and the streaming of a CALL frame to its ranks and on down the tree."""
 
-    def __init__(self, ranks_of: Callable[[int | None, float], list[FrameWriter]]):
-        self._ranks_of = ranks_of  # (group, wait) -> the pipes to that group's ranks here
+    def __init__(self, ranks_of: Callable[[int | None, float], Sequence[LocalRank]]):
+        self._ranks_of = ranks_of  # (group, wait) -> that group's ranks here
         self._listener: PeerListener | None = None
         self._links: PeerLinks | None = None
 
@@ -198,7 +223,7 @@ class RelayNode:
         """Stream one CALL frame, as it arrives, to this node's ranks and (with a ROUTE) to its
         children, each told its own part of the tree first."""
         if route is None:  # straight from the controller, as every call on a small pool
-            relay_frame(stream, header, self._ranks_of(None, 0.0))
+            self._to_ranks(stream, header, self._ranks_of(None, 0.0))
             return
         onward = []
         for child in route["children"]:
@@ -210,4 +235,9 @@ class RelayNode:
             except ChannelClosed as exc:  # the controller hears of that node's loss on its own
                 self._links.forget(child["address"], child["port"])
                 print(f"skytasks agent: relay to {child['address']}: {exc}", file=sys.stderr, flush=True)
-        relay_frame(stream, header, self._ranks_of(route["group"], SPAWN_WAIT_SECONDS), onward=onward)
+        self._to_ranks(stream, header, self._ranks_of(route["group"], SPAWN_WAIT_SECONDS), onward)
+
+    @staticmethod
+    def _to_ranks(stream: Readable, header: tuple[int, int, int], ranks: Sequence[LocalRank],
+                  onward: list[FrameWriter] | None = None) -> None:
+        relay_frame(stream, header, [r.to_rank for r in ranks], onward=onward or (), hand_over=hand_over_to(ranks))

@@ -11,7 +11,7 @@ import time
 from typing import Any, NamedTuple, Protocol
 
 from skytasks.reactor import ENDED, shared_reactor
-from skytasks.wire import PIPE_BYTES, TO_AGENT, FrameParser, FrameWriter, decode, widen_pipe
+from skytasks.wire import PIPE_BYTES, TO_AGENT, FrameParser, FrameWriter, decode, encode, widen_pipe
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
@@ -107,7 +107,9 @@ class RankProcess:
         self.group, self.rank, self.proc, self.stack_file = group, rank, proc, stack_file
         widen_pipe(self.proc.stdin)  # calls and their arguments
         self.to_rank = FrameWriter(self.proc.stdin)
-        self.notices = FrameWriter(os.fdopen(os.dup(ctrl_read), "wb"))  # read by the rank even mid-call
+        # Its control channel, which it reads even mid-call: frames (notices) and fds (hand_fd).
+        self._control = socket.socket(fileno=os.dup(ctrl_read))
+        self.notices = FrameWriter(self._control.makefile("wb"))
         self._agent = agent
         self.stack_offset = 0  # where the next dump in the stack file starts
         self.device = env.get("SKYTASKS_DEVICE", "cpu")  # "cuda:<i>": the i-th of the node's visible GPUs
@@ -146,6 +148,21 @@ class RankProcess:
                 onward.append(frame)
         if onward:
             self._agent.emit_encoded(onward)
+
+    def hand_fd(self, token: int, fd: int) -> bool:
+        """`fd` to the rank on its control channel, named `token` (a SHARED frame beside it): the
+        memory file of a large argument, which the rank then maps instead of reading it from its
+        pipe. True also when the rank has gone (its exit is reported on its own); False only if
+        a live rank could not be handed it."""
+        frame = b"".join(bytes(chunk) for chunk in encode(message(Op.SHARED, token=token)))
+        with self.notices.lock:  # never inside another frame on the same channel
+            try:
+                socket.send_fds(self._control, [frame], [fd])
+            except (BrokenPipeError, ConnectionResetError):
+                return True
+            except OSError:
+                return self.proc.poll() is not None
+        return True
 
     def relay_line(self, raw: bytes, name: str) -> None:
         line = raw.decode("utf-8", "replace")

@@ -10,11 +10,11 @@ process (the controller discards the group).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,9 +25,10 @@ from typing import Any
 from skytasks import preemption
 from skytasks.node import routes
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
+from skytasks.node.control_channel import HandedFiles, serve_control_channel
 from skytasks.node.rank_channel import RankStream, RankWriter, ShipLogRecords
 from skytasks.rank import ENV_ATTEMPT
-from skytasks.serialization import dumps_out_of_band, loads_out_of_band, release, shared_buffer
+from skytasks.serialization import dumps_out_of_band, loads_out_of_band, mapped_buffer, release, shared_buffer
 from skytasks.protocol import Op, message
 from skytasks.wire import TO_AGENT, BlobRef, ChannelClosed, FrameWriter, read_frame
 
@@ -185,17 +186,23 @@ def _dump_stacks_on_request(stack_fd: int | None = None) -> None:
 _STACK_FILE: Any = None
 
 
-def _take_notices(channel: io.BufferedReader) -> None:
+_HANDED = HandedFiles(mapped_buffer)  # large arguments' memory files, from the agent
+
+
+def _take_notices(channel: socket.socket) -> None:
     """The agent's end of the control channel (a socket both ways) says what must reach the rank
-    while a call runs: a preemption notice, taken at once, not after the call. It closes when the
-    agent is gone or wants the rank gone: the rank leaves then, even if it is blocked in a
-    collective. It carries nothing else, so this thread sleeps through every ordinary call."""
+    while a call runs: a preemption notice, taken at once, not after the call; and it hands over
+    the memory files of large arguments (`control_channel`). It closes when the agent is gone or
+    wants the rank gone: the rank leaves then, even if it is blocked in a collective. This thread
+    sleeps through every ordinary call."""
+
+    def on_message(msg: dict[str, Any]) -> None:
+        if msg["op"] == Op.PREEMPTION:
+            preemption.receive(preemption.PreemptionNotice(
+                msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
+
     try:
-        while True:
-            msg = read_frame(channel)
-            if msg["op"] == Op.PREEMPTION:
-                preemption.receive(preemption.PreemptionNotice(
-                    msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
+        serve_control_channel(channel, _HANDED, on_message)
     except (ChannelClosed, OSError):
         os._exit(1)
 
@@ -211,8 +218,7 @@ def main(forked: bool = False, stack_fd: int | None = None) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # user code gets an empty stdin, the frames stay ours
     sys.stdin = open(os.devnull)
-    notices = io.BufferedReader(io.FileIO(os.dup(ctrl_fd), "rb"))
-    threading.Thread(target=_take_notices, args=(notices,), daemon=True,
+    threading.Thread(target=_take_notices, args=(socket.socket(fileno=os.dup(ctrl_fd)),), daemon=True,
                      name="skytasks-notices").start()
 
     from skytasks import metrics
@@ -245,7 +251,7 @@ def main(forked: bool = False, stack_fd: int | None = None) -> None:
         # CPU per call at 1,024 ranks on 2 cores). What must reach a rank during a call comes on
         # its control channel instead (`_take_notices`).
         try:
-            msg = read_frame(inbound, buffer_for=shared_buffer)
+            msg = read_frame(inbound, buffer_for=shared_buffer, by_ref=_HANDED.take)
         except (ChannelClosed, OSError):
             os._exit(1)
         if msg["op"] == Op.CALL:
