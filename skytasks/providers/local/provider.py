@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.node.rank_template import torch_import_env
+from skytasks.node.ports import free_port
 from skytasks.providers.local.forked_agents import AgentProcess, agent_process
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.providers.reporting import PoolReporter
@@ -109,9 +109,7 @@ class LocalProvider(NodeProvider):
     def free_port(self, head: int) -> int:
         # Chosen per rank group on loopback, never a fixed 29500: two pools (or a torchrun next
         # door) on one machine do not collide.
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((LOOPBACK, 0))
-            return s.getsockname()[1]
+        return free_port(LOOPBACK)
 
     def prepare_workdir(self, request) -> tuple[str, str | None]:
         return str(request.root), None  # this machine has it: used in place

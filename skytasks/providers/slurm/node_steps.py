@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from skytasks.errors import PoolStartError
+from skytasks.node.ports import port_snippet
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers import NodeLink
@@ -88,8 +89,7 @@ class NodeSteps:
         return " / ".join(step.stderr_tail)[-500:] if step else ""
 
     def free_port(self, name: str, job_id: str) -> int:
-        code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
-        done = self._shell.run([*srun(job_id, name), self._python, "-c", code])
+        done = self._shell.run([*srun(job_id, name), self._python, "-c", port_snippet()])
         if done.returncode != 0:
             raise PoolStartError(f"node {name} (job {job_id}): cannot find a free port: {done.stderr.strip()[-500:]}")
         return int(done.stdout.strip())

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from skytasks.errors import PoolConfigError, PoolStartError
+from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.ssh.bridge import bridge_process
@@ -261,8 +262,7 @@ class SSHNodes:
 
     def free_port(self, head: int) -> int:
         python = self._login.python
-        code = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
-        result = self._run(self._conns[head].run(f'{python} -c "{code}"', check=True), timeout=60)
+        result = self._run(self._conns[head].run(f"{python} -c {shlex.quote(port_snippet())}", check=True), timeout=60)
         return int(result.stdout.strip())
 
     def stop(self) -> None:
