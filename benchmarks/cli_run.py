@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,9 +34,10 @@ dist.destroy_process_group()
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
+    from skytasks.node.ports import free_port as outside_the_ephemeral_range
+
+    return outside_the_ephemeral_range("127.0.0.1")
 
 
 def _timed(cmd: list[str], env: dict, cwd: Path) -> float:

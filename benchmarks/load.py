@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,9 +39,10 @@ TUNED_SERVER = {
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
+    from skytasks.node.ports import free_port as outside_the_ephemeral_range
+
+    return outside_the_ephemeral_range("127.0.0.1")
 
 
 def _as_postgres(cmd: list[str]) -> list[str]:

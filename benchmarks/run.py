@@ -27,11 +27,10 @@ from skytasks import GPUPool, distributed_task  # noqa: E402
 
 
 def _free_port() -> int:
-    import socket
+    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
+    from skytasks.node.ports import free_port as outside_the_ephemeral_range
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return outside_the_ephemeral_range("127.0.0.1")
 
 
 def torchrun(kind: str, standalone: bool = False) -> tuple[float, float]:

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import stat
-import socket
 import subprocess
 import time
 import uuid
@@ -283,6 +282,7 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
 
 
 def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
+    from skytasks.node.ports import free_port as outside_the_ephemeral_range
+
+    return outside_the_ephemeral_range(address)

@@ -101,6 +101,7 @@ class SSHServer:
 
 
 def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
+    from skytasks.node.ports import free_port as outside_the_ephemeral_range
+
+    return outside_the_ephemeral_range(address)

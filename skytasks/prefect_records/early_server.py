@@ -21,7 +21,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
+from skytasks.node.ports import free_port
 
 _CONFIGURING_ENV = ("PREFECT_API_", "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "PREFECT_PROFILE", "PREFECT_CLOUD_",
                     "PREFECT_UI_URL")
@@ -68,9 +68,7 @@ class EarlyServer:
     """The subprocess, its address, and a way to wait for it."""
 
     def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port("127.0.0.1")  # outside the ephemeral range: no connection can take it meanwhile
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent  # type: ignore[union-attr, arg-type]
         self._log = tempfile.TemporaryFile()
