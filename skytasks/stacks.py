@@ -35,12 +35,25 @@ def _is_user_file(path: str) -> bool:
                 or "/skytasks/" in path.replace(os.sep, "/") or path.startswith("<"))
 
 
+def _in(thread: list[tuple[str, int, str]], file: str, func: str) -> bool:
+    return any(f.endswith(file) and fn == func for f, _, fn in thread)
+
+
 def where(stack: str) -> str:
-    """'in `barrier` (distributed_c10d.py:4807), called from train.py:42 in `train`', or ''."""
+    """'in `barrier` (distributed_c10d.py:4807), called from train.py:42 in `train`', or ''.
+    A rank the call had not reached yet: 'waiting for the call', or 'starting up, in ...'."""
     threads = _threads(stack)
     # The thread that runs the user's call: the one whose stack passes through skytasks.node.worker.
-    main = next((t for t in threads if any(f.endswith("worker.py") and fn == "_run_call" for f, _, fn in t)),
-                threads[0] if threads else [])
+    main = next((t for t in threads if _in(t, "worker.py", "_run_call")), None)
+    if main is None and threads:
+        # No call running: the rank's main thread says why (faulthandler lists the threads newest
+        # first, so the main thread is last; the first is a helper, such as the control channel's).
+        main = next((t for t in threads if _in(t, "worker.py", "main")), threads[-1])
+        if _in(main, "worker.py", "main") and _in(main, "wire.py", "read_frame"):
+            return "waiting for the call"
+        if _in(main, "worker.py", "main") or _in(main, "rank_template.py", "_become_rank"):
+            file, line, func = main[0]
+            return f"starting up, in `{func}` ({os.path.basename(file)}:{line})"
     if not main:
         return ""
     file, line, func = main[0]

@@ -40,3 +40,28 @@ def test_a_thousand_stopped_ranks_are_one_line_and_a_lone_rank_keeps_its_own():
         "[rank 5] was in `barrier` (c10d.py:9), called from train.py:50 in `train_loop` "
         "(stopped because rank 17 failed)",
     ]
+
+
+CONTROL_THREAD = ("Thread 0x2 (most recent call first):\n"
+                  '  File "/x/skytasks/node/control_channel.py", line 61 in serve_control_channel\n'
+                  '  File "/x/skytasks/node/worker.py", line 180 in _take_notices\n')
+
+
+@pytest.mark.parametrize("main_thread, said", [
+    ('  File "/x/skytasks/wire.py", line 120 in _read_exact\n'
+     '  File "/x/skytasks/wire.py", line 140 in read_frame\n'
+     '  File "/x/skytasks/node/worker.py", line 255 in main\n', "waiting for the call"),
+    ('  File "<frozen os>", line 1031 in fdopen\n'
+     '  File "/x/skytasks/node/worker.py", line 215 in main\n'
+     '  File "/x/skytasks/node/rank_template.py", line 270 in _become_rank\n', "starting up, in `fdopen` (<frozen os>:1031)"),
+    ('  File "/home/me/train.py", line 8 in train\n'
+     '  File "/x/skytasks/node/worker.py", line 129 in _run_call\n'
+     '  File "/x/skytasks/node/worker.py", line 260 in main\n', "in `train` (train.py:8)"),
+], ids=["before its call arrived", "still starting", "in the user's code"])
+def test_a_rank_is_named_by_its_main_thread_not_by_a_helper_thread_listed_first(main_thread, said):
+    from skytasks.stacks import where
+
+    stack = CONTROL_THREAD + "\nCurrent thread 0x1 (most recent call first):\n" + main_thread
+    assert where(stack) == said
+    assert stack_lines({r: stack for r in range(3)}, "stopped because rank 7 failed") == [
+        f"[3 ranks] were {said} (stopped because rank 7 failed): ranks 0-2"]
