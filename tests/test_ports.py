@@ -7,7 +7,25 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from skytasks.node import ports
+
+
+@pytest.mark.parametrize("low, high, chosen_from", [
+    (32768, 60999, range(10000, 32768)),  # Linux's default
+    (49152, 65535, range(10000, 49152)),  # IANA's, as BSDs and Windows have it
+    (12000, 60999, range(61000, 65536)),  # too little room below: above
+    (1024, 65535, range(0)),              # no room at all: the kernel's choice
+])
+def test_the_ports_chosen_from_lie_outside_the_ephemeral_range(low, high, chosen_from):
+    assert ports.candidates(low, high) == chosen_from
+
+
+def test_with_nowhere_to_choose_the_kernel_chooses(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.free_port("127.0.0.1")))
 
 
 def test_the_port_is_free_and_never_one_the_kernel_hands_to_a_connection():

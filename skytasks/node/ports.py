@@ -24,11 +24,16 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def candidates(low: int, high: int) -> range:
+    """Where to choose, given the ephemeral range [low, high]: below it from 10000 (clear of the
+    well-known and registered ports most daemons use), or above it when there is no room below."""
+    return range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+
+
 def free_port(address: str = "", tries: int = 64) -> int:
-    """A port nothing listens on now, chosen below (or, if there is no room, above) the ephemeral
-    range; the kernel's own choice if none of `tries` was free."""
-    low, high = ephemeral_range()
-    pool = range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+    """A port nothing listens on now, chosen outside the ephemeral range (`candidates`); the
+    kernel's own choice if none of `tries` was free."""
+    pool = candidates(*ephemeral_range())
     for _ in range(tries if len(pool) else 0):
         port = random.choice(pool)
         if port in _TORCHRUN_DEFAULTS:
