@@ -34,10 +34,9 @@ dist.destroy_process_group()
 
 
 def _free_port() -> int:
-    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
-    from skytasks.node.ports import free_port as outside_the_ephemeral_range
+    from skytasks.node.ports import free_port  # imported here: as a script, skytasks is on the path only in main
 
-    return outside_the_ephemeral_range("127.0.0.1")
+    return free_port("127.0.0.1")
 
 
 def _timed(cmd: list[str], env: dict, cwd: Path) -> float:

@@ -24,13 +24,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import workloads  # noqa: E402
 
 from skytasks import GPUPool, distributed_task  # noqa: E402
-
-
-def _free_port() -> int:
-    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
-    from skytasks.node.ports import free_port as outside_the_ephemeral_range
-
-    return outside_the_ephemeral_range("127.0.0.1")
+from skytasks.node.ports import free_port  # noqa: E402
 
 
 def torchrun(kind: str, standalone: bool = False) -> tuple[float, float]:
@@ -38,7 +32,7 @@ def torchrun(kind: str, standalone: bool = False) -> tuple[float, float]:
     torchrun on one machine is a fixed --master_port (static rendezvous); --standalone starts a
     c10d rendezvous first and took 7.5 s against 4.8 s here: the baseline must not flatter us."""
     where = (["--standalone"] if standalone else
-             ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={_free_port()}"])
+             ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port('127.0.0.1')}"])
     started = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node=2",

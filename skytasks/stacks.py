@@ -67,7 +67,7 @@ def where(stack: str) -> str:
 def user_frame(stack: str) -> str:
     """The innermost frame of the user's own code, as `file:line in func`, or ''."""
     for thread in _threads(stack):
-        if any(f.endswith("worker.py") and fn == "_run_call" for f, _, fn in thread):
+        if _in(thread, "worker.py", "_run_call"):
             for f, ln, fn in thread:
                 if _is_user_file(f):
                     return f"{os.path.basename(f)}:{ln} in {fn}"

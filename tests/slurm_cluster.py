@@ -279,10 +279,3 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
         for link in reversed(self._links):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         self._made_ns, self._links = [], []
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    """Free, and outside the ephemeral range: no connection can take it before its server binds it."""
-    from skytasks.node.ports import free_port as outside_the_ephemeral_range
-
-    return outside_the_ephemeral_range(address)

@@ -184,7 +184,7 @@ def hand_over_to(ranks: Sequence[LocalRank]) -> Callable[[int], int | None]:
 
     def hand_over(fd: int) -> int | None:
         token = next(_tokens)
-        return token if all([rank.hand_fd(token, fd) for rank in ranks]) else None
+        return token if all(rank.hand_fd(token, fd) for rank in ranks) else None  # past a refusal: inline, no more fds
 
     return hand_over
 
