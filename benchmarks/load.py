@@ -11,6 +11,10 @@ It reports how long after the last flow ended the record settled. Settled means 
 It also reports what the server was sent per call (task runs, logs). `TUNED_SERVER` is the same run
 against a server whose task-run recorder and event persister write in batches (Prefect's
 defaults write each task-run event on its own).
+
+`plain=True` is the baseline, Prefect alone: the same flows make as many task runs with Prefect's
+own `@task` (a parent and one per rank, each printing its line), no skytasks anywhere. The settle
+time of skytasks' record is read against that one, on the same kind of server in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+STOPPED_AFTER_SECONDS = 60.0
 RANKS_PER_FLOW = 4  # 2 nodes x 2: one task run per rank ("rank" runs up to 64 ranks)
 # The server's own knobs (Prefect 3.8's defaults: a batch of 1 for the task-run recorder, 20 for
 # the event persister, each flushed every 5 s).
@@ -123,6 +128,29 @@ class Servers:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _plain_flow_process(calls: int) -> None:
+    """The baseline flow: as many task runs and lines as `_flow_process`'s, by Prefect's own tasks."""
+    from prefect import flow, task
+    from prefect.context import get_run_context
+
+    @task(log_prints=True)
+    def rank_step(i: int, rank: int) -> int:
+        print(f"call {i}")
+        return i
+
+    @task
+    def step(i: int) -> list[int]:
+        return [rank_step(i, r) for r in range(RANKS_PER_FLOW)]
+
+    @flow
+    def many_calls() -> str:
+        for i in range(calls):
+            step(i)
+        return str(get_run_context().flow_run.id)
+
+    print(f"FLOW {many_calls()} {time.time()!r}", flush=True)
+
+
 def _flow_process(calls: int) -> None:
     """One of the flows (run in a process of its own): `calls` warm calls on a 2-node pool."""
     from prefect import flow
@@ -163,11 +191,13 @@ def _counts(servers: Servers, flow_run_ids: list[str]) -> tuple[int, int, int, i
     return runs, final, logs, rank_runs
 
 
-def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[str, str] | None = None) -> dict:
+def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[str, str] | None = None,
+         plain: bool = False) -> dict:
     expected_runs = flows * calls * (1 + RANKS_PER_FLOW)
     with Servers(server_settings) as servers:
         started = time.time()
-        procs = [subprocess.Popen([sys.executable, __file__, "--flow", str(calls)], cwd=ROOT, env=servers.env,
+        procs = [subprocess.Popen([sys.executable, __file__, "--plain-flow" if plain else "--flow", str(calls)],
+                                  cwd=ROOT, env=servers.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                  for _ in range(flows)]
         ids, ended = [], []
@@ -196,14 +226,20 @@ def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[s
             runs, final, logs, _ = counts
             if runs >= expected_runs and final == runs and now - last_change >= 3.0:
                 break
-            if now - flows_ended > timeout:
+            # A record that stopped growing short of complete for a minute gets no more (Prefect's
+            # own tasks under this load lose some: the baseline).
+            if now - flows_ended > timeout or now - last_change >= STOPPED_AFTER_SECONDS:
                 break
             time.sleep(0.5)
     runs, final, logs, rank_runs = last or (0, 0, 0, 0)
-    return {"flows": flows, "calls_per_flow": calls, "ranks_per_call": RANKS_PER_FLOW,
+    if plain:
+        rank_runs = runs - flows * calls  # Prefect's own tasks: the runs beside each call's parent
+    return {"what": "Prefect's own @task, as many task runs (the baseline)" if plain else "skytasks",
+            "flows": flows, "calls_per_flow": calls, "ranks_per_call": RANKS_PER_FLOW,
             "server_settings": server_settings or "Prefect's defaults",
             "flows_took_s": flows_ended - started, "settled_after_flows_s": max(0.0, last_change - flows_ended),
             "task_runs_when_flow_processes_exited": at_end[0] if at_end else 0, "logs_when_flow_processes_exited": at_end[2] if at_end else 0,
+            "complete": runs == expected_runs and final == runs,
             "task_runs": runs, "task_runs_expected": expected_runs, "rank_runs": rank_runs,
             "rank_runs_expected": flows * calls * RANKS_PER_FLOW, "task_runs_final": final, "logs": logs,
             "logs_per_call": logs / (flows * calls)}
@@ -213,5 +249,8 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     if sys.argv[1:2] == ["--flow"]:
         _flow_process(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["--plain-flow"]:
+        _plain_flow_process(int(sys.argv[2]))
     else:
-        print(load(int(sys.argv[1]), int(sys.argv[2]), server_settings=TUNED_SERVER if "--tuned" in sys.argv else None))
+        print(load(int(sys.argv[1]), int(sys.argv[2]), server_settings=TUNED_SERVER if "--tuned" in sys.argv else None,
+                   plain="--plain" in sys.argv))

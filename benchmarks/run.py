@@ -302,10 +302,13 @@ def main() -> None:
 
         flows, calls = (4, 10) if args.quick else (16, 50)
         rows = []
-        for settings in (None, TUNED_SERVER):
+        # Prefect alone first (the same flows, as many task runs by Prefect's own @task), then
+        # skytasks on the same server settings, then on a server whose recorders write in batches.
+        for plain, settings in ((True, None), (False, None), (False, TUNED_SERVER)):
             print(f"\nload: {flows} flows at once x {calls} warm calls, 4 ranks each, Prefect server on PostgreSQL "
-                  f"({'its recorder batching' if settings else 'its defaults'})")
-            rows.append(row := load(flows, calls, server_settings=settings))
+                  f"({'its recorder batching' if settings else 'its defaults'})"
+                  + (": Prefect's own tasks, as many task runs (the baseline)" if plain else ""))
+            rows.append(row := load(flows, calls, server_settings=settings, plain=plain))
             print(f"   flows took {row['flows_took_s']:.1f}s; the record settled {row['settled_after_flows_s']:.1f}s "
                   f"after the last ended; task runs {row['task_runs']} of {row['task_runs_expected']} "
                   f"({row['task_runs_final']} final), logs {row['logs']} ({row['logs_per_call']:.1f} a call)")

@@ -6,7 +6,8 @@
 For each size: the pool up with its first call; a warm empty call outside a flow and inside one
 (against Prefect's test server); a large argument (100 MB up to 64 ranks; above, what fits 6 GB
 in all, since every rank holds its own copy on this one machine); the first failure's report reaching the caller
-(and how many console lines it printed); a lost node to the next attempt's ranks running; a hang to
+(and how many console lines it printed, the machine's CPU per rank for it, and the floor under it: the
+kernel ending as many forked processes, measured in the same run); a lost node to the next attempt's ranks running; a hang to
 `HangError`; the controller's peak RSS and CPU seconds. Writes `docs/scale.png` when matplotlib is
 there. Each size runs in a process of its own, so the controller's figures are that size's alone.
 """
@@ -79,6 +80,40 @@ def hang_forever() -> None:
     time.sleep(600)
 
 
+def _machine_cpu_s() -> float:
+    """CPU seconds this machine has spent busy (all processes, user and kernel), from /proc/stat."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+_EXIT_FLOOR = """
+import os, signal, sys, time
+import skytasks.node.worker  # what a rank runs, as a rank template has it imported
+pids = []
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    pids.append(pid)
+time.sleep(1.0)
+t = time.perf_counter()
+for pid in pids:
+    os.kill(pid, signal.SIGKILL)
+for pid in pids:
+    os.waitpid(pid, 0)
+print(time.perf_counter() - t)
+"""
+
+
+def _process_exit_floor(n: int) -> float:
+    """Seconds for the kernel to end `n` forked processes of a rank's kind, all killed at once."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_FLOOR, str(n)], capture_output=True, text=True, cwd=ROOT,
+                          check=True, timeout=300)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -124,6 +159,7 @@ def measure(ranks: int, repeats: int) -> dict:
         marker.mkdir(exist_ok=True)
         # The first failure's report, and what the console shows of it.
         console = io.StringIO()
+        cpu_before = _machine_cpu_s()
         with contextlib.redirect_stderr(console), contextlib.redirect_stdout(console):
             try:
                 distributed_task(one_fails, pool=pool, init_torch=False, node_recoveries=0)(str(marker))
@@ -131,7 +167,13 @@ def measure(ranks: int, repeats: int) -> dict:
                 caught = time.time()
                 print(repr(err), file=sys.stderr)
         out["failure_report_s"] = caught - float((marker / "failed").read_text())
+        # What the whole machine spent on it, per rank: the ranks' exits, their agents, the controller.
+        out["failure_cpu_ms_per_rank"] = (_machine_cpu_s() - cpu_before) / ranks * 1000
         out["failure_console_lines"] = len(console.getvalue().splitlines())
+        # The floor under that figure, in the same run: the kernel ending as many processes of a
+        # rank's kind (forked from a process that imported what a rank template imports), with no
+        # skytasks in the way. On one 2-core machine both are the kernel's exit work done 1,023 times.
+        out["process_exit_floor_s"] = _process_exit_floor(ranks - 1)
         # A lost node, to the next attempt's ranks running (the pool brings a replacement up): lost
         # from a group that is up, so the figure is the loss's alone (the failure above broke the
         # group; the empty call brings the next one up first).
@@ -204,6 +246,8 @@ FIGURES = [("pool_up_and_first_call_s", "pool up + first call (s)"), ("warm_call
            ("failure_report_s", "failure report (s)"), ("lost_node_to_retry_running_s", "lost node -> retry (s)"),
            ("hang_to_error_s", "hang -> HangError (s)"), ("controller_peak_rss_mb", "controller peak RSS (MB)"),
            ("controller_mb_sent_per_argument_mb", "controller MB sent per argument MB")]
+# A figure's floor on this machine, measured in the same run, drawn beside it.
+FLOORS = {"failure_report_s": ("process_exit_floor_s", "the kernel ending as many processes")}
 
 
 def _plot(rows: list[dict]) -> None:
@@ -218,7 +262,11 @@ def _plot(rows: list[dict]) -> None:
     fig, axes = plt.subplots(3, 3, figsize=(14, 10))
     xs = [r["ranks"] for r in rows]
     for ax, (key, title) in zip(axes.flat, FIGURES):
-        ax.plot(xs, [r[key] for r in rows], marker="o")
+        ax.plot(xs, [r[key] for r in rows], marker="o", label="skytasks")
+        if key in FLOORS and all(FLOORS[key][0] in r for r in rows):
+            floor, what = FLOORS[key]
+            ax.plot(xs, [r[floor] for r in rows], marker="x", linestyle="--", color="grey", label=what)
+            ax.legend(fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_title(title, fontsize=10)
