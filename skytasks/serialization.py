@@ -55,7 +55,7 @@ def shared_buffer(size: int) -> SharedBuffer | None:
 
 
 def mapped_buffer(fd: int, size: int) -> SharedBuffer:
-    """A memory file the node's agent wrote and handed over (`wire.relay_frame`), mapped read-only:
+    """A memory file the node's agent wrote and handed over (`node/relay.py`), mapped read-only:
     the node's ranks share its pages, and each call still maps it privately (`private_view`)."""
     buf = SharedBuffer(fd, size, prot=mmap.PROT_READ)
     buf.fd = fd

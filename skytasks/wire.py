@@ -15,21 +15,20 @@ Pickle here is code execution, which is why the stream must always be an authent
 
 from __future__ import annotations
 
-import os
 import pickle
 import struct
 import threading
-from typing import Any, BinaryIO, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, NamedTuple, Protocol
 
-_HEADER = struct.Struct(">QIB")  # meta length, buffer count, flags
+HEADER = struct.Struct(">QIB")  # meta length, buffer count, flags
 RELAY = 1  # flag: a node agent streams this frame on to its ranks as it arrives
 # flag: a rank's frame for its own agent (SIGUSR2's notice). Every other frame a rank sends, its
 # agent passes on to the controller as the same bytes, never unpickled there (see rank_process).
 TO_AGENT = 2
 RELAY_CHUNK = 1 << 20
-_LENGTH = struct.Struct(">Q")
+LENGTH = struct.Struct(">Q")
 # A buffer's length with this bit set: its bytes are not in the stream. A token follows, naming
-# the memory file the node's agent handed the rank beside it (see relay_frame's `hand_over`).
+# the memory file the node's agent handed the rank beside it (see node/relay.py).
 BY_REF = 1 << 63
 # A frame larger than this is a corrupted stream, not a message: fail loudly instead of
 # trying to allocate it.
@@ -37,7 +36,7 @@ MAX_FRAME = 1 << 40
 # Byte payloads at least this large travel out of band (no copy into the pickle stream).
 OUT_OF_BAND_BYTES = 64 * 1024
 # A buffer this large gets memory of its own: a memory file a node's agent hands its ranks
-# (relay_frame), and where a rank reads it from its pipe, one of the rank's (serialization).
+# (node/relay.py), and where a rank reads it from its pipe, one of the rank's (serialization).
 SHARED_BYTES = 1 << 20
 
 
@@ -103,14 +102,14 @@ def encode(msg: dict[str, Any], flags: int = 0) -> list[Any]:
     if type(msg["op"]) is not str:  # a protocol.Op: the wire carries its plain string
         msg = {**msg, "op": str(msg["op"])}
     meta = pickle.dumps(_out_of_band(msg), protocol=5, buffer_callback=buffers.append)
-    chunks: list[Any] = [_HEADER.pack(len(meta), len(buffers), flags), meta]
+    chunks: list[Any] = [HEADER.pack(len(meta), len(buffers), flags), meta]
     for buf in buffers:
         view = buf.raw()
-        chunks += [_LENGTH.pack(view.nbytes), view]
+        chunks += [LENGTH.pack(view.nbytes), view]
     return chunks
 
 
-def _read_exact(stream: Readable, n: int, into: Any = None) -> Any:
+def read_exact(stream: Readable, n: int, into: Any = None) -> Any:
     # readinto a preallocated buffer: one copy of a large payload, not a list of chunks.
     buf = bytearray(n) if into is None else into
     view = memoryview(buf).cast("B")
@@ -124,7 +123,7 @@ def _read_exact(stream: Readable, n: int, into: Any = None) -> Any:
 
 
 def read_header(stream: Readable) -> tuple[int, int, int]:
-    meta_len, count, flags = _HEADER.unpack(_read_exact(stream, _HEADER.size))
+    meta_len, count, flags = HEADER.unpack(read_exact(stream, HEADER.size))
     if meta_len > MAX_FRAME:
         raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
     return meta_len, count, flags
@@ -141,114 +140,18 @@ def read_frame(stream: Readable, buffer_for: Callable[[int], Any] | None = None,
 def read_body(stream: Readable, meta_len: int, count: int, flags: int = 0,
               buffer_for: Callable[[int], Any] | None = None,
               by_ref: Callable[[int, int], Any] | None = None) -> dict[str, Any]:
-    meta = _read_exact(stream, meta_len)
+    meta = read_exact(stream, meta_len)
     buffers = []
     for _ in range(count):
-        (size,) = _LENGTH.unpack(_read_exact(stream, _LENGTH.size))
+        (size,) = LENGTH.unpack(read_exact(stream, LENGTH.size))
         if size & BY_REF and by_ref is not None:
-            (token,) = _LENGTH.unpack(_read_exact(stream, _LENGTH.size))
+            (token,) = LENGTH.unpack(read_exact(stream, LENGTH.size))
             buffers.append(by_ref(token, size & ~BY_REF))
             continue
         if size > MAX_FRAME:
             raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
-        buffers.append(_read_exact(stream, size, buffer_for(size) if buffer_for else None))
+        buffers.append(read_exact(stream, size, buffer_for(size) if buffer_for else None))
     return pickle.loads(meta, buffers=buffers)
-
-
-def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[FrameWriter],
-                onward: Sequence[FrameWriter] = (), hand_over: Callable[[int], int | None] | None = None) -> None:
-    """Stream one frame from `stream` to every target as it arrives (cut-through): a large
-    payload crosses the agent without waiting for its last byte.
-    `onward` targets (the next agents of a relay tree) get it still marked RELAY, to pass on.
-    A target that has gone away is dropped; its rank's exit is reported elsewhere.
-
-    With `hand_over`, a buffer of SHARED_BYTES or more reaches the targets (a node's ranks) as one
-    memory file, not through each one's pipe: it is written there once as it arrives (the
-    onward agents still get it cut-through), `hand_over(fd)` gives that file to every target
-    beside the stream and names it with a token, and each target reads the token where the bytes
-    would be (BY_REF). A node of eight ranks then receives a large argument once and holds it
-    once, where it was copied through eight pipes into eight copies. Where no memory file can be
-    had, or `hand_over` says None, the bytes go inline as before."""
-    meta_len, count, flags = header
-    every = list(targets) + list(onward)
-    live = list(every)
-
-    def fan_out(chunk: Any, to: Sequence[FrameWriter] = every) -> None:
-        for t in [t for t in to if t in live]:
-            try:
-                t.write_raw(chunk)
-            except ChannelClosed:
-                live.remove(t)
-
-    for t in every:
-        t.lock.acquire()
-    try:
-        for t in list(live):  # the header: the ranks read a plain frame, the next agents relay it
-            try:
-                t.write_raw(_HEADER.pack(meta_len, count, flags if t in onward else flags & ~RELAY))
-            except ChannelClosed:
-                live.remove(t)
-        fan_out(_read_exact(stream, meta_len))
-        for _ in range(count):
-            size_bytes = _read_exact(stream, _LENGTH.size)
-            (left,) = _LENGTH.unpack(size_bytes)
-            fd = _memory_file(left) if hand_over is not None and targets and left >= SHARED_BYTES else None
-            if fd is None:
-                fan_out(size_bytes)
-                _copy(stream, left, fan_out)
-                continue
-            fan_out(size_bytes, onward)
-
-            def to_file_and_onward(chunk: Any, fd: int = fd) -> None:
-                _write_all(fd, chunk)
-                fan_out(chunk, onward)
-
-            try:
-                _copy(stream, left, to_file_and_onward)
-                token = hand_over(fd)  # type: ignore[misc]  # not None: checked above
-                if token is None:
-                    fan_out(size_bytes, targets)
-                    _copy_file(fd, left, lambda chunk: fan_out(chunk, targets))
-                else:
-                    fan_out(_LENGTH.pack(left | BY_REF) + _LENGTH.pack(token), targets)
-            finally:
-                os.close(fd)  # each target holds the file it was handed, as long as it needs it
-        for t in live:
-            try:
-                t.flush_raw()
-            except ChannelClosed:
-                pass
-    finally:
-        for t in every:
-            t.lock.release()
-
-
-def _memory_file(size: int) -> int | None:
-    try:
-        return os.memfd_create("skytasks-argument", os.MFD_CLOEXEC)
-    except (AttributeError, OSError):  # not Linux, or no memfd: the bytes go inline
-        return None
-
-
-def _copy(stream: Readable, left: int, out: Callable[[Any], Any]) -> None:
-    while left:
-        chunk = _read_exact(stream, min(left, RELAY_CHUNK))
-        out(chunk)
-        left -= len(chunk)
-
-
-def _write_all(fd: int, chunk: Any) -> None:
-    view = memoryview(chunk)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _copy_file(fd: int, size: int, out: Callable[[Any], Any]) -> None:
-    offset = 0
-    while offset < size:
-        chunk = os.pread(fd, min(RELAY_CHUNK, size - offset), offset)
-        out(chunk)
-        offset += len(chunk)
 
 
 class FrameParser:
@@ -272,41 +175,41 @@ class FrameParser:
         self._buf += data
         frames = []
         while (end := self._next_end()) is not None:
-            frames.append((_HEADER.unpack_from(self._buf, 0)[2], self._buf[:end]))
+            frames.append((HEADER.unpack_from(self._buf, 0)[2], self._buf[:end]))
             del self._buf[:end]
         return frames
 
     def _next_end(self) -> int | None:
         """Where the first whole frame in the buffer ends; None until one is whole."""
         buf, have = self._buf, len(self._buf)
-        if have < _HEADER.size:
+        if have < HEADER.size:
             return None
-        meta_len, count, _flags = _HEADER.unpack_from(buf, 0)
+        meta_len, count, _flags = HEADER.unpack_from(buf, 0)
         if meta_len > MAX_FRAME:
             raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
-        pos = _HEADER.size + meta_len
+        pos = HEADER.size + meta_len
         for _ in range(count):
-            if have < pos + _LENGTH.size:
+            if have < pos + LENGTH.size:
                 return None
-            (size,) = _LENGTH.unpack_from(buf, pos)
+            (size,) = LENGTH.unpack_from(buf, pos)
             if size > MAX_FRAME:
                 raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
-            pos += _LENGTH.size + size
+            pos += LENGTH.size + size
         return pos if have >= pos else None
 
 
 def decode(frame: bytes | bytearray) -> dict[str, Any]:
     """The message in the whole frame at the start of `frame` (as `FrameParser.feed_raw` gives
     them); its large buffers become bytearrays of their own."""
-    meta_len, count, _flags = _HEADER.unpack_from(frame, 0)
-    pos = _HEADER.size + meta_len
+    meta_len, count, _flags = HEADER.unpack_from(frame, 0)
+    pos = HEADER.size + meta_len
     buffers = []
     for _ in range(count):
-        (size,) = _LENGTH.unpack_from(frame, pos)
-        pos += _LENGTH.size
+        (size,) = LENGTH.unpack_from(frame, pos)
+        pos += LENGTH.size
         buffers.append(frame[pos:pos + size] if isinstance(frame, bytearray) else bytearray(frame[pos:pos + size]))
         pos += size
-    return pickle.loads(bytes(frame[_HEADER.size:_HEADER.size + meta_len]), buffers=buffers)
+    return pickle.loads(bytes(frame[HEADER.size:HEADER.size + meta_len]), buffers=buffers)
 
 
 class FrameWriter:

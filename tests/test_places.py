@@ -48,7 +48,7 @@ CONTROL_THREAD = ("Thread 0x2 (most recent call first):\n"
 
 
 @pytest.mark.parametrize("main_thread, said", [
-    ('  File "/x/skytasks/wire.py", line 120 in _read_exact\n'
+    ('  File "/x/skytasks/wire.py", line 120 in read_exact\n'
      '  File "/x/skytasks/wire.py", line 140 in read_frame\n'
      '  File "/x/skytasks/node/worker.py", line 255 in main\n', "waiting for the call"),
     ('  File "<frozen os>", line 1031 in fdopen\n'

@@ -20,7 +20,8 @@ from skytasks.node.peers import DIGEST_BYTES, NONCE_BYTES, PeerListener, connect
 from skytasks.protocol import Op, message
 from skytasks.node.control_channel import HandedFiles, serve_control_channel
 from skytasks.serialization import SharedBuffer, mapped_buffer
-from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_frame, read_header, relay_frame
+from skytasks.node.relay import relay_frame
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_frame, read_header
 
 
 def digest(a: np.ndarray) -> tuple[int, str]:

@@ -2,7 +2,7 @@
 even mid-call: preemption notices, and the memory files of large arguments.
 
 A large argument reaches a node's ranks as one memory file that the agent wrote once (see
-`wire.relay_frame`): the agent hands each rank the file's descriptor here (a SHARED frame with
+`node/relay.py`): the agent hands each rank the file's descriptor here (a SHARED frame with
 the fd beside it, SCM_RIGHTS), then writes the CALL frame on the rank's pipe with a token where
 the bytes would be. The rank's main thread, reading that frame, takes the file by its token
 (`HandedFiles.take`) and maps it. Standard library only, as the rest of the node side.

@@ -26,7 +26,8 @@ import threading
 from typing import Any, Callable, Protocol, Sequence
 
 from skytasks.protocol import Op, message
-from skytasks.wire import RELAY, ChannelClosed, FrameWriter, Readable, read_body, read_header, relay_frame
+from skytasks.node.relay import relay_frame
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, Readable, read_body, read_header
 
 NONCE_BYTES = 16
 DIGEST_BYTES = 32
