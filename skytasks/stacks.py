@@ -30,9 +30,13 @@ def _threads(stack: str) -> list[list[tuple[str, int, str]]]:
     return threads
 
 
+def _is_library(path: str) -> bool:
+    """Python's own modules and installed packages (`<frozen os>` included)."""
+    return any(marker in path for marker in _LIBRARY_MARKERS) or path.startswith("<")
+
+
 def _is_user_file(path: str) -> bool:
-    return not (any(marker in path for marker in _LIBRARY_MARKERS) or path.startswith(_SKYTASKS_DIR)
-                or "/skytasks/" in path.replace(os.sep, "/") or path.startswith("<"))
+    return not (_is_library(path) or path.startswith(_SKYTASKS_DIR) or "/skytasks/" in path.replace(os.sep, "/"))
 
 
 def _in(thread: list[tuple[str, int, str]], file: str, func: str) -> bool:
@@ -41,7 +45,8 @@ def _in(thread: list[tuple[str, int, str]], file: str, func: str) -> bool:
 
 def where(stack: str) -> str:
     """'in `barrier` (distributed_c10d.py:4807), called from train.py:42 in `train`', or ''.
-    A rank the call had not reached yet: 'waiting for the call', or 'starting up, in ...'."""
+    A rank the call had not reached yet: 'waiting for the call', or 'starting up, in ...' (the
+    step of its start-up it was in)."""
     threads = _threads(stack)
     # The thread that runs the user's call: the one whose stack passes through skytasks.node.worker.
     main = next((t for t in threads if _in(t, "worker.py", "_run_call")), None)
@@ -52,7 +57,9 @@ def where(stack: str) -> str:
         if _in(main, "worker.py", "main") and _in(main, "wire.py", "read_frame"):
             return "waiting for the call"
         if _in(main, "worker.py", "main") or _in(main, "rank_template.py", "_become_rank"):
-            file, line, func = main[0]
+            # The start-up step it is in, not the library frame under it: ranks caught inside
+            # `Thread.start` or `os.fdopen` of the same step share one line.
+            file, line, func = next((fr for fr in main if not _is_library(fr[0])), main[0])
             return f"starting up, in `{func}` ({os.path.basename(file)}:{line})"
     if not main:
         return ""

@@ -3,6 +3,9 @@ benchmark). A failure at 1,024 ranks reads as a few lines, not a thousand stacks
 
 from __future__ import annotations
 
+import os
+import sysconfig
+
 import pytest
 
 from skytasks.controller.places import group_by_place, stack_lines
@@ -42,6 +45,7 @@ def test_a_thousand_stopped_ranks_are_one_line_and_a_lone_rank_keeps_its_own():
     ]
 
 
+THREADING = os.path.join(os.path.realpath(sysconfig.get_paths()["stdlib"]), "threading.py")  # this Python's own
 CONTROL_THREAD = ("Thread 0x2 (most recent call first):\n"
                   '  File "/x/skytasks/node/control_channel.py", line 61 in serve_control_channel\n'
                   '  File "/x/skytasks/node/worker.py", line 180 in _take_notices\n')
@@ -53,11 +57,16 @@ CONTROL_THREAD = ("Thread 0x2 (most recent call first):\n"
      '  File "/x/skytasks/node/worker.py", line 255 in main\n', "waiting for the call"),
     ('  File "<frozen os>", line 1031 in fdopen\n'
      '  File "/x/skytasks/node/worker.py", line 215 in main\n'
-     '  File "/x/skytasks/node/rank_template.py", line 270 in _become_rank\n', "starting up, in `fdopen` (<frozen os>:1031)"),
+     '  File "/x/skytasks/node/rank_template.py", line 270 in _become_rank\n', "starting up, in `main` (worker.py:215)"),
+    (f'  File "{THREADING}", line 327 in wait\n'
+     f'  File "{THREADING}", line 629 in wait\n'
+     f'  File "{THREADING}", line 964 in start\n'
+     '  File "/x/skytasks/node/worker.py", line 220 in main\n'
+     '  File "/x/skytasks/node/rank_template.py", line 270 in _become_rank\n', "starting up, in `main` (worker.py:220)"),
     ('  File "/home/me/train.py", line 8 in train\n'
      '  File "/x/skytasks/node/worker.py", line 129 in _run_call\n'
      '  File "/x/skytasks/node/worker.py", line 260 in main\n', "in `train` (train.py:8)"),
-], ids=["before its call arrived", "still starting", "in the user's code"])
+], ids=["before its call arrived", "still starting", "starting a thread", "in the user's code"])
 def test_a_rank_is_named_by_its_main_thread_not_by_a_helper_thread_listed_first(main_thread, said):
     from skytasks.stacks import where
 
