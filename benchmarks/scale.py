@@ -90,11 +90,13 @@ def _machine_cpu_s() -> float:
 _EXIT_FLOOR = """
 import os, signal, sys, time
 import skytasks.node.worker  # what a rank runs, as a rank template has it imported
+held, alive = os.pipe()  # each child waits on it: if this process dies first, they see EOF and go
 pids = []
 for _ in range(int(sys.argv[1])):
     pid = os.fork()
     if pid == 0:
-        signal.pause()
+        os.close(alive)
+        os.read(held, 1)
         os._exit(0)
     pids.append(pid)
 time.sleep(1.0)
