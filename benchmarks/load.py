@@ -175,15 +175,22 @@ def _flow_process(calls: int) -> None:
     print(f"FLOW {many_calls()} {time.time()!r}", flush=True)
 
 
-def _counts(servers: Servers, flow_run_ids: list[str]) -> tuple[int, int, int, int]:
-    """(task runs, final ones, logs, rank runs) of these flows, read from PostgreSQL itself: paging
-    thousands of rows through the API twice a second would load the very server being measured."""
+def _rank_run_condition(plain: bool) -> str:
+    """SQL naming the runs of one rank each: skytasks' rank runs, or the baseline's `rank_step` runs."""
+    if plain:
+        return "name LIKE 'rank\\_step-%'"
     from skytasks.prefect_records.rank_runs import RANK_TASK
 
+    return f"task_key = '{RANK_TASK.task_key}'"
+
+
+def _counts(servers: Servers, flow_run_ids: list[str], plain: bool = False) -> tuple[int, int, int, int]:
+    """(task runs, final ones, logs, rank runs) of these flows, read from PostgreSQL itself: paging
+    thousands of rows through the API twice a second would load the very server being measured."""
     ids = ",".join(f"'{i}'" for i in flow_run_ids)
     sql = (f"SELECT count(*), count(*) FILTER (WHERE state_type IN ('COMPLETED','FAILED','CANCELLED','CRASHED')),"
            f" (SELECT count(*) FROM log WHERE flow_run_id IN ({ids})),"
-           f" count(*) FILTER (WHERE task_key = '{RANK_TASK.task_key}')"
+           f" count(*) FILTER (WHERE {_rank_run_condition(plain)})"
            f" FROM task_run WHERE flow_run_id IN ({ids})")
     out = subprocess.run([_pg_bin("psql"), "-h", "127.0.0.1", "-p", str(servers.pg_port), "-U", "postgres", "-d",
                           "postgres", "-tAc", sql], check=True, capture_output=True, text=True).stdout
@@ -214,7 +221,7 @@ def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[s
         at_end: tuple[int, int, int, int] | None = None
         while True:
             now = time.time()
-            counts = _counts(servers, ids)
+            counts = _counts(servers, ids, plain)
             # What was recorded once every flow process had exited (its event and log workers drained,
             # a few seconds after the last flow returned): shows whether the lag is in or behind the server.
             at_end = at_end or counts
@@ -232,8 +239,6 @@ def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[s
                 break
             time.sleep(0.5)
     runs, final, logs, rank_runs = last or (0, 0, 0, 0)
-    if plain:
-        rank_runs = runs - flows * calls  # Prefect's own tasks: the runs beside each call's parent
     return {"what": "Prefect's own @task, as many task runs (the baseline)" if plain else "skytasks",
             "flows": flows, "calls_per_flow": calls, "ranks_per_call": RANKS_PER_FLOW,
             "server_settings": server_settings or "Prefect's defaults",
