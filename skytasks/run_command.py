@@ -36,7 +36,7 @@ def run_command(args: argparse.Namespace) -> int:
     # busy machine can miss.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     from skytasks.errors import PoolConfigError
-    from skytasks.prefect_records.early_server import start_early_server
+    from skytasks.prefect_records.ephemeral_server import start_early_server
 
     try:  # the arguments, checked before anything starts (Prefect's server included)
         options, call_args = _checked(args)
@@ -45,7 +45,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     early = start_early_server()  # then at once: with no API configured, Prefect's server takes seconds
     from skytasks.controller.console import ConsoleObserver
-    from skytasks.prefect_records.held_observer import HeldObserver
+    from skytasks.prefect_records.record_queue import HeldObserver
     from skytasks.controller.runner import SHOW_RESOURCES, run_call
     from skytasks.providers.reporting import EVENT_HOLDER
 
@@ -76,7 +76,7 @@ def run_command(args: argparse.Namespace) -> int:
         SHOW_RESOURCES.reset(shown)
         EVENT_HOLDER.reset(sink)
     code = _report(name, outcome, recorder, recorded)
-    from skytasks.prefect_records.early_server import flush_records
+    from skytasks.prefect_records.ephemeral_server import flush_records
 
     flush_records()  # while the server still runs, and without Prefect's at-exit warning
     return code

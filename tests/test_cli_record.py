@@ -15,7 +15,7 @@ from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunF
                                             LogFilterTaskRunId)
 
 from skytasks.events import PoolUp
-from skytasks.prefect_records.held_observer import RECORDED_AT, HeldObserver
+from skytasks.prefect_records.record_queue import RECORDED_AT, HeldObserver
 
 SCRIPT = """
 import os, sys, time
@@ -185,7 +185,7 @@ def test_with_no_api_configured_the_run_is_in_prefects_own_database_and_no_serve
 
 
 def test_the_early_server_is_only_started_when_nothing_configures_an_api(tmp_path, monkeypatch):
-    from skytasks.prefect_records.early_server import nothing_configures_an_api
+    from skytasks.prefect_records.ephemeral_server import nothing_configures_an_api
 
     for key in [k for k in os.environ if k.startswith("PREFECT_")]:
         monkeypatch.delenv(key)

@@ -16,7 +16,7 @@ from skytasks.call_options import rank_runs_for
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 from skytasks.errors import RankFailure
-from skytasks.prefect_records.held_observer import RECORDED_AT
+from skytasks.prefect_records.record_queue import RECORDED_AT
 from skytasks.prefect_records.rank_runs import final_state
 from skytasks.prefect_records.run_states import RecordCopies, new_id
 from tests.prefect_api import settled_task_runs

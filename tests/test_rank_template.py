@@ -112,9 +112,9 @@ def test_a_nodes_torch_ranks_are_forked_from_one_import_of_torch_made_with_their
 
 
 def routes_seen() -> dict:
-    from skytasks.node import routes
+    from skytasks.node import socket_interface
 
-    return {"routes": dict(routes._ROUTES), "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+    return {"routes": dict(socket_interface._ROUTES), "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
             "head": os.environ["MASTER_ADDR"]}
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from skytasks.reactor import StreamReactor
-from skytasks.heard import HeardStream
+from skytasks.silence import HeardStream
 from skytasks.wire import TO_AGENT, ChannelClosed, FrameParser, decode, encode
 
 

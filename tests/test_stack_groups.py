@@ -8,7 +8,7 @@ import sysconfig
 
 import pytest
 
-from skytasks.controller.places import group_by_place, stack_lines
+from skytasks.controller.stack_groups import group_by_place, stack_lines
 from skytasks.stacks import rank_ranges
 
 

@@ -18,7 +18,7 @@ from skytasks.protocol import Op, check, message
 from skytasks.reactor import shared_reactor
 from skytasks.providers import NodeLink
 from skytasks.settings import settings
-from skytasks.heard import HeardStream
+from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameParser, FrameWriter, encode, encoded_size, read_frame
 
 BROADCAST_IN_PARALLEL_BYTES = 1 << 20

@@ -11,7 +11,7 @@ from skytasks.controller.rank_group import RankOutcome
 from skytasks.controller.runner import SHOW_RESOURCES
 from skytasks.controller.usage import RankUsage
 from skytasks.events import Event, announce, level_of
-from skytasks.controller.places import stack_lines
+from skytasks.controller.stack_groups import stack_lines
 
 
 class ConsoleObserver:

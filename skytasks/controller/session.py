@@ -15,7 +15,7 @@ from typing import Any
 
 from skytasks.controller.backlog import NodeEvents
 from skytasks.controller.call_run import CallRun
-from skytasks.controller.drive import drive
+from skytasks.controller.call_loop import drive
 from skytasks.controller.outcome import CallOutcome
 from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats, send_call
 from skytasks.controller.membership import Drop, GoneNode, Grow, MembershipPolicy, PoolStatus, Replace, policy_for

@@ -8,7 +8,7 @@ gives one WARNING naming each one and where it is, and how `hang_timeout_seconds
 
 from __future__ import annotations
 
-from skytasks.controller.places import group_by_place
+from skytasks.controller.stack_groups import group_by_place
 from skytasks.stacks import rank_ranges, user_frame, where
 
 PROBE_SECONDS = 2.0  # how long the running ranks' stacks are waited for

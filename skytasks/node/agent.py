@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 from skytasks.devices import visible_gpus
 from skytasks.node.resources import Sampler, physical_gpu
 from skytasks.protocol import Op, message
-from skytasks.heard import HeardStream
+from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
 from skytasks.node.notices import NodeNotice

@@ -43,7 +43,7 @@ import time
 import traceback
 from typing import Callable, NoReturn
 
-from skytasks.node import routes
+from skytasks.node import socket_interface
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 
 # Read only as an interpreter (or the dynamic loader) starts: a forked rank would not see a change.
@@ -124,7 +124,7 @@ def serve_as_template(sock: socket.socket, agent: int) -> None:
                 if request.get("import_torch") is not None and "torch" not in sys.modules:
                     native_threads = _import_torch(request["import_torch"])
                 # The interface towards each head, found once for the node's ranks (see routes).
-                routes.find_routes({env.get("MASTER_ADDR", "") for env in request["envs"]})
+                socket_interface.find_routes({env.get("MASTER_ADDR", "") for env in request["envs"]})
                 return {"pids": _fork_ranks(request["envs"], fds, agent, native_threads)}
 
             answer(sock, data, fds, fork)

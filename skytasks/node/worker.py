@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from skytasks import preemption
-from skytasks.node import routes
+from skytasks.node import socket_interface
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 from skytasks.node.control_channel import HandedFiles, serve_control_channel
 from skytasks.node.rank_channel import RankStream, RankWriter, ShipLogRecords
@@ -235,7 +235,7 @@ def main(forked: bool = False, stack_fd: int | None = None) -> None:
     _enter_workdir()
     # Before torch's group is made here, and for ranks that do not make one (run_script): a
     # script's own init_process_group inherits the choice.
-    routes.pick_socket_interface(os.environ["MASTER_ADDR"])
+    socket_interface.pick_socket_interface(os.environ["MASTER_ADDR"])
     init_torch = os.environ.get("SKYTASKS_INIT_TORCH", "1") == "1"
     if init_torch:
         try:

@@ -2,7 +2,7 @@
 plain calls, `.submit`, `await`), `observer` (what the engine tells Prefect), `rank_runs` (one task
 run per rank, recorded as state events like Prefect's own engine), `artifacts` (tables and
 progress, written beside the call), `events` and `pool_events` (typed events as Prefect events an
-Automation can act on), and `held_observer` (a call that starts before its record exists).
+Automation can act on), and `record_queue` (a call that starts before its record exists).
 
 The only side of skytasks that imports Prefect. Importing it registers the Prefect sink for pool
 events (`skytasks.providers.reporting.add_sink`); nothing here imports Prefect at import time.

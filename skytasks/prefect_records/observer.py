@@ -21,7 +21,7 @@ from prefect.logging.loggers import task_run_logger
 
 from skytasks.events import Event, announce, level_of
 from skytasks.call_options import rank_runs_for
-from skytasks.controller.places import stack_lines
+from skytasks.controller.stack_groups import stack_lines
 from skytasks.metrics import progress_percent
 from skytasks.prefect_records.pool_events import emit_event, record_pool_event
 from skytasks.prefect_records.artifacts import WRITER, LiveTable, ProgressBar, wait_for, write_table

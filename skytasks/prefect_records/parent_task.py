@@ -17,7 +17,7 @@ from prefect import Task, tags
 from prefect.cache_policies import CachePolicy
 from prefect.futures import PrefectFuture
 
-from skytasks.prefect_records.held_observer import HeldObserver
+from skytasks.prefect_records.record_queue import HeldObserver
 from skytasks.controller.packing import pack_call
 from skytasks.prefect_records.observer import PrefectObserver
 from skytasks.controller.runner import PreparedCall, run_call

@@ -26,7 +26,7 @@ from prefect.logging.loggers import task_run_logger
 from prefect.states import Cancelled, Completed, Failed, Running, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
-from skytasks.prefect_records.held_observer import RECORDED_AT
+from skytasks.prefect_records.record_queue import RECORDED_AT
 from skytasks.prefect_records.run_states import RecordCopies, new_id
 from skytasks.stacks import rank_ranges
 from skytasks.controller.outcome import RankState

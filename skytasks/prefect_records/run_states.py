@@ -29,7 +29,7 @@ from prefect.client.schemas.objects import TaskRun, TaskRunPolicy, TaskRunResult
 from prefect.states import State
 from pydantic import BaseModel
 
-from skytasks.prefect_records.held_observer import RECORDED_AT
+from skytasks.prefect_records.record_queue import RECORDED_AT
 
 _random = random.Random()  # seeded from os.urandom; a forked child must not repeat its parent's ids
 os.register_at_fork(after_in_child=_random.seed)

@@ -51,7 +51,7 @@ def flow_run_id() -> str | None:
 
 
 # `skytasks run`: the call starts before its Prefect record exists; the record's holder takes
-# every pool event for it (skytasks.prefect_records.held_observer).
+# every pool event for it (skytasks.prefect_records.record_queue).
 EVENT_HOLDER: contextvars.ContextVar[Callable[[Event, str], None] | None] = contextvars.ContextVar(
     "skytasks_event_holder", default=None)
 _SINKS: list[Callable[[Event, str], None]] = []
