@@ -18,6 +18,7 @@ from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import SHAPE_FIELDS
 from skytasks.providers.aws.spec import AWSFields
+from skytasks.providers.kubernetes.spec import KubernetesFields
 from skytasks.providers.registry import ProviderName, plugin, readers_of_fields
 from skytasks.providers.remote_fields import RemoteFields
 from skytasks.providers.slurm.spec import SlurmFields
@@ -31,7 +32,8 @@ class PoolShape(BaseModel):
     """The fields every provider takes (first in the block's form)."""
 
     provider: ProviderName = Field(
-        "local", description="local: processes here; ssh: your machines; aws: EC2 it launches; slurm: a SLURM allocation")
+        "local", description="local: processes here; ssh: your machines; aws: EC2 it launches; slurm: a SLURM allocation; "
+        "kubernetes: one pod per node")
     nodes: int = Field(2, ge=1, description="Number of nodes (the most, when min_nodes is set).")
     min_nodes: Optional[int] = Field(
         None, ge=1, description="Elastic: start with what can be had, at least this many; None: exactly `nodes`.")
@@ -43,12 +45,12 @@ class PoolShape(BaseModel):
 
 # Each provider's own fields come from its folder (skytasks/providers/<name>/spec.py); pydantic
 # lays a form out from the last base to the first, so the shape comes first.
-class GPUPool(Block, AWSFields, SlurmFields, SSHFields, RemoteFields, PoolShape):
+class GPUPool(Block, KubernetesFields, AWSFields, SlurmFields, SSHFields, RemoteFields, PoolShape):
     _block_type_name = "GPU Pool"
     _block_type_slug = "gpu-pool"
     _logo_url = "https://images.ctfassets.net/gm98wzqotmnx/4HlN0GkcPMXp6TxuQtHEjt/16dd0296f4f2ccd3db3e5eb1e1b66ddc/pytorch-logo.png"  # type: ignore[assignment]  # noqa: E501
     _description = ("Nodes for multi-node PyTorch training: local processes, SSH hosts, EC2 instances or the nodes "
-                    "of a SLURM allocation.")
+                    "of a SLURM allocation, or pods on Kubernetes.")
     _documentation_url = "https://github.com/skytasks/skytasks#readme"  # type: ignore[assignment]
     _code_example = """
 ```python

@@ -1,4 +1,5 @@
-"""The `skytasks` command: `skytasks run` (a drop-in for torchrun) and `skytasks gc`.
+"""The `skytasks` command: `skytasks run` (a drop-in for torchrun), `skytasks gc` (what pools left
+behind) and `skytasks check` (a saved pool's pre-flight checks, starting nothing).
 
 `skytasks run SCRIPT ARGS...` is `run_script` inside a Prefect flow run named after the script, so
 every run is in the UI with a task run per rank; on the terminal each rank's lines print live as
@@ -42,6 +43,12 @@ def _gc_parser(commands: argparse._SubParsersAction) -> None:
     gc = commands.add_parser("gc", help="delete what pools left behind: EC2 resources of aws pools that are expired "
                                         "or orphaned; with --slurm, skytasks SLURM jobs past their expiry")
     gc.add_argument("--slurm", action="store_true", help="sweep SLURM jobs (run where SLURM's commands work) instead")
+    gc.add_argument("--kubernetes", action="store_true",
+                    help="delete what kubernetes pools left in a namespace past their lifetime, or with no controller")
+    gc.add_argument("--namespace", default=None, help="--kubernetes: the namespace (default: the pool's, else 'default')")
+    gc.add_argument("--pool", default=None,
+                    help="--kubernetes: a saved GPUPool block whose credentials and namespace to use (default: "
+                         "in-cluster config or the default kubeconfig)")
     gc.add_argument("--aws-credentials", help="name of a saved AwsCredentials block (default: the environment's)")
     gc.add_argument("--region", default=None)
     gc.add_argument("--endpoint-url", default=None, help="an EC2-compatible endpoint (tests use moto's)")
@@ -49,6 +56,11 @@ def _gc_parser(commands: argparse._SubParsersAction) -> None:
     gc.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     gc.add_argument("--now", type=_utc_time, default=None, metavar="YYYY-MM-DDTHH:MM:SSZ",
                     help="sweep as of this time (with --dry-run: what a later sweep would delete)")
+
+
+def _check_parser(commands: argparse._SubParsersAction) -> None:
+    check = commands.add_parser("check", help="run a saved pool's pre-flight checks without starting anything")
+    check.add_argument("--pool", required=True, help="name of a saved GPUPool block")
 
 
 def _utc_time(text: str):
@@ -93,18 +105,62 @@ def _slurm_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kubernetes_gc(args: argparse.Namespace) -> int:
+    from kubernetes import client
+
+    from skytasks.providers.kubernetes import cluster
+    from skytasks.providers.kubernetes.gc import sweep
+
+    credentials, namespace = None, args.namespace
+    if args.pool:
+        from skytasks.blocks.gpu_pool import GPUPool
+
+        pool = cast(GPUPool, GPUPool.load(args.pool))
+        credentials, namespace = pool.kubernetes_credentials, namespace or pool.k8s_namespace
+    core = client.CoreV1Api(cluster.api_client(cluster.configuration(credentials)))
+    swept = sweep(core, namespace or "default", dry_run=args.dry_run, now=args.now, grace_minutes=args.grace_minutes,
+                  log=lambda line: print(line, file=sys.stderr))
+    print(f"skytasks gc: {len(swept)} kubernetes pool(s) {'to delete' if args.dry_run else 'deleted'}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Each check on a line, its verdict first; exit 0 when none failed."""
+    from skytasks.blocks.gpu_pool import GPUPool
+    from skytasks.errors import PoolConfigError
+    from skytasks.providers.checks import checks_for
+
+    try:
+        pool = cast(GPUPool, GPUPool.load(args.pool))
+    except (ValueError, PoolConfigError) as exc:
+        print(f"skytasks check: cannot load pool {args.pool!r}: {exc}", file=sys.stderr)
+        return 2
+    print(f"skytasks check: pool {args.pool!r} (provider={pool.provider}, nodes={pool.spec().node_count})")
+    failed = 0
+    for check in checks_for(pool.spec()):
+        print(check.line(), flush=True)
+        failed += check.passed is False
+    print(f"skytasks check: {'all passed' if not failed else f'{failed} failed'}")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="skytasks")
     commands = parser.add_subparsers(dest="command", required=True)
     _run_parser(commands)
     _gc_parser(commands)
+    _check_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "run":
         from skytasks.run_command import run_command
 
         return run_command(args)
+    if args.command == "check":
+        return _check(args)
     if args.slurm:
         return _slurm_gc(args)
+    if args.kubernetes:
+        return _kubernetes_gc(args)
     swept = _aws_gc(args)
     print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
     return 0

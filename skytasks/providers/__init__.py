@@ -133,6 +133,9 @@ class ProviderPlugin:
     # Its part of the PoolSpec from those fields (and the shape), validated: a ValueError whose
     # text starts with the field's name ("hosts: ..."). None: it needs no part of its own.
     build: Callable[[Mapping[str, Any]], object | None] = lambda fields: None
+    # "module:function" of its pre-flight checks (`skytasks check`, skytasks.providers.checks):
+    # given the pool's spec, it yields a Check per question. None: it has none.
+    check: str | None = None
 
 
 # The fields every provider takes: how many nodes and ranks, their accelerators and environment

@@ -9,7 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Literal
 
 from skytasks.errors import PoolConfigError
-from skytasks.providers import NodeProvider, ProviderClass, ProviderPlugin, aws, local, slurm, ssh
+from skytasks.providers import NodeProvider, ProviderClass, ProviderPlugin, aws, kubernetes, local, slurm, ssh
 from skytasks.providers.reporting import PoolReporter
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ PROVIDERS: dict[str, ProviderPlugin] = {p.name: p for p in (
     ssh.PLUGIN,
     aws.PLUGIN,
     slurm.PLUGIN,
+    kubernetes.PLUGIN,
 )}
 # The `provider` field's type, from the table: the names are written once.
 if TYPE_CHECKING:

@@ -1,0 +1,12 @@
+"""provider="kubernetes": one pod per node, made and deleted by the pool. `spec.py` (its fields and
+spec), `provider.py` (pods up, agents started, lost pods replaced, everything deleted),
+`pods.py` (the manifests), `pod_status.py` (a pod's status read), `cluster.py` (credentials and the
+API's refusals), `exec_stream.py` (a node's stream through the API server), `node_agents.py` (the
+agent and commands in a pod), `teardown.py` and `gc.py` (`skytasks gc --kubernetes`),
+`check.py` (`skytasks check`). The client is the `kubernetes` extra: `pip install "skytasks[kubernetes]"`."""
+
+from skytasks.providers import ProviderPlugin
+from skytasks.providers.kubernetes import spec
+
+PLUGIN = ProviderPlugin("kubernetes", "skytasks.providers.kubernetes.provider:KubernetesProvider", reads=spec.READS,
+                        build=spec.build, check="skytasks.providers.kubernetes.check:run")

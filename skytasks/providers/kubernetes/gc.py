@@ -1,0 +1,70 @@
+"""`skytasks gc --kubernetes`: delete what kubernetes pools left in a namespace.
+
+Every pool makes one owner ConfigMap (`skytasks-<id>`, labelled `app.kubernetes.io/managed-by:
+skytasks`, annotated with its expiry) that owns its pods. A pool deletes both on every path its
+controller lives through; without the controller its pods end themselves after `idle_minutes` and
+at `max_lifetime_minutes`, but the ended pods and the owner stay listed. This sweep deletes a
+pool's owner (and so, through the garbage collector, its pods) when it is past its expiry, when
+every pod of it has ended, or when it has had no pod for `grace_minutes`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from skytasks.providers.kubernetes import pods
+from skytasks.providers.kubernetes.teardown import delete_pool
+
+
+def _time(text: Optional[str]) -> Optional[datetime]:
+    if not text:
+        return None
+    try:
+        return datetime.strptime(text, pods.TIME_FORMAT).replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+
+
+def why_stale(owner: Mapping[str, Any], pool_pods: Sequence[Mapping[str, Any]], now: datetime,
+              grace: timedelta) -> Optional[str]:
+    """Why a pool's leftovers may go (None: its controller may still be using them)."""
+    meta = owner.get("metadata", {})
+    expires = _time((meta.get("annotations") or {}).get(pods.EXPIRES_ANNOTATION))
+    if expires is not None and expires <= now:
+        return f"expired {expires:%Y-%m-%d %H:%M}Z"
+    phases = [p.get("status", {}).get("phase") for p in pool_pods]
+    if phases and all(ph in ("Succeeded", "Failed") for ph in phases):
+        return "every pod has ended (its controller is gone)"
+    created = _time(meta.get("creationTimestamp"))
+    if not phases and created is not None and created + grace <= now:
+        return f"no pod since {created:%Y-%m-%d %H:%M}Z"
+    return None
+
+
+def sweep(core: Any, namespace: str, dry_run: bool = False, now: Optional[datetime] = None,
+          grace_minutes: float = 15, wait_seconds: float = 60,
+          log: Callable[[str], None] = lambda line: None) -> list[str]:
+    """Delete (or with `dry_run`, only name) the stale pools of a namespace; their ids."""
+    now = now or datetime.now(timezone.utc)
+    selector = f"{pods.MANAGED_BY[0]}={pods.MANAGED_BY[1]}"
+    owners = json.loads(core.list_namespaced_config_map(namespace, label_selector=selector, _preload_content=False,
+                                                        _request_timeout=30).data)["items"]
+    listed = json.loads(core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False,
+                                                 _request_timeout=30).data)["items"]
+    swept = []
+    for owner in owners:
+        pool_id = owner["metadata"]["name"]
+        mine = [p for p in listed if (p["metadata"].get("labels") or {}).get(pods.POOL_LABEL) == pool_id]
+        why = why_stale(owner, mine, now, timedelta(minutes=grace_minutes))
+        if why is None:
+            continue
+        swept.append(pool_id)
+        log(f"skytasks gc: {'would delete' if dry_run else 'deleting'} kubernetes pool {namespace}/{pool_id} "
+            f"({len(mine)} pod{'s' * (len(mine) != 1)}): {why}")
+        if not dry_run:
+            left, detail = delete_pool(core, namespace, pool_id, wait_seconds)
+            if left:
+                log(f"skytasks gc: still there: {', '.join(left)} ({detail})")
+    return swept

@@ -1,0 +1,188 @@
+"""The node agent in a pod, started over an exec stream, and the short commands a call needs
+there (a free port on the head, the workdir).
+
+The stream starts with a few lines of the image's Python: the check that it can import torch and
+cloudpickle (`python_check`), then "have" or "need" for the controller's skytasks (content-addressed
+under /tmp/skytasks in the pod, so a pod gets it once), which the controller then sends on the same
+stream, and the agent in that process. Nothing of it is in the pod's spec or command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+from skytasks.errors import PoolStartError
+from skytasks.node.ports import port_snippet
+from skytasks.providers import NodeLink
+from skytasks.providers.kubernetes import exec_stream
+from skytasks.providers.kubernetes.pods import CONTAINER
+from skytasks.providers.ssh import python_check
+from skytasks.providers.ssh.nodes import package_bundle
+
+# argv: digest, bundle size, then the agent's own arguments (`-m skytasks.node.agent ...`).
+BOOTSTRAP = python_check.CHECK + r"""
+import io, os, shutil, sys, tarfile
+if not _python_ok():
+    sys.exit(3)
+base = next((d for d in ("/tmp", "/dev/shm") if os.access(d, os.W_OK)), None)
+if base is None:
+    sys.exit("skytasks: neither /tmp nor /dev/shm is writable in the pod")
+home = os.path.join(base, "skytasks", sys.argv[1])
+have = os.path.isdir(os.path.join(home, "skytasks"))
+os.write(1, b"have\n" if have else b"need\n")
+if not have:
+    size, data = int(sys.argv[2]), bytearray()
+    while len(data) < size:
+        chunk = os.read(0, size - len(data))
+        if not chunk:
+            sys.exit("skytasks: the stream closed before the package arrived")
+        data += chunk
+    tmp = home + ".%d" % os.getpid()
+    tarfile.open(fileobj=io.BytesIO(bytes(data))).extractall(tmp)
+    try:
+        os.rename(tmp, home)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (home, os.environ.get("PYTHONPATH")) if p)
+os.execv(sys.executable, [sys.executable] + sys.argv[3:])
+"""
+
+# Runs a shell command whose stdin is exactly the next N bytes of the stream (argv[1]): the
+# exec protocol has no end of stdin of its own.
+FEED = r"""
+import os, subprocess, sys
+left, proc = int(sys.argv[1]), subprocess.Popen(["sh", "-c", sys.argv[2]], stdin=subprocess.PIPE)
+while left > 0:
+    chunk = os.read(0, min(left, 1 << 20))
+    if not chunk:
+        break
+    proc.stdin.write(chunk)
+    left -= len(chunk)
+proc.stdin.close()
+sys.exit(proc.wait())
+"""
+
+
+def _read_line(stream: exec_stream.PodExec, timeout: float) -> bytes:
+    box: dict[str, bytes] = {}
+
+    def read() -> None:
+        line = bytearray()
+        while not line.endswith(b"\n"):
+            b = stream.inbound.read(1)
+            if not b:
+                break
+            line += b
+        box["line"] = bytes(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        stream.close()
+        reader.join(5)
+    return box.get("line", b"")
+
+
+class PodAgents:
+    """The agents of one pool's pods, and the commands run beside them."""
+
+    def __init__(self, cfg: Any, namespace: str, python: str, timeout: float):
+        self._cfg, self._namespace, self._python, self._timeout = cfg, namespace, python, timeout
+        self.streams: dict[str, exec_stream.PodExec] = {}
+        self._bundle: tuple[bytes, str] | None = None
+        self._workdirs: dict[str, str] = {}
+
+    def start(self, node_rank: int, pod: str, address: str, agent: list[str]) -> NodeLink:
+        if self._bundle is None:
+            self._bundle = package_bundle()
+        bundle, digest = self._bundle
+        where = f"node {node_rank} (pod {pod})"
+        try:
+            stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER,
+                                         [self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *agent])
+        except Exception as exc:  # noqa: BLE001 - the API server's refusal, in its words
+            from skytasks.providers.kubernetes.cluster import refused
+            raise refused(exc, f"exec into pod {pod} (pods/exec)", self._namespace) from exc
+        self.streams[pod] = stream
+        checked = python_check.parse(_read_line(stream, self._timeout))
+        answer = _read_line(stream, self._timeout) if checked is not None and not checked.missing else b""
+        if checked is not None and checked.missing:
+            stream.close()
+            raise PoolStartError(python_check.cannot_import(where, self._python, checked))
+        if answer == b"need\n":
+            stream.outbound.write(bundle)
+            stream.outbound.flush()
+        elif answer != b"have\n":
+            stream.close()
+            raise PoolStartError(python_check.did_not_start(where, self._python, stream.last_words() or repr(answer)))
+        return NodeLink(node_rank=node_rank, address=address, inbound=stream.inbound, outbound=stream.outbound,
+                        machine=pod, close=lambda: self.end(pod))
+
+    def end(self, pod: str) -> None:
+        stream = self.streams.pop(pod, None)
+        if stream is not None:
+            stream.close()
+
+    def end_all(self) -> None:
+        for pod in list(self.streams):
+            self.end(pod)
+
+    def last_words(self, pod: str) -> str:
+        stream = self.streams.get(pod)
+        return stream.last_words() if stream else ""
+
+    def free_port(self, pod: str) -> int:
+        code, out, said = exec_stream.run(self._cfg, self._namespace, pod, CONTAINER,
+                                          [self._python, "-c", port_snippet()])
+        if code != 0:
+            raise PoolStartError(f"pod {pod}: cannot find a free port: {said or out.decode(errors='replace')}")
+        return int(out.strip())
+
+    def prepare_workdir(self, request: Any, pods: list[str]) -> tuple[str, str | None]:
+        """The workdir onto every pod in parallel, content-addressed as for ssh nodes."""
+        from skytasks.providers.ssh.workdir import sync_workdir
+        from skytasks.workdir import describe_sync, read_workdir
+
+        tree = request.tree or read_workdir(request.root)
+        if tree.digest in self._workdirs:
+            return self._workdirs[tree.digest], None
+
+        async def every_pod() -> list:
+            return list(await asyncio.gather(*(sync_workdir(_PodShell(self, pod), self._python, tree) for pod in pods)))
+
+        results = asyncio.run(every_pod())
+        self._workdirs[tree.digest] = results[0].path
+        sent = [(f"node {i} (pod {pod})", r.files_sent, r.bytes_sent) for i, (pod, r) in enumerate(zip(pods, results))]
+        return results[0].path, describe_sync(request.root, sent)
+
+    def run_with_input(self, pod: str, command: str, data: bytes) -> tuple[int, bytes, str]:
+        stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER,
+                                     [self._python, "-c", FEED, str(len(data)), command])
+        try:
+            stream.outbound.write(data)
+            stream.outbound.flush()
+            out = b"".join(iter(lambda: stream.inbound.read(1 << 16), b""))
+            stream.ended.wait(self._timeout)
+        finally:
+            stream.close()
+        code = stream.exit_code()
+        return (1 if code is None else code), out, stream.last_words()
+
+
+class _PodShell:
+    """One pod as `sync_workdir` talks to an SSH connection: `run(command, input=...)`."""
+
+    def __init__(self, agents: PodAgents, pod: str):
+        self._agents, self._pod = agents, pod
+
+    async def run(self, command: str, input: Any = None, encoding: str | None = "utf-8", check: bool = False) -> Any:
+        data = input.encode() if isinstance(input, str) else (input or b"")
+        code, out, said = await asyncio.to_thread(self._agents.run_with_input, self._pod, command, data)
+        if check and code != 0:
+            raise PoolStartError(f"pod {self._pod}: {shlex.split(command)[:3]} failed: {said[-500:]}")
+        return SimpleNamespace(stdout=out.decode() if encoding else out, stderr=said, exit_status=code)

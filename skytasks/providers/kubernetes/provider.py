@@ -1,0 +1,313 @@
+"""provider="kubernetes": one pod per node, made and deleted by the pool, no operator needed.
+
+Start: make the pool's owner object (a ConfigMap every pod names as its owner), then one pod per
+node; wait until every pod runs (an elastic pool: at least `min_nodes`, the rest waiting for
+room), saying why the others wait in the scheduler's and kubelet's words; a pod that can never
+start fails the start at once. Then one exec stream per pod through the API server carries the
+node's agent (`node_agents`). A pod that fails, is deleted, or whose node stops being ready is a
+lost node, replaced by a new pod; one asked to leave gives its ranks a preemption notice (its
+keeper turns SIGTERM into one). Stop, on every path: end the streams, delete every pod and the
+owner, and wait until the API server holds none of them. Without the controller, pods end
+themselves after `idle_minutes` and at `max_lifetime_minutes` (`activeDeadlineSeconds`);
+`skytasks gc --kubernetes` deletes what is left.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+from skytasks.errors import PoolStartError
+from skytasks.pool_spec import PoolSpec
+from skytasks.providers import NodeLink, NodeProvider, agent_args
+from skytasks.providers.kubernetes import cluster, pod_status, pods
+from skytasks.providers.kubernetes.node_agents import PodAgents
+from skytasks.providers.kubernetes.spec import KubernetesSpec
+from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.teardown import uninterruptible
+from skytasks.settings import settings
+
+POLL_SECONDS = 0.5
+WATCH_SECONDS = 1.0
+GROW_WAIT_SECONDS = 20.0
+
+
+class KubernetesProvider(NodeProvider):
+    reshape_is_cheap = False  # pods wait for a scheduler and hold GPUs: never a second pool per call
+    runs_on_this_machine = False
+    gpus_from_config = True
+
+    def __init__(self, spec: PoolSpec, reporter: Optional[PoolReporter] = None):
+        self._spec, self._k8s = spec, spec.own(KubernetesSpec)
+        self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
+        self.reporter = reporter or PoolReporter(spec.name, "kubernetes")
+        self.reporter.key = self.pool_id
+        self.namespace = self._k8s.namespace
+        self._cfg: Any = None
+        self._core: Any = None
+        self._owner_ref: Optional[dict[str, Any]] = None
+        self._affinity: Optional[tuple[str, list[str]]] = None
+        self._agents: Optional[PodAgents] = None
+        self.nodes: dict[int, str] = {}  # node id -> its pod
+        self.placed: dict[str, str] = {}  # pod -> the Kubernetes node it runs on
+        self._lost: dict[str, str] = {}  # pod -> why it was lost, as the watch saw it
+        self._made = 0  # pods made so far (each gets a new name)
+        self._aborted = threading.Event()
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._watch: Optional[threading.Thread] = None
+        self._ips: dict[str, str] = {}  # pod -> its IP, where its peers reach it
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> list[NodeLink]:
+        try:
+            self._connect()
+            names = self._create_pods(self._spec.nodes)
+            ready = self._wait_running(names, self._spec.fewest, self._k8s.ready_timeout_seconds)
+            self._delete_pods([n for n in names if n not in ready], why="not running when the pool started")
+            if len(ready) < len(names):
+                self.reporter.note(f"{self.pool_id}: started with {len(ready)} of {len(names)} pods (min_nodes="
+                                   f"{self._spec.fewest}); the others could not be scheduled")
+            self.reporter.progress(0, len(ready), f"{len(ready)} pods running; starting node agents")
+            links = self._start_agents(ready, first=0)
+            self.reporter.progress(len(links), len(ready), "every node agent is up")
+            self._watch = threading.Thread(target=self._watch_pods, name=f"skytasks-k8s-watch-{self.pool_id}",
+                                           daemon=True)
+            self._watch.start()
+            return links
+        except BaseException:
+            self.stop()
+            raise
+
+    def _connect(self) -> None:
+        from kubernetes import client
+
+        self._cfg = cluster.configuration(self._k8s.credentials)
+        self._core = client.CoreV1Api(cluster.api_client(self._cfg))
+        self._agents = PodAgents(self._cfg, self.namespace, self._k8s.remote_python, self._k8s.ready_timeout_seconds)
+        owner = pods.owner_manifest(self.pool_id, self._spec.name, self._k8s)
+        made = self._api(lambda: self._core.create_namespaced_config_map(self.namespace, owner), "create configmaps")
+        self._owner_ref = pods.owner_reference({"metadata": {"name": made.metadata.name, "uid": made.metadata.uid}})
+        if self._k8s.accelerator:
+            self._affinity = self._gpu_affinity(self._k8s.accelerator)
+
+    def _api(self, call: Any, doing: str) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            if type(exc).__name__ == "ApiException" or "urllib3" in type(exc).__module__:
+                raise cluster.refused(exc, doing, self.namespace) from exc
+            raise
+
+    def _gpu_affinity(self, accelerator: str) -> Optional[tuple[str, list[str]]]:
+        """The GPU product label the cluster's nodes carry, when the pool may read nodes."""
+        try:
+            nodes = self._core.list_node(_request_timeout=30).items
+        except Exception as exc:  # noqa: BLE001 - reading nodes is cluster-wide: a pool need not be allowed
+            self.reporter.note(f"{self.pool_id}: cannot read the cluster's nodes ({cluster.api_message(exc)[:200]}); "
+                               f"the pods ask for {pods.GPU_RESOURCE} only, not the {accelerator} product label")
+            return None
+        found = pods.gpu_product_affinity(accelerator, [n.metadata.labels or {} for n in nodes])
+        if found is None:
+            self.reporter.note(f"{self.pool_id}: no node carries a GPU product label naming {accelerator!r} "
+                               f"({', '.join(pods.GPU_PRODUCT_LABELS[:3])}, ...); the pods ask for "
+                               f"{pods.GPU_RESOURCE} only")
+        return found
+
+    def _create_pods(self, count: int) -> list[str]:
+        names = []
+        secrets = [v for k, v in self._spec.env.items() if k in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
+        for _ in range(count):
+            assert self._owner_ref is not None
+            manifest = pods.pod_manifest(self._spec, self._k8s, self.pool_id, self._made, self._owner_ref,
+                                         self._affinity)
+            if not pods.secret_free(manifest, secrets):
+                raise PoolStartError("k8s_pod_template: a secret value of the pool appears in the pod's manifest; "
+                                     "secrets reach the nodes over the controller's stream, never in a pod spec")
+            self._made += 1
+            self._api(lambda m=manifest: self._core.create_namespaced_pod(self.namespace, m), "create pods")
+            names.append(manifest["metadata"]["name"])
+        return names
+
+    def _list_pods(self) -> dict[str, dict[str, Any]]:
+        found = self._api(lambda: self._core.list_namespaced_pod(
+            self.namespace, label_selector=f"{pods.POOL_LABEL}={self.pool_id}", _preload_content=False,
+            _request_timeout=30), "list pods")
+        import json
+
+        return {p["metadata"]["name"]: p for p in json.loads(found.data)["items"]}
+
+    def _events_of(self, pod: str) -> str:
+        """The newest warning the cluster gave about a pod (a mount, a sandbox), when its status says nothing."""
+        try:
+            events = self._core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={pod}",
+                                                      _request_timeout=10).items
+        except Exception:  # noqa: BLE001 - events are a courtesy
+            return ""
+        warnings = sorted((e for e in events if e.type == "Warning"), key=lambda e: str(e.last_timestamp or ""))
+        return f"{warnings[-1].reason}: {warnings[-1].message}" if warnings else ""
+
+    def _wait_running(self, names: list[str], fewest: int, timeout: float) -> list[str]:
+        """Until the pods may start (`pod_status.start_decision`): the names of those that run."""
+        started = time.monotonic()
+        while True:
+            listed = self._list_pods()
+            views = []
+            for name in names:
+                pod = listed.get(name)
+                if pod is None:
+                    views.append(pod_status.PodView(name, "Deleted", False, "", "", "", None, False,
+                                                    f"pod {name} was deleted"))
+                    continue
+                v = pod_status.view(pod)
+                if v.waiting.startswith("ContainerCreating") or v.waiting.startswith("Pending: being"):
+                    why = self._events_of(name)
+                    v = pod_status.PodView(**{**v.__dict__, "waiting": f"{v.waiting} ({why})" if why else v.waiting})
+                views.append(v)
+            decision = pod_status.start_decision(views, fewest, time.monotonic() - started, timeout)
+            if isinstance(decision, pod_status.Go):
+                for v in views:
+                    self.placed[v.name] = v.node
+                self._ips.update({v.name: v.ip for v in views})
+                return list(decision.running)
+            if isinstance(decision, pod_status.Fail):
+                from skytasks.errors import PoolConfigError
+
+                text = f"{decision.field + ': ' if decision.field else ''}{decision.reason}; every pod was deleted"
+                raise (PoolConfigError(text) if decision.field not in (None, "ready_timeout_seconds")
+                       else PoolStartError(text))
+            self.reporter.progress(sum(v.running for v in views), len(views), decision.detail)
+            if self._aborted.wait(POLL_SECONDS):
+                raise InterruptedError(f"the start of {self.pool_id} was cancelled")
+
+    def _start_agents(self, names: list[str], first: int) -> list[NodeLink]:
+        assert self._agents is not None
+        ids = list(range(first, first + len(names)))
+        for node_id, name in zip(ids, names):
+            self.nodes[node_id] = name
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(names))) as pool:
+            return list(pool.map(self._start_agent, ids))
+
+    def _start_agent(self, node_id: int) -> NodeLink:
+        assert self._agents is not None
+        name = self.nodes[node_id]
+        link = self._agents.start(node_id, name, self._ips[name], agent_args(pods.HEARTBEAT_FILE, pods.NOTICE_FILE))
+        link.loss_detail = lambda: self._loss_detail(name)
+        link.close_lost = lambda: self._agents.end(name) if self._agents else None
+        return link
+
+    def _loss_detail(self, name: str) -> str:
+        if name in self._lost:
+            return self._lost[name]
+        try:
+            pod = self._list_pods().get(name)
+        except Exception:  # noqa: BLE001
+            return ""
+        if pod is None:
+            return f"Kubernetes: pod {name} was deleted"
+        v = pod_status.view(pod)
+        said = self._agents.last_words(name) if self._agents else ""
+        return f"Kubernetes: {v.gone or f'pod {name} is {v.phase}'}" + (f"; the exec stream said: {said}" if said else "")
+
+    def _watch_pods(self) -> None:
+        """A pod that failed, ended, was deleted, or whose node is not ready: its stream is ended,
+        so the session finds the node lost at once (rather than after the heartbeat's silence)."""
+        while not self._stopped.wait(WATCH_SECONDS):
+            try:
+                listed = self._list_pods()
+            except Exception:  # noqa: BLE001 - the API server may blink; the streams say the rest
+                continue
+            for node_id, name in list(self.nodes.items()):
+                pod = listed.get(name)
+                gone = f"Kubernetes: pod {name} was deleted" if pod is None else pod_status.view(pod).gone
+                if gone and name not in self._lost:
+                    self._lost[name] = gone if gone.startswith("Kubernetes") else f"Kubernetes: {gone}"
+                    if self._agents:
+                        self._agents.end(name)
+
+    # -- the calls' needs -------------------------------------------------------------------
+
+    def free_port(self, head: int) -> int:
+        assert self._agents is not None
+        return self._agents.free_port(self.nodes[head])
+
+    def prepare_workdir(self, request: Any) -> tuple[str, str | None]:
+        assert self._agents is not None
+        return self._agents.prepare_workdir(request, [self.nodes[i] for i in sorted(self.nodes)])
+
+    def replace(self, node_id: int) -> NodeLink:
+        old = self.nodes.get(node_id, "?")
+        self.release(node_id)
+        try:
+            [name] = self._create_pods(1)
+            self._wait_running([name], 1, self._k8s.ready_timeout_seconds)
+        except Exception as exc:
+            raise PoolStartError(f"node {node_id} (pod {old}) was lost and no new pod could be had: {exc}") from exc
+        self.nodes[node_id] = name
+        self.reporter.note(f"{self.pool_id}: node {node_id} (pod {old}) replaced by pod {name} on node "
+                           f"{self.placed.get(name, '?')}")
+        return self._start_agent(node_id)
+
+    def grow(self, count: int) -> list[NodeLink]:
+        names: list[str] = []
+        try:
+            names = self._create_pods(count)
+            ready = self._wait_running(names, 1, GROW_WAIT_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - growing never fails a call
+            self._delete_pods(names, why="could not grow")
+            self.reporter.note(f"{self.pool_id}: could not grow by {count} pod{'s' * (count != 1)} now: {exc}")
+            return []
+        self._delete_pods([n for n in names if n not in ready], why="not running in time to grow the pool")
+        first = max(self.nodes, default=-1) + 1
+        self.reporter.note(f"{self.pool_id}: grew by {', '.join(ready)}")
+        return self._start_agents(ready, first)
+
+    def release(self, node_id: int) -> None:
+        name = self.nodes.pop(node_id, None)
+        if name is None:
+            return
+        if self._agents:
+            self._agents.end(name)
+        self._delete_pods([name], why="released")
+
+    def _delete_pods(self, names: list[str], why: str) -> None:
+        from kubernetes import client
+
+        for name in names:
+            try:
+                self._core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0,
+                                                 body=client.V1DeleteOptions(grace_period_seconds=0))
+            except Exception as exc:  # noqa: BLE001 - gone already (404) is fine; stop() checks what is left
+                if getattr(exc, "status", None) != 404:
+                    self.reporter.note(f"{self.pool_id}: could not delete pod {name} ({why}): "
+                                       f"{cluster.api_message(exc)[:200]}")
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End the streams, delete every pod and the owner, and wait until none is left. Runs in
+        a thread of its own and is waited for through Ctrl-C and SIGTERM."""
+        self._stopped.set()
+        uninterruptible(self._teardown, lambda: self.reporter.note("still deleting the pool's pods; please wait"),
+                        name="skytasks-k8s-teardown")
+
+    def _teardown(self) -> BaseException | None:
+        from skytasks.providers.kubernetes.teardown import delete_pool
+
+        with self._stop_lock:
+            if self._agents:
+                self._agents.end_all()
+            if self._core is None:
+                return None
+            left, detail = delete_pool(self._core, self.namespace, self.pool_id, settings().teardown_wait_seconds)
+            self.nodes.clear()
+            if left:
+                return self.reporter.teardown_failed(left, detail)
+            return None

@@ -1,0 +1,148 @@
+"""provider="kubernetes": its block fields (the pods' image, namespace, scheduling and resources,
+the cluster's credentials), their validation, and its frozen part of the spec.
+
+The credentials field is prefect-kubernetes' `KubernetesCredentials` block when that package is
+installed (`pip install "skytasks[kubernetes]"`), so a saved pool refers to a saved credentials
+block as Prefect's own blocks do; without the extra, a kubernetes pool is refused naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from pydantic import BaseModel, Field, field_validator
+
+OWN = ("kubernetes_credentials", "k8s_namespace", "k8s_image", "k8s_service_account", "k8s_image_pull_secrets",
+       "k8s_node_selector", "k8s_tolerations", "k8s_cpu", "k8s_memory", "k8s_shm_size", "k8s_pod_template")
+READS = OWN + ("remote_python", "ready_timeout_seconds", "idle_minutes", "max_lifetime_minutes")
+EXTRA = 'pip install "skytasks[kubernetes]"'
+
+# A DNS-1123 label (namespaces, service accounts and Secrets are named so), and a resource quantity.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+if TYPE_CHECKING or importlib.util.find_spec("prefect_kubernetes") is not None:
+    from prefect_kubernetes.credentials import KubernetesCredentials
+else:  # without the extra the field still exists (and a kubernetes pool says what to install)
+    KubernetesCredentials = Any
+
+
+class KubernetesFields(BaseModel):
+    kubernetes_credentials: Optional[KubernetesCredentials] = Field(
+        None, description="kubernetes: a KubernetesCredentials block; None: in-cluster config or the default kubeconfig.")
+    k8s_namespace: str = Field("default", description="kubernetes: the namespace of the pool's pods.")
+    k8s_image: Optional[str] = Field(
+        None, description="kubernetes: the image of every pod (Python with torch and cloudpickle); required.")
+    k8s_service_account: Optional[str] = Field(None, description="kubernetes: the pods' service account.")
+    k8s_image_pull_secrets: list[str] = Field(
+        default_factory=list, description="kubernetes: names of Secrets for pulling the image.")
+    k8s_node_selector: dict[str, str] = Field(default_factory=dict, description="kubernetes: node labels pods require.")
+    k8s_tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="kubernetes: tolerations, as in a pod spec.")
+    k8s_cpu: Optional[str] = Field(None, description='kubernetes: each pod\'s CPU (request and limit), e.g. "8".')
+    k8s_memory: Optional[str] = Field(None, description='kubernetes: each pod\'s memory (request and limit), e.g. "64Gi".')
+    k8s_shm_size: Optional[str] = Field(None, description="kubernetes: the cap of every pod's memory-backed /dev/shm.")
+    k8s_pod_template: dict[str, Any] = Field(
+        default_factory=dict, description="kubernetes: a partial pod manifest merged into every pod the pool makes.")
+
+    @field_validator("k8s_namespace")
+    @classmethod
+    def _namespace_is_a_name(cls, value: str) -> str:
+        if not _DNS_LABEL.match(value):
+            raise ValueError(f"k8s_namespace: {value!r} is not a Kubernetes namespace name (lower-case letters, digits "
+                             "and '-', at most 63)")
+        return value
+
+    @field_validator("k8s_service_account")
+    @classmethod
+    def _account_is_a_name(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not _DNS_SUBDOMAIN.match(value):
+            raise ValueError(f"k8s_service_account: {value!r} is not a Kubernetes object name")
+        return value
+
+    @field_validator("k8s_image_pull_secrets")
+    @classmethod
+    def _secrets_are_names(cls, names: list[str]) -> list[str]:
+        for n in names:
+            if not _DNS_SUBDOMAIN.match(n):
+                raise ValueError(f"k8s_image_pull_secrets: {n!r} is not a Secret's name")
+        return names
+
+    @field_validator("k8s_cpu", "k8s_memory", "k8s_shm_size")
+    @classmethod
+    def _quantity(cls, value: Optional[str], info: Any) -> Optional[str]:
+        if value is not None and not _QUANTITY.match(str(value).strip()):
+            raise ValueError(f"{info.field_name}: {value!r} is not a Kubernetes quantity (such as \"8\", \"500m\", "
+                             "\"64Gi\")")
+        return None if value is None else str(value).strip()
+
+    @field_validator("k8s_tolerations")
+    @classmethod
+    def _tolerations(cls, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for t in items:
+            unknown = set(t) - _TOLERATION_KEYS
+            if unknown:
+                raise ValueError(f"k8s_tolerations: {sorted(unknown)} are not fields of a toleration (known: "
+                                 f"{', '.join(sorted(_TOLERATION_KEYS))})")
+        return items
+
+    @field_validator("k8s_pod_template")
+    @classmethod
+    def _template_is_a_pod(cls, template: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(template) - {"metadata", "spec", "apiVersion", "kind"}
+        if unknown:
+            raise ValueError(f"k8s_pod_template: {sorted(unknown)} are not parts of a pod manifest (metadata, spec)")
+        spec = template.get("spec", {})
+        if not isinstance(spec, dict):
+            raise ValueError("k8s_pod_template: spec must be a mapping, as in a pod manifest")
+        containers = spec.get("containers", [])
+        if not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers):
+            raise ValueError("k8s_pod_template: spec.containers must be a list of container mappings")
+        return template
+
+
+@dataclass(frozen=True)
+class KubernetesSpec:
+    """provider="kubernetes": one pod per node, made and deleted by the pool."""
+
+    credentials: Any  # a KubernetesCredentials block, or None
+    namespace: str
+    image: str
+    service_account: Optional[str]
+    image_pull_secrets: tuple[str, ...]
+    node_selector: tuple[tuple[str, str], ...]
+    tolerations: tuple[Mapping[str, Any], ...]
+    cpu: Optional[str]
+    memory: Optional[str]
+    shm_size: Optional[str]
+    pod_template: Mapping[str, Any]
+    remote_python: str
+    accelerator: Optional[str]
+    gpus: int  # nvidia.com/gpu per pod
+    ready_timeout_seconds: float
+    idle_minutes: float
+    max_lifetime_minutes: float
+
+
+def build(fields: Mapping[str, Any]) -> KubernetesSpec:
+    if importlib.util.find_spec("kubernetes") is None or importlib.util.find_spec("prefect_kubernetes") is None:
+        raise ValueError(f"provider: provider='kubernetes' needs its extra: {EXTRA}")
+    if not fields["k8s_image"]:
+        raise ValueError("k8s_image: provider='kubernetes' needs the image every pod runs (Python with torch and "
+                         "cloudpickle; skytasks itself arrives from the controller)")
+    accelerator = fields["accelerator"]
+    return KubernetesSpec(
+        credentials=fields["kubernetes_credentials"], namespace=fields["k8s_namespace"], image=fields["k8s_image"],
+        service_account=fields["k8s_service_account"], image_pull_secrets=tuple(fields["k8s_image_pull_secrets"]),
+        node_selector=tuple(sorted(fields["k8s_node_selector"].items())),
+        tolerations=tuple(dict(t) for t in fields["k8s_tolerations"]), cpu=fields["k8s_cpu"],
+        memory=fields["k8s_memory"], shm_size=fields["k8s_shm_size"], pod_template=fields["k8s_pod_template"],
+        remote_python=fields["remote_python"] or "python3", accelerator=accelerator,
+        gpus=(fields["accelerators_per_node"] or 1) if accelerator else 0,
+        ready_timeout_seconds=fields["ready_timeout_seconds"], idle_minutes=fields["idle_minutes"],
+        max_lifetime_minutes=fields["max_lifetime_minutes"])

@@ -1,0 +1,46 @@
+"""Deleting what a kubernetes pool made, and waiting until the API server holds none of it: the
+pool's own stop, and `skytasks gc --kubernetes` for pools whose controller is gone."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from skytasks.providers.kubernetes import cluster, pods
+
+
+def pool_pods(core: Any, namespace: str, pool_id: str) -> list[str]:
+    found = core.list_namespaced_pod(namespace, label_selector=f"{pods.POOL_LABEL}={pool_id}", _preload_content=False,
+                                     _request_timeout=30)
+    return [p["metadata"]["name"] for p in json.loads(found.data)["items"]]
+
+
+def delete_pool(core: Any, namespace: str, pool_id: str, wait_seconds: float) -> tuple[list[str], str]:
+    """Delete every pod of the pool (at once: no grace, the pool is ending) and its owner, then wait
+    until none is listed. What is still there after `wait_seconds`, and why."""
+    from kubernetes import client
+
+    detail = ""
+    now = client.V1DeleteOptions(grace_period_seconds=0, propagation_policy="Background")
+    try:
+        core.delete_collection_namespaced_pod(namespace, label_selector=f"{pods.POOL_LABEL}={pool_id}",
+                                              grace_period_seconds=0, body=now, _request_timeout=30)
+    except Exception as exc:  # noqa: BLE001 - said below with what is left
+        detail = f"deleting pods: {cluster.api_message(exc)[:300]}"
+    try:
+        core.delete_namespaced_config_map(pool_id, namespace, body=now, _request_timeout=30)
+    except Exception as exc:  # noqa: BLE001
+        if getattr(exc, "status", None) != 404:
+            detail = f"{detail}; deleting the owner configmap: {cluster.api_message(exc)[:300]}".lstrip("; ")
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            left = [f"pod {namespace}/{p}" for p in pool_pods(core, namespace, pool_id)]
+        except Exception as exc:  # noqa: BLE001
+            return [f"the pods of {namespace}/{pool_id}"], f"cannot list what is left: {cluster.api_message(exc)[:300]}"
+        if not left:
+            return [], ""
+        if time.monotonic() >= deadline:
+            return left, detail or f"still listed {wait_seconds:g}s after their deletion"
+        time.sleep(0.3)
