@@ -1,6 +1,6 @@
 """The GPU path, as far as a CPU machine can prove it: devices reach the ranks, explicit nccl is
 refused before launch, GPU failures keep their type, and an agent starts from wherever the
-controller runs. (The same code on a GPU machine: see README "GPUs".)"""
+controller runs. (The same code on a GPU machine: see docs/gpus.md.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Membership events reach Prefect as Prefect events, with their payloads and the runs they
-belong to, so that an Automation can act on them: the README's "tell me when a node of my pool
+belong to, so that an Automation can act on them: docs/fault-tolerance.md's "tell me when a node of my pool
 is preempted", against the session's real Prefect server."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ NAMES = {"skytasks.node.preempted", "skytasks.attempt.restarted", "skytasks.pool
 
 def test_a_preemption_in_a_flow_is_a_prefect_event_an_automation_can_match(tmp_path):
     since = datetime.now(timezone.utc) - timedelta(seconds=1)
-    # The README's automation, as a user writes it (DoNothing here: no notification block in tests).
+    # The automation of docs/fault-tolerance.md, as a user writes it (DoNothing here: no notification block in tests).
     automation = Automation(
         name="node of spot-pool preempted",
         trigger=EventTrigger(expect={"skytasks.node.preempted"},
