@@ -116,8 +116,45 @@ def test_a_launch_refused_by_ec2_after_the_group_and_key_exist_leaves_nothing(mo
 
     # The instance profile is checked by RunInstances itself, after the pool's own security
     # group and key pair were made: the autouse check proves both are gone again.
-    with pytest.raises(ClientError, match="NoSuchEntity"):
+    with pytest.raises(PoolStartError, match="NoSuchEntity") as caught:
         distributed_task(lambda: 1, pool=aws_pool(moto, iam_instance_profile="no-such-profile"))()
+    assert isinstance(caught.value.__cause__, ClientError)
+    assert str(caught.value).startswith("iam_instance_profile: EC2 refused RunInstances"), str(caught.value)
+
+
+def refuse_launches(patch, code: str, message: str) -> None:
+    """moto's EC2 refusing every RunInstances with EC2's own error code and words."""
+    from moto.ec2.exceptions import EC2ClientError
+    from moto.ec2.models.instances import InstanceBackend
+
+    def run_instances(self, image_id, count, *args, **kwargs):
+        raise EC2ClientError(code, message)
+
+    patch.setattr(InstanceBackend, "run_instances", run_instances)
+
+
+@pytest.mark.parametrize("code, message, field", [
+    ("InsufficientInstanceCapacity", "We currently do not have sufficient t3.micro capacity in the Availability "
+                                     "Zone you requested (us-east-1a).", "nodes"),
+    ("Unsupported", "Your requested instance type (t3.micro) is not supported in your requested Availability Zone "
+                    "(us-east-1e).", "instance_type"),
+    ("InvalidParameterValue", "Value (c0ffee) for parameter placement is invalid.", None),
+    ("UnauthorizedOperation", "You are not authorized to perform this operation. Encoded authorization failure "
+                              "message: abc123", "aws_credentials"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v else "")
+def test_an_ec2_refusal_is_a_pool_start_error_in_ec2s_own_words_and_leaves_nothing(moto, monkeypatch, code, message,
+                                                                                   field):
+    from botocore.exceptions import ClientError
+
+    refuse_launches(monkeypatch, code, message)
+    with pytest.raises(PoolStartError) as caught:
+        distributed_task(lambda: 1, pool=aws_pool(moto))()
+    text = str(caught.value)
+    assert code in text and message in text, text
+    assert field is None or text.startswith(f"{field}: "), text
+    cause = caught.value.__cause__
+    assert isinstance(cause, ClientError) and cause.response["Error"]["Code"] == code
+    # The autouse check: the pool's security group and key pair, made before the launch, are gone.
 
 
 def test_teardown_finds_by_tag_what_an_interrupted_create_call_never_reported(moto):
@@ -390,6 +427,24 @@ def test_a_node_whose_bootstrap_failed_fails_the_launch_at_once_with_its_log(mot
     finally:
         stand_in.stop()
     assert time.monotonic() - started < 60  # not the 300 s readiness timeout
+
+
+def test_a_node_python_without_torch_fails_the_start_naming_remote_python_and_terminates_everything(moto, tmp_path):
+    system_python = "/usr/bin/python3"  # the system's own Python: no torch, no cloudpickle
+    lacks = subprocess.run([system_python, "-c", "import torch"], capture_output=True, text=True)
+    assert lacks.returncode != 0, "this test needs a Python without torch"
+    stand_in = CloudInitStandIn(moto["ec2"], tmp_path)
+    stand_in.start()
+    try:
+        with pytest.raises(PoolStartError) as caught:
+            distributed_task(lambda: 1, pool=aws_pool(moto, ssh_user="root", remote_python=system_python,
+                                                      ready_timeout_seconds=120))()
+    finally:
+        stand_in.stop()
+    text = str(caught.value)
+    assert text.startswith("remote_python: node ") and f"remote_python={system_python!r}" in text, text
+    assert "ModuleNotFoundError: No module named 'torch'" in text, text
+    assert all(i["State"]["Name"] == "terminated" for i in instances_of_latest_pool(moto["ec2"]))
 
 
 def lose_node_1_once(marker: str) -> dict:

@@ -497,3 +497,25 @@ def test_a_lightning_trainer_on_a_slurm_pool_sees_one_job_with_each_rank_its_own
         {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2), "SLURM_NODEID": str(r // 2), "SLURM_NTASKS": "4",
          "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_GTIDS": "0,1" if r < 2 else "2,3"}
         for r in range(4)]
+
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # the system's own Python: no torch, no cloudpickle
+
+
+@pytest.mark.parametrize("fields, ran", [
+    (dict(remote_python=SYSTEM_PYTHON), f"remote_python={SYSTEM_PYTHON!r} ran {SYSTEM_PYTHON}"),
+    # Left unset: python3 on the nodes' PATH, here the system's own.
+    (dict(remote_python=None, env={"PATH": "/usr/bin:/bin"}), "remote_python unset, so 'python3'"),
+], ids=["set", "default"])
+def test_a_python_without_torch_fails_the_start_naming_remote_python_and_cancels_the_job(cluster, fields, ran):
+    lacks = subprocess.run([SYSTEM_PYTHON, "-c", "import torch"], capture_output=True, text=True)
+    assert lacks.returncode != 0, "this test needs a Python without torch"
+    started = time.monotonic()
+    with pytest.raises(PoolStartError) as caught:
+        distributed_task(lambda: 1, pool=slurm_pool(**fields))()
+    text = str(caught.value)
+    assert text.startswith("remote_python: node ") and ran in text, text
+    assert "ModuleNotFoundError: No module named 'torch'" in text and "no rank was started" in text, text
+    assert time.monotonic() - started < 60
+    # The autouse checks: the queue is empty (the allocation was cancelled), and no agent is left.

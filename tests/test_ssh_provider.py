@@ -168,3 +168,26 @@ def test_a_function_that_imports_a_helper_from_a_sibling_module_runs_on_nodes_wi
     results = distributed_task(train.job, pool=ssh_pool(sshd), init_torch=False)()
     # The nodes never had the project on their path; the helper travelled by value.
     assert results == [(0, False), (10, False)]
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # the system's own Python: no torch, no cloudpickle
+
+
+def test_a_python_without_torch_fails_the_start_naming_remote_python_before_any_rank(sshd):
+    lacks = subprocess.run([SYSTEM_PYTHON, "-c", "import torch"], capture_output=True, text=True)
+    assert lacks.returncode != 0, "this test needs a Python without torch"
+    started = time.monotonic()
+    with pytest.raises(PoolStartError) as caught:
+        distributed_task(lambda: 1, pool=ssh_pool(sshd, remote_python=SYSTEM_PYTHON), init_torch=False)()
+    text = str(caught.value)
+    assert text.startswith("remote_python: node ") and f"remote_python={SYSTEM_PYTHON!r}" in text, text
+    assert "ModuleNotFoundError: No module named 'torch'" in text, text
+    assert "No module named 'cloudpickle'" in text, text
+    assert "no rank was started" in text and time.monotonic() - started < 30
+    assert wait_for_no_skytasks_processes() == []  # no agent is left on either host
+
+
+def test_a_remote_python_that_does_not_exist_fails_the_start_naming_it(sshd):
+    with pytest.raises(PoolStartError, match=r"remote_python: node \d .*'/nonexistent/python3' did not start.*"
+                                             r"/nonexistent/python3"):
+        distributed_task(lambda: 1, pool=ssh_pool(sshd, remote_python="/nonexistent/python3"), init_torch=False)()

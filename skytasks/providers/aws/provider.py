@@ -24,7 +24,7 @@ from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink, NodeProvider
 from skytasks.providers.reporting import PoolReporter, flow_run_id
 from skytasks.providers.teardown import uninterruptible
-from skytasks.providers.aws.capacity import launch_what_can_be_had
+from skytasks.providers.aws.capacity import launch_what_can_be_had, refused
 from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
@@ -62,6 +62,8 @@ class AWSProvider(NodeProvider):
     # -- start ------------------------------------------------------------------------------
 
     def start(self) -> list[NodeLink]:
+        from botocore.exceptions import ClientError
+
         spec = self._spec
         try:
             plan, login_key, host_key = self.launch()
@@ -70,12 +72,16 @@ class AWSProvider(NodeProvider):
                 targets=[(plan.login, a, 22) for a in addresses], known_hosts=known_hosts_text(addresses, host_key),
                 peer_addresses=private,
                 private_key=login_key.export_private_key().decode(), python=self._python(),
+                python_default=None if self._aws.remote_python else "the default: the venv the node's bootstrap built",
                 env=dict(spec.env), heartbeat_file=HEARTBEAT_FILE, timeout=self._aws.ready_timeout_seconds,
                 notice_file=NOTICE_FILE if self._aws.spot else None,
             ), self.reporter)
             return self._nodes.start()
-        except BaseException:
+        except BaseException as exc:
             self.stop()
+            if isinstance(exc, ClientError):  # EC2 refused a step: its words, after everything made was deleted
+                raise PoolStartError(refused(exc, f"starting {self.pool_id}") + "; everything the pool had made "
+                                     "was deleted") from exc
             raise
 
     def launch(self) -> tuple[LaunchPlan, Any, Any]:
@@ -107,9 +113,18 @@ class AWSProvider(NodeProvider):
         """A lost node (its agent gone, its instance terminated: a spot interruption too): the
         instance is terminated, and one launched exactly alike (group, key, tags, user-data) joins
         the pool in its place, owned and torn down like the rest."""
+        from botocore.exceptions import ClientError
+
         self._ec2.terminate_instances(InstanceIds=[self._node_ids.pop(node_id)])
-        [new], _ = launch_what_can_be_had(self._ec2, self._request, 1, 1)
-        [node] = self._join([new["InstanceId"]], node_ids=[node_id])
+        try:
+            [new], _ = launch_what_can_be_had(self._ec2, self._request, 1, 1)
+        except PoolStartError as exc:
+            raise PoolStartError(f"node {node_id} was lost and no replacement could be had: {exc}") from exc.__cause__
+        try:
+            [node] = self._join([new["InstanceId"]], node_ids=[node_id])
+        except ClientError as exc:
+            raise PoolStartError(f"node {node_id} was lost and its replacement did not join: "
+                                 f"{refused(exc, 'waiting for it')}") from exc
         return node
 
     def grow(self, count: int) -> list[NodeLink]:

@@ -1,10 +1,12 @@
 """The job steps of a SLURM pool: one `srun --overlap` step per node running its agent, and short
 steps for what a call needs on a node (a free port on the head, the workdir).
 
-An agent's step starts with a few lines of Python that first make sure the controller's skytasks
-is on the node: it answers "have" or "need" on the stream, the controller then sends the package
-(a tar.gz) only when needed, and the bootstrap unpacks it under ~/.cache/skytasks/<hash> and execs
-the agent. One step per node, no second round trip, and nothing to copy on a shared home.
+An agent's step starts with a few lines of Python that first check the node's Python can run
+ranks (torch and cloudpickle, `python_check`: one line on the stream, read before anything else),
+then make sure the controller's skytasks is on the node: it answers "have" or "need" on the
+stream, the controller then sends the package (a tar.gz) only when needed, and the bootstrap
+unpacks it under ~/.cache/skytasks/<hash> and execs the agent. One step per node, no second round
+trip, and nothing to copy on a shared home.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,11 +25,14 @@ from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers import NodeLink
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.slurm.shell import SlurmShell, Step
+from skytasks.providers.ssh import python_check
 from skytasks.providers.ssh.nodes import package_bundle
 
 # argv: digest, bundle size, then the agent's own arguments. Stdlib only.
-BOOTSTRAP = r"""
+BOOTSTRAP = python_check.CHECK + r"""
 import io, os, shutil, sys, tarfile
+if not _python_ok():
+    sys.exit(3)
 os.chdir(os.path.expanduser("~"))
 home = os.path.join(".cache", "skytasks", sys.argv[1])
 have = os.path.isdir(os.path.join(home, "skytasks"))
@@ -62,6 +68,7 @@ class NodeSteps:
     def __init__(self, shell: SlurmShell, spec: PoolSpec, reporter: PoolReporter):
         self._shell, self._spec, self._reporter = shell, spec, reporter
         self._python = spec.own(SlurmSpec).remote_python or "python3"
+        self._python_default = None if spec.own(SlurmSpec).remote_python else "the default: python3 on the nodes' PATH"
         self._steps: dict[str, Step] = {}
         self._workdirs: dict[str, str] = {}
         self._bundle: tuple[bytes, str] | None = None  # the controller's skytasks, tarred once
@@ -73,16 +80,35 @@ class NodeSteps:
         env = [f"{k}={v}" for k, v in self._spec.env.items()]
         argv = [*srun(job_id, name), "env", *env, self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *args]
         step = self._steps[name] = self._shell.open(argv, f"node {node_rank} {name}")
-        answer = _read_line(step, timeout=self._spec.own(SlurmSpec).ready_timeout_seconds)
+        timeout = self._spec.own(SlurmSpec).ready_timeout_seconds
+        where = f"node {node_rank} ({name}, job {job_id})"
+        first = _read_line(step, timeout=timeout)
+        found = python_check.parse(first)
+        if found is not None and found.missing:  # before any rank: the step ends, stop() cancels the job
+            step.close()
+            raise PoolStartError(python_check.cannot_import(where, self._python, found, self._python_default))
+        if found is None:
+            said = self._said_at_the_end(name) or first.decode(errors="replace")
+            step.close()
+            raise PoolStartError(python_check.did_not_start(where, self._python, f"srun: {said}",
+                                                            self._python_default))
+        answer = _read_line(step, timeout=timeout)
         if answer == b"need\n":
             step.outbound.write(bundle)
             step.outbound.flush()
         elif answer != b"have\n":
             step.close()
-            raise PoolStartError(f"node {node_rank} ({name}, job {job_id}): the node agent did not start "
-                                 f"({self._python} on the node); srun said: {self.last_words(name) or answer!r}")
+            raise PoolStartError(f"{where}: the node agent did not start ({self._python} on the node); "
+                                 f"srun said: {self.last_words(name) or answer!r}")
         return NodeLink(node_rank=node_rank, address=address, inbound=step.inbound, outbound=step.outbound,
                         machine=name, close=step.close, close_lost=step.close_lost)
+
+    def _said_at_the_end(self, name: str, wait: float = 2.0) -> str:
+        """The last words of a step that ended: its stderr reaches us on a thread of its own."""
+        deadline = time.monotonic() + wait
+        while not (said := self.last_words(name)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return said
 
     def last_words(self, name: str) -> str:
         step = self._steps.get(name)

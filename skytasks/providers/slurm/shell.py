@@ -158,6 +158,6 @@ class _TailReporter:
     def __init__(self, reporter: PoolReporter, tail: collections.deque):
         self._reporter, self._tail = reporter, tail
 
-    def notice(self, line: str) -> None:
+    def note(self, line: str) -> None:
         self._tail.append(line.split("] ", 1)[-1])
         self._reporter.note(line)

@@ -1,9 +1,11 @@
 """provider="ssh": machines you already have, reached with asyncssh; host keys always checked.
 
-Each node's agent runs as `remote_python -m skytasks.node.agent` on an SSH channel. The controller's
-own skytasks is shipped to `~/.cache/skytasks/<content hash>` on each node first, so a node
-always runs the controller's version. The channel is bridged to a pair of local pipes, so the
-shared rank lifecycle reads and writes it exactly like a local node's pipes.
+Each node's agent runs as `remote_python -m skytasks.node.agent` on an SSH channel, behind a check
+that this Python has torch and cloudpickle (`python_check`: a lack fails the start, naming
+remote_python, before any rank starts). The controller's own skytasks is shipped to
+`~/.cache/skytasks/<content hash>` on each node first, so a node always runs the controller's
+version. The channel is bridged to a pair of local pipes, so the shared rank lifecycle reads and
+writes it exactly like a local node's pipes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.ssh import python_check
 from skytasks.providers.ssh.bridge import bridge_process
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # skytasks/
@@ -62,6 +65,9 @@ class SSHLogin:
     known_hosts: str  # known_hosts text or a path to one
     private_key: str | None
     python: str
+    # Why `python` is what it is when remote_python was left unset (None: the user set it), so
+    # that an error about it names what to set.
+    python_default: str | None = None
     pip_packages: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # applies on the node, pip included
     heartbeat_file: str | None = None
@@ -113,10 +119,19 @@ class SSHNodes:
             self._reporter.note(f"{self._reporter.key}: starting with {len(self._conns)} of {len(hosts)} hosts; "
                                   + "; ".join(str(f) for f in failed))
         bundle, digest = package_bundle()
-        return list(await asyncio.gather(*(
+        # Every node to its end, started or failed: none is still starting when stop() tears down.
+        started = await asyncio.gather(*(
             self._start_agent(conn, node_id, hosts[node_id][1], bundle, digest)
             for node_id, conn in self._conns.items()
-        )))
+        ), return_exceptions=True)
+        failed = [s for s in started if isinstance(s, BaseException)]
+        if failed:  # the agents that did start end with their streams; stop() closes the rest
+            for link in started:
+                if isinstance(link, NodeLink):
+                    link.close()
+                    _close_quietly(link.inbound)
+            raise failed[0]
+        return [link for link in started if isinstance(link, NodeLink)]
 
     def _known_hosts(self) -> Any:
         return load_known_hosts(self._login.known_hosts, "ssh")
@@ -153,14 +168,40 @@ class SSHNodes:
         if login.env.get("PYTHONPATH"):
             paths.append(shlex.quote(login.env["PYTHONPATH"]))
         agent = " ".join(shlex.quote(a) for a in agent_args(login.heartbeat_file, login.notice_file))
+        # The agent starts behind the check of its Python (python_check): one line, then its frames.
         proc = await conn.create_process(
-            f"cd && {env} PYTHONPATH={':'.join(paths)} exec {login.python} {agent}", encoding=None
+            f"cd && {env} PYTHONPATH={':'.join(paths)} exec {login.python} "
+            f"-c {shlex.quote(python_check.AGENT_START)} {agent}", encoding=None
         )
+        await self._check_python(proc, f"node {node_rank} ({host})")
         inbound, outbound, tasks = bridge_process(proc, f"node {node_rank} {host}", self._reporter)
         self._closers.append((proc, tasks))
         address = login.peer_addresses[node_rank] if login.peer_addresses else host
         return NodeLink(node_rank=node_rank, address=address, inbound=inbound, outbound=outbound,
                         machine=host, close=lambda: _close_quietly(outbound))
+
+    async def _check_python(self, proc: Any, where: str) -> None:
+        """The check's line from the node's Python, or PoolStartError naming remote_python."""
+        import asyncssh
+
+        login = self._login
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), login.timeout)
+        except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+            line = f"{type(exc).__name__}: {exc}".encode()
+        found = python_check.parse(line)
+        if found is not None and not found.missing:
+            return
+        if found is not None:
+            proc.close()
+            raise PoolStartError(python_check.cannot_import(where, login.python, found, login.python_default))
+        try:  # why it never got to the check: the shell's or Python's own words
+            said = await asyncio.wait_for(proc.stderr.read(), 5)
+        except (OSError, asyncssh.Error, asyncio.TimeoutError):
+            said = b""
+        proc.close()
+        text = (said or b"").decode(errors="replace") or line.decode(errors="replace")
+        raise PoolStartError(python_check.did_not_start(where, login.python, text, login.python_default))
 
     async def _install_packages(self, conn: Any, env: str) -> str:
         """`pip_packages` into a folder of their own, cached by what was asked for: a warm node

@@ -16,6 +16,8 @@ class SSHProvider(SSHNodes, NodeProvider):
             targets=[parse_host(h, ssh.ssh_user) for h in ssh.hosts],
             known_hosts=ssh.known_hosts or "",
             private_key=ssh.ssh_private_key.get_secret_value() if ssh.ssh_private_key else None,
-            python=ssh.remote_python or "python3", pip_packages=list(ssh.pip_packages), env=dict(spec.env),
+            python=ssh.remote_python or "python3",
+            python_default=None if ssh.remote_python else "the default: the first python3 on each host's PATH",
+            pip_packages=list(ssh.pip_packages), env=dict(spec.env),
             timeout=ssh.ready_timeout_seconds, min_nodes=spec.min_nodes,
         ), reporter)
