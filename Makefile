@@ -20,6 +20,9 @@ system-deps:
 		command -v sbatch && test -x /usr/sbin/munged) >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server iproute2 \
 		slurmctld slurmd slurm-client munge >/dev/null)
+	@# The k8s tests run a real Kubernetes v1.20.2 (tests/k8s_cluster.py): its packages, and its
+	@# binaries built from Debian's source once per machine (about 5 min; cached in ~/.cache/skytasks).
+	@sh scripts/k8s/build.sh
 
 # uv installs what pip would, in seconds: on a fresh 2-core machine 32 s where pip took 2 min 47 s,
 # most of CI's set-up. It reads no pip configuration, so it is handed pip's own find-links: the

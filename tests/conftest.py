@@ -202,3 +202,20 @@ def cluster(tmp_path_factory):
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(tmp_path_factory):
+    """The Kubernetes test cluster (v1.20.2: control plane on loopback, one namespaced node):
+    one for the session. Skips only where it cannot run at all (not root; `make system-deps`
+    installs and builds the rest)."""
+    from tests.k8s_cluster import K8sCluster, available
+
+    why = available()
+    if why:
+        pytest.skip(why)
+    c = K8sCluster(tmp_path_factory.mktemp("k8s")).start()
+    try:
+        yield c
+    finally:
+        c.stop()
