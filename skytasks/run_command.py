@@ -1,8 +1,8 @@
 """`skytasks run SCRIPT ARGS...`: `run_script` as a Prefect flow run, as fast as torchrun.
 
 A torchrun user times the whole command. Done in series (Prefect's server, then the flow run,
-then the pool, then the ranks) the command took 1.3x torchrun with a server and 2.8x with none
-configured, where Prefect's ephemeral server alone takes seconds to start. So the ranks start
+then the pool, then the ranks) the command would take 1.3x torchrun with a server and 2.8x with
+none configured, where Prefect's ephemeral server alone takes seconds to start. So the ranks start
 at once, on this thread, and the record is made beside them on another: the flow run, its parent
 task run, then everything the call said so far, each line and state at the time it happened
 (`HeldObserver`), then the rest live. The command ends when both have: nothing is left out of the
@@ -144,31 +144,25 @@ def _server_timeout() -> float:
 
 def _record(call: Any, held: Any, outcome: Future, recorded: Future, early: Any) -> None:
     """The flow run and its parent task run, made while the call runs; ends when the call has."""
-    from contextlib import nullcontext
-
     from prefect import flow
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from skytasks.prefect_records.parent_task import record_started_call
+    from skytasks.prefect_records.prefect_internals import is_api_log_handler, without_flow_heartbeats
 
     # Prefect has set its logging up by now (on import, on this thread for a local pool).
     for logger in (logging.getLogger(), logging.getLogger("prefect")):
         for handler in logger.handlers:
-            if not type(handler).__name__.startswith("APILogHandler"):
+            if not is_api_log_handler(handler):
                 handler.addFilter(_NoCopiesOnConsole())
 
     @flow(name=call.options.label, log_prints=False)
     def script_flow() -> list:
         return record_started_call(call, held, outcome)
 
-    # Prefect 3.8's flow engine joins its heartbeat thread, which sleeps in whole seconds, at the
-    # end of every flow run: up to 1 s added to a command timed against torchrun. Heartbeats only
-    # serve an automation that marks silent runs crashed; whoever set a frequency keeps them.
-    chosen = any(k in os.environ for k in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY"))
     try:
         if early is not None:
             early.wait_until_up(_server_timeout())
-        with nullcontext() if chosen else temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with without_flow_heartbeats():  # each would add up to 1 s to a command timed against torchrun
             script_flow()
         recorded.set_result(None)
     except BaseException as err:  # noqa: BLE001 - handed to the command's thread

@@ -4,8 +4,10 @@ run per rank, recorded as state events like Prefect's own engine), `artifacts` (
 progress, written beside the call), `events` and `pool_events` (typed events as Prefect events an
 Automation can act on), and `record_queue` (a call that starts before its record exists).
 
-The only side of skytasks that imports Prefect. Importing it registers the Prefect sink for pool
-events (`skytasks.providers.reporting.add_sink`); nothing here imports Prefect at import time.
+The only side of skytasks that imports Prefect; what it takes from inside Prefect (what Prefect
+does not promise to keep) only through `prefect_internals`, which tests/test_prefect_internals.py
+checks against the installed Prefect. Importing it registers the Prefect sink for pool events
+(`skytasks.providers.reporting.add_sink`); nothing here imports Prefect at import time.
 """
 
 from skytasks.prefect_records.pool_events import record_pool_event

@@ -17,12 +17,12 @@ import time
 from typing import Any
 
 from prefect.context import TaskRunContext
-from prefect.logging.loggers import task_run_logger
 
 from skytasks.events import Event, announce, level_of
 from skytasks.call_options import rank_runs_for
 from skytasks.controller.stack_groups import stack_lines
 from skytasks.metrics import progress_percent
+from skytasks.prefect_records.prefect_internals import run_logger
 from skytasks.prefect_records.pool_events import emit_event, record_pool_event
 from skytasks.prefect_records.artifacts import WRITER, LiveTable, ProgressBar, wait_for, write_table
 from skytasks.prefect_records.events import emit, pool_resource, rank_resource
@@ -71,7 +71,7 @@ class PrefectObserver:
         self.rank_runs, self.procs_per_node = rank_runs, procs_per_node
         self._said_rank_runs = False
         self._parent = parent.task_run
-        self._parent_logger = task_run_logger(parent.task_run, task=parent.task)
+        self._parent_logger = run_logger(parent.task_run, parent.task)
         self._started = time.monotonic()
         self._ids: dict[str, Any] = dict(task_run_id=parent.task_run.id, flow_run_id=parent.task_run.flow_run_id)
         self._progress = ProgressBar(artifact_key(label, "progress"), f"{label}: progress of the distributed call",

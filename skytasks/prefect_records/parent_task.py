@@ -17,6 +17,7 @@ from prefect import Task, tags
 from prefect.cache_policies import CachePolicy
 from prefect.futures import PrefectFuture
 
+from skytasks.prefect_records.prefect_internals import ENGINE_LOGGERS
 from skytasks.prefect_records.record_queue import HeldObserver
 from skytasks.controller.packing import pack_call
 from skytasks.prefect_records.observer import PrefectObserver
@@ -50,7 +51,7 @@ class _OneLineGroups(logging.Filter):
         return True
 
 
-for _name in ("prefect.task_runs", "prefect.flow_runs"):
+for _name in ENGINE_LOGGERS:
     logging.getLogger(_name).addFilter(_OneLineGroups())
 
 

@@ -1,11 +1,11 @@
 """One task run per rank, recorded the way Prefect 3's own task engine records task runs.
 
-Prefect 3.8's sync engine builds the `TaskRun` in memory (`_create_task_run_locally`) and reports
-each state change as a `prefect.task-run.<State>` event (`emit_task_run_state_change_event`);
-the server's TaskRunRecorder writes the run from those events. No REST call per run, and
-nothing waits on the server's database. The first version of skytasks created each rank's run
-with `create_task_run` and ended it with `set_task_run_state`: two blocking calls per rank,
-which on the SQLite server took 1-2.5 s per call and 7.7 s for 64 ranks.
+Prefect's sync engine builds the `TaskRun` in memory and reports each state change as a
+`prefect.task-run.<State>` event (`prefect_internals.emit_state_change`); the server's
+TaskRunRecorder writes the run from those events. No REST call per run, and nothing waits on the
+server's database: creating each rank's run with `create_task_run` and ending it with
+`set_task_run_state` would be two blocking calls per rank, each of them seconds on a busy SQLite
+server.
 
 Each rank's lines go to its run through Prefect's run logger, whose records the API log worker
 batches; nothing here blocks either. The runs therefore appear in the API a moment after the
@@ -18,14 +18,13 @@ import logging
 import threading
 from collections import deque
 from datetime import timedelta
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 from prefect import Task
 from prefect.cache_policies import NO_CACHE
-from prefect.logging.loggers import task_run_logger
 from prefect.states import Cancelled, Completed, Failed, Running, State
-from prefect.utilities.engine import emit_task_run_state_change_event
 
+from skytasks.prefect_records.prefect_internals import emit_state_change, enter_final_state, is_api_log_handler, run_logger
 from skytasks.prefect_records.record_queue import RECORDED_AT
 from skytasks.prefect_records.run_states import RecordCopies, new_id
 from skytasks.stacks import rank_ranges
@@ -75,7 +74,7 @@ def _quiet_consoles() -> None:
     _consoles_quieted = True
     for name in ("prefect", ""):
         for handler in logging.getLogger(name).handlers:
-            if not type(handler).__name__.startswith("APILogHandler"):
+            if not is_api_log_handler(handler):
                 handler.addFilter(lambda record: not getattr(record, "skytasks_api_only", False))
 
 
@@ -106,7 +105,7 @@ class RankRun:
         run_id = new_id()
         self.task_run = records.task_run(run_id, name, f"{parent_id}-{attempt}-{key}", tags,
                                          records.state(Running, run_id))
-        self.logger = task_run_logger(self.task_run, task=RANK_TASK)
+        self.logger = run_logger(self.task_run, RANK_TASK)
         self.outcome: RankOutcome | None = None
         self._last_event: Any = None  # Running is said only once the run lasts (say_running)
 
@@ -116,7 +115,7 @@ class RankRun:
         its start time in it: a third fewer events for the server to record."""
         state = self.task_run.state
         if self._last_event is None and self.outcome is None and state is not None:
-            self._last_event = emit_task_run_state_change_event(self.task_run, None, state)
+            self._last_event = emit_state_change(self.task_run, None, state)
 
     def log(self, level: int, rank: int, line: str, api_only: bool = False) -> None:
         log_at_its_time(self.logger, level, "[rank %d] %s", rank, line, api_only=api_only)
@@ -147,14 +146,10 @@ class RankRun:
             # says it, and at 1,024 ranks those lines were 128 log records a call for the server.
             log_at_its_time(self.logger, level, "Finished in state %s", after.name)
         run = self.task_run
-        if before.is_running():
-            run.total_run_time += after.timestamp - before.timestamp
-        run.end_time = cast(Any, after.timestamp)
-        run.state, run.state_id, run.state_type, run.state_name = after, after.id, after.type, after.name
+        enter_final_state(run, before, after)
         # A run that never said Running: its final state is its first word, following nothing.
         said = self._last_event is not None
-        self._last_event = emit_task_run_state_change_event(run, before if said else None, after,
-                                                            follows=self._last_event)
+        self._last_event = emit_state_change(run, before if said else None, after, follows=self._last_event)
 
 
 def worst(outcomes: list[RankOutcome]) -> RankOutcome:

@@ -5,8 +5,8 @@ a final state. Prefect's constructors validate each new model (about 140 µs for
 state's asks OpenTelemetry for the context's traceparent, its `model_copy` inspects a default
 factory's signature, and its uuid7 takes `os.urandom`, which releases the GIL: in a controller
 whose reader and Prefect's event and log workers are busy with the same call, the call's thread
-may then wait a switch interval (5 ms) to get it back. The node runs took about 770
-`os.urandom` calls per warm call.
+may then wait a switch interval (5 ms) to get it back, for each of hundreds of `os.urandom`
+calls per warm call.
 
 So each kind is made once per attempt by Prefect's own constructor, in the call's context (its
 traceparent, its defaults), and each run's is a copy of it (pydantic's `model_copy`: no
@@ -25,10 +25,10 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 from uuid import UUID
 
-from prefect.client.schemas.objects import TaskRun, TaskRunPolicy, TaskRunResult
+from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
-from pydantic import BaseModel
 
+from skytasks.prefect_records.prefect_internals import copy_state, copy_task_run, task_run_template
 from skytasks.prefect_records.record_queue import RECORDED_AT
 
 _random = random.Random()  # seeded from os.urandom; a forked child must not repeat its parent's ids
@@ -50,9 +50,7 @@ class RecordCopies:
     def __init__(self, flow_run_id: Any, parent_id: Any, task_key: str) -> None:
         self.flow_run_id = flow_run_id
         self._states: dict[tuple[Callable[..., State], str | None], State] = {}
-        self._run = TaskRun(id=new_id(), name="-", flow_run_id=flow_run_id, task_key=task_key, dynamic_key="-",
-                            empirical_policy=TaskRunPolicy(), run_count=1,
-                            task_inputs={"__parents__": [TaskRunResult(id=parent_id)]})
+        self._run = task_run_template(new_id(), flow_run_id, parent_id, task_key)
 
     def state(self, kind: Callable[..., State], task_run_id: Any, *, name: str | None = None,
               message: str | None = None) -> State:
@@ -61,17 +59,11 @@ class RecordCopies:
         template = self._states.get((kind, name))
         if template is None:
             template = self._states[(kind, name)] = kind(name=name) if name else kind()
-        details = BaseModel.model_copy(template.state_details,
-                                       update={"task_run_id": task_run_id, "flow_run_id": self.flow_run_id})
         at = RECORDED_AT.get()
         stamp = datetime.fromtimestamp(time.time() if at is None else at, tz=timezone.utc)
-        return BaseModel.model_copy(template, update={"id": new_id(), "timestamp": stamp, "state_details": details,
-                                                      "message": message})
+        return copy_state(template, state_id=new_id(), timestamp=stamp, task_run_id=task_run_id,
+                          flow_run_id=self.flow_run_id, message=message)
 
     def task_run(self, run_id: Any, name: str, dynamic_key: str, tags: list[str], state: State) -> TaskRun:
         """A run of this attempt's flow run and parent, started in `state`."""
-        at = state.timestamp
-        return BaseModel.model_copy(self._run, update={
-            "id": run_id, "name": name, "dynamic_key": dynamic_key, "tags": tags,
-            "expected_start_time": at, "start_time": at, "created": at, "updated": at,
-            "state": state, "state_id": state.id, "state_type": state.type, "state_name": state.name})
+        return copy_task_run(self._run, run_id=run_id, name=name, dynamic_key=dynamic_key, tags=tags, state=state)
