@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 STOPPED_AFTER_SECONDS = 60.0
 RANKS_PER_FLOW = 4  # 2 nodes x 2: one task run per rank ("rank" runs up to 64 ranks)
-# The server's own knobs (Prefect 3.8's defaults: a batch of 1 for the task-run recorder, 20 for
+# The server's own knobs (Prefect's defaults: a batch of 1 for the task-run recorder, 20 for
 # the event persister, each flushed every 5 s).
 TUNED_SERVER = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",

@@ -30,7 +30,7 @@ from skytasks.node.ports import free_port  # noqa: E402
 def torchrun(kind: str, standalone: bool = False) -> tuple[float, float]:
     """Wall time of a whole torchrun job, and the RESULT it printed. The fastest way to start
     torchrun on one machine is a fixed --master_port (static rendezvous); --standalone starts a
-    c10d rendezvous first and took 7.5 s against 4.8 s here: the baseline must not flatter us."""
+    c10d rendezvous first and takes seconds longer: the baseline must not flatter us."""
     where = (["--standalone"] if standalone else
              ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port('127.0.0.1')}"])
     started = time.perf_counter()

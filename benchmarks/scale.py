@@ -154,9 +154,9 @@ def measure(ranks: int, repeats: int) -> dict:
 
             warm_calls()  # the first: Prefect's task machinery warms up
             out["warm_call_in_flow_s"] = _median(warm_calls())
-        # The steps below run on this pool, up and warm, as a flow's `with pool:` block has it. (They
-        # used to run on a pool of their own: a hang's figure then held 1,024 ranks' start, and a
-        # failure's the whole pool's teardown.)
+        # The steps below run on this pool, up and warm, as a flow's `with pool:` block has it: on a
+        # pool of their own, a hang's figure would hold 1,024 ranks' start, and a failure's the whole
+        # pool's teardown.
         marker = Path(os.environ.get("TMPDIR", "/tmp"), f"skytasks-scale-{os.getpid()}")
         marker.mkdir(exist_ok=True)
         # The first failure's report, and what the console shows of it.
@@ -207,9 +207,9 @@ def measure(ranks: int, repeats: int) -> dict:
         # Last: every rank keeps its own copy of an argument: on one machine, 100 MB x 1,024 ranks
         # is 100 GB. The argument is 100 MB up to 64 ranks and shrinks to fit 6 GB in all above.
         # It is `bytes`, which a rank unpickles with nothing to import: as a numpy array, 1,024
-        # ranks each imported numpy for it, about 150 s of CPU and most of this machine's memory,
-        # and the step measured that instead of the relay (the machine stalled so long that nodes
-        # went a minute without a heartbeat read).
+        # ranks would each import numpy for it, minutes of CPU and most of the machine's memory,
+        # and the step would measure that instead of the relay (with nodes stalled past their
+        # heartbeat).
         mb = min(100, 6000 // ranks)
         blob = np.random.default_rng(0).integers(0, 255, mb * 1024 * 1024, dtype=np.uint8).tobytes()
         from skytasks.controller.channel import bytes_sent

@@ -4,14 +4,12 @@ streams, and an agent's rank pipes (`wire.FrameParser` makes frames of the chunk
 Why not a thread per stream: at 1,024 ranks on 128 nodes that was 128 reader threads in the
 controller and 3,072 relay threads in the agents (three per rank), each started with its rank and
 each waking, and taking its process's GIL, for every frame and line. One epoll and one thread per
-process read them all. With the template changes of the same round, a new group of 1,024 ranks
-came up in 7.0-7.5 s instead of 9.2-9.5 s, and a warm call took 0.22-0.25 s instead of 0.30 s, on
-2 cores.
+process read them all.
 
-The same thread hears processes end (a pidfd each, Linux 5.3+) and runs short timers: an agent
-used to hold two threads per rank, one blocked in `waitpid` and one waiting to report the exit.
-Starting and ending a thread cost about 0.4 ms of CPU here, so 16 of them a node per group were
-most of what an agent spent on a failure's stop.
+The same thread hears processes end (a pidfd each, Linux 5.3+) and runs short timers, where
+otherwise an agent would hold two threads per rank, one blocked in `waitpid` and one waiting to
+report the exit. Starting and ending a thread costs about 0.4 ms of CPU, so 16 of them a node per
+group would be most of what an agent spends on a failure's stop.
 
 Standard library only.
 """

@@ -1,7 +1,7 @@
 """Ranks that stand in the same place share one line: failure reports that fit one screen.
 
 At 1,024 ranks a failure stops 1,023 ranks, nearly all in the same collective. Printed one by
-one, that was thousands of lines of the same frames. Here they are grouped by where they are
+one, that would be thousands of lines of the same frames. Here they are grouped by where they are
 (`stacks.where`): "1,023 ranks in `all_reduce` (train.py:42) (ranks 0-16, 18-1023)". Each
 rank's whole stack still goes to its own (or its node's) task-run log.
 """

@@ -1,6 +1,6 @@
 """Some ranks returned while others still run: say so, without failing the call.
 
-A user's loop that ends by wall clock on one rank while its peer waits in `all_reduce` used to
+A user's loop that ends by wall clock on one rank while its peer waits in `all_reduce` would
 leave the call waiting in silence, forever by default. After `after` seconds with ranks returned
 and ranks still running, the call reads the running ranks' stacks (without stopping them) and
 gives one WARNING naming each one and where it is, and how `hang_timeout_seconds` would end it.

@@ -3,7 +3,7 @@ out to outgoing connections.
 
 A port asked of the kernel (bind to port 0) comes from that ephemeral range, and so does the
 local port of every connection this machine opens: between choosing it and the head's TCPStore
-binding it, a flow's HTTP client could take it (seen in CI: EADDRINUSE at init_process_group).
+binding it, a flow's HTTP client could take it (EADDRINUSE at init_process_group).
 A random port below the range, checked free, is never given to a connection. Standard library
 only and self-contained: remote nodes run this file's text as it is (`port_snippet`).
 """

@@ -115,7 +115,7 @@ class RankProcess:
         self.device = env.get("SKYTASKS_DEVICE", "cpu")  # "cuda:<i>": the i-th of the node's visible GPUs
         self.stopped_by_agent = False
         # Its three streams are read by the agent's one reader thread (skytasks.reactor), not a
-        # thread each: at 8 ranks a node that was 24 threads waking for every result and line.
+        # thread each: at 8 ranks a node that would be 24 threads waking for every result and line.
         self._open_streams = 3
         self._exit: tuple[int, float] | None = None  # (code, when), once heard
         self._awaiting_drain = False  # the exit is to be reported once its streams have ended

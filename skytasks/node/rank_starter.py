@@ -207,8 +207,8 @@ class RankStarter:
 
 
 # A template that died is heard at once (its end of the socket closes); this bounds only one that
-# hangs. A busy machine is no reason to give up on it: 128 nodes starting at once on 2 cores took
-# more than 10 s to answer, and the cold starts that followed cost ten times the CPU.
+# hangs. A busy machine is no reason to give up on it: 128 nodes starting at once on 2 cores can
+# take more than 10 s to answer, and cold starts instead would cost ten times the CPU.
 TEMPLATE_ANSWER_SECONDS = 120.0
 BATCH_BYTES = 128 * 1024  # a request's environments: well inside a socket's default buffer
 

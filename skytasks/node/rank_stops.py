@@ -14,7 +14,7 @@ def stop_and_wait(ranks: list[RankProcess], grace: float, dump: bool = False) ->
     """SIGTERM to every rank (SIGKILL with no grace), then wait for them until the grace is up.
     With `dump`, where each rank was (rank -> stack): a rank's faulthandler writes every thread's
     stack as SIGTERM reaches it, so the stop itself says where it was, read once the rank is gone
-    (one signal per rank, where asking first and stopping after took two, and a wait on each dump)."""
+    (one signal per rank, where asking first and stopping after would take two, and a wait on each dump)."""
     for rp in ranks:
         if dump:
             rp.dump_from_here()

@@ -1,7 +1,7 @@
 """Artifacts, written beside the call rather than in its way.
 
-An artifact is a REST call, and on Prefect's SQLite server each took about 65 ms, against 5 ms
-for a whole plain task run. So artifacts go to one writer thread per process: progress and
+An artifact is a REST call, and on Prefect's SQLite server each costs about ten times a whole
+plain task run (which is events only). So artifacts go to one writer thread per process: progress and
 metrics are written while the ranks work, and the call waits at its end only for what is still
 unwritten (usually just the rank table). It waits, rather than leaving them for later, so that
 when a call returns its artifacts are in the API, whatever the flow process does next (a test
