@@ -38,6 +38,21 @@ def _name(step: int) -> str:
 
 
 class Checkpointer:
+    """Checkpoints of a training loop, for retries, node recoveries and preemptions to resume from.
+
+    `path` is a directory (on the head's node, or shared storage) or `s3://bucket/prefix`.
+    `save(state, step)` writes on the head only, atomically, keeping the newest `keep`;
+    `load_latest()` gives every rank the newest `(step, state)`, or None;
+    `save_if_preempted(state, step)` saves and ends the attempt once a preemption notice came.
+
+        ckpt = Checkpointer("/data/ckpt")
+        found = ckpt.load_latest()
+        start = 0 if found is None else found[0] + 1
+        for step in range(start, steps):
+            ...
+            ckpt.save({"model": model.state_dict()}, step)
+    """
+
     def __init__(self, path: str | os.PathLike, keep: int = 3):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: must be an integer ≥ 1, got {keep!r}")

@@ -33,6 +33,14 @@ def _plain(value: Any) -> Any:
 
 
 def report(*, all_ranks: bool = False, **metrics: Any) -> None:
+    """Live metrics of the call, from inside a rank: a row in the call's Prefect artifact, updated
+    in place (printed outside a flow). Only the head's calls count unless `all_ranks=True`.
+    Numbers, strings and tensors of one value travel. A position and its total (`epoch`/`epochs`,
+    `step`/`steps` or `total_steps`, `iteration`/`iterations`, `batch`/`batches`), or `progress`
+    alone (a fraction, or a percentage above 1), also drive the call's progress bar.
+
+        report(epoch=epoch, epochs=10, loss=loss.item())
+    """
     info = rank_info()  # raises the clear outside-a-rank error
     if not (info.is_head or all_ranks):
         return

@@ -21,6 +21,11 @@ from skytasks.rank import in_rank
 from skytasks.workdir import check_workdir
 
 class DistributedTask:
+    """What `@distributed_task` makes: called, it runs the function on every rank of its pool and
+    returns each rank's value in rank order (a Prefect task run with a child run per rank, inside
+    a flow). `.submit(...)` returns a PrefectFuture of that list, `.with_options(...)` a copy with
+    options changed, and `.fn` is the plain function."""
+
     def __init__(self, fn: Callable, options: CallOptions):
         if not callable(fn):
             raise TypeError(f"distributed_task: expected a function, got {type(fn).__qualname__}")
