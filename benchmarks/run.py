@@ -224,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
     parser.add_argument("--only", choices=["cli", "dispatch", "broadcast", "ssh", "slurm", "recovery", "preemption",
-                                           "flow", "scale", "load"],
+                                           "flow", "scale", "load", "kubernetes"],
                         help="run one figure (flow: warm calls and fan-out inside a flow) and update results.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
@@ -269,6 +269,21 @@ def main() -> None:
               f"allocation {d['cold_s']:.2f} ({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
         if args.only:
             return update_results(out, slurm_dispatch=d)
+
+    if args.only == "kubernetes" or (args.only is None and os.geteuid() == 0):
+        from k8s_pool import kubernetes_pools
+
+        torchrun_s = statistics.median(torchrun("all_reduce")[0] for _ in range(repeats))
+        results["kubernetes"] = k = kubernetes_pools(torchrun_s, repeats=repeats)
+        print("\n5c. Kubernetes (the test cluster's real kubelet): a pool up, a warm call, an unschedulable pod's "
+              "error, a lost pod's retry (median seconds; torchrun's whole process: "
+              f"{k['torchrun_s']:.2f})")
+        print("   " + "   ".join(f"{n} pods up {k[f'pool_up_{n}_s']:.2f} ({k[f'pool_up_{n}_ratio']:.1f}x)"
+                                  for n in (2, 4, 8)))
+        print(f"   warm call {k['warm_s']:.4f} ({k['warm_ratio']:.4f}x)   unschedulable -> error "
+              f"{k['unschedulable_error_s']:.2f}   pod deleted -> retry's ranks ran {k['lost_pod_to_retry_s']:.2f}")
+        if args.only:
+            return update_results(out, kubernetes=k)
 
     if args.only is None or args.only == "recovery":
         from recovery import recovery

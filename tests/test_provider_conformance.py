@@ -49,6 +49,16 @@ class Fleet:
     def gc(self, now: datetime) -> list[str]:
         raise NotImplementedError
 
+    def kill_agent(self, session: PoolSession, node_rank: int) -> None:
+        """The node's agent dies (kill -9): the controller finds its stream closed."""
+        node = session.nodes[node_rank]
+        assert node.pid is not None  # every agent says its pid in its hello
+        os.kill(node.pid, signal.SIGKILL)
+
+    def identity(self, node: Any) -> Any:
+        """What tells one node's agent from another's: its pid on this machine."""
+        return node.pid
+
 
 class LocalFleet(Fleet):
     name = "local"
@@ -157,7 +167,74 @@ class SlurmFleet(Fleet):
         return sweep_jobs(SlurmShell(self.pool(nodes=1).spec().own(SlurmSpec), PoolReporter("gc", "slurm")), now=now)
 
 
-@pytest.fixture(params=["local", "ssh", "aws", "slurm"])
+class KubernetesFleet(Fleet):
+    """The test cluster's one real kubelet: pods ask for a tenth of a CPU each, and `room_for`
+    has a pod of someone else's hold the rest of the node's CPU."""
+
+    name = "kubernetes"
+    CPU = 100  # millicores per pod
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def pool(self, **fields: Any) -> GPUPool:
+        from tests.kube import kube_pool
+
+        template = self.cluster.host_python_template()
+        template["spec"]["containers"].append({"resources": {"requests": {"cpu": f"{self.CPU}m"}}})
+        return kube_pool(self.cluster, k8s_pod_template=template, ready_timeout_seconds=60, **fields)
+
+    @contextlib.contextmanager
+    def room_for(self, count: int) -> Iterator[None]:
+        import json
+
+        node = json.loads(self.cluster.kubectl("get", "node", "-o", "json").stdout)["items"][0]
+        from kubernetes.utils import parse_quantity
+
+        allocatable = int(parse_quantity(node["status"]["allocatable"]["cpu"]) * 1000)
+        hold = allocatable - count * self.CPU - self.CPU // 2
+        template = self.cluster.host_python_template()
+        container = template["spec"]["containers"][0]
+        container.update(name="blocker", command=[sys.executable, "-c", "import time; time.sleep(600)"],
+                         resources={"requests": {"cpu": f"{hold}m"}})
+        manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "someone-elses"}, "spec": template["spec"]}
+        path = self.cluster.folder / "someone-elses.json"
+        path.write_text(json.dumps(manifest))
+        self.cluster.kubectl("apply", "-f", str(path))
+        try:
+            self.cluster.kubectl("wait", "--for=condition=Ready", "pod/someone-elses", "--timeout=60s")
+            yield
+        finally:
+            self.cluster.kubectl("delete", "pod", "someone-elses", "--grace-period=0", "--force", check=False)
+
+    def leftovers(self) -> list[str]:
+        from tests.kube import held
+
+        deadline = time.monotonic() + 30
+        while (left := held(self.cluster)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
+    def gc(self, now: datetime) -> list[str]:
+        from kubernetes import client
+
+        from skytasks.providers.kubernetes import cluster
+        from skytasks.providers.kubernetes.gc import sweep
+        from tests.kube import credentials
+
+        cfg = cluster.configuration(credentials(self.cluster.admin_kubeconfig))
+        return sweep(client.CoreV1Api(cluster.api_client(cfg)), "default", now=now)
+
+    def kill_agent(self, session: PoolSession, node_rank: int) -> None:
+        """Its pod is deleted at once (`kubectl delete --grace-period=0 --force`)."""
+        self.cluster.kubectl("delete", "pod", session.nodes[node_rank].link.machine, "--grace-period=0", "--force",
+                             "--wait=false")
+
+    def identity(self, node: Any) -> Any:
+        return node.link.machine  # its pod: pids are the pod's own, and repeat between pods
+
+
+@pytest.fixture(params=["local", "ssh", "aws", "slurm", "kubernetes"])
 def fleet(request, tmp_path, monkeypatch) -> Iterator[Fleet]:
     made: Fleet
     if request.param == "local":
@@ -166,8 +243,10 @@ def fleet(request, tmp_path, monkeypatch) -> Iterator[Fleet]:
         made = SSHFleet(tmp_path / "sshd")
     elif request.param == "aws":
         made = AWSFleet(request.getfixturevalue("moto"), tmp_path, monkeypatch)
-    else:
+    elif request.param == "slurm":
         made = SlurmFleet(request.getfixturevalue("cluster"))
+    else:
+        made = KubernetesFleet(request.getfixturevalue("k8s_cluster"))
     try:
         yield made
     finally:
@@ -193,11 +272,9 @@ def started(pool: GPUPool) -> PoolSession:
     return PoolSession(provider_for(spec), spec.procs_per_node, dict(spec.env), nodes=(spec.fewest, spec.nodes)).start()
 
 
-def kill_agent(session: PoolSession, node_rank: int) -> None:
-    """The node's agent dies (kill -9): the controller finds its stream closed."""
+def kill_agent(fleet: Fleet, session: PoolSession, node_rank: int) -> None:
     node = session.nodes[node_rank]
-    assert node.pid is not None  # every agent says its pid in its hello
-    os.kill(node.pid, signal.SIGKILL)
+    fleet.kill_agent(session, node_rank)
     deadline = time.monotonic() + 30
     while node.usable and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -214,14 +291,15 @@ def test_it_starts_n_nodes_replaces_a_lost_one_and_tears_down_to_nothing(fleet):
     try:
         assert [n.link.node_rank for n in session.nodes] == [0, 1] and session.world_size == 2
         assert len({n.link.node_id for n in session.nodes}) == 2 and all(n.pid for n in session.nodes)
-        lost_pid = session.nodes[1].pid
-        kill_agent(session, 1)
+        before = fleet.identity(session.nodes[1])
+        kill_agent(fleet, session, 1)
         heard = Heard()
         session.prepare(heard, first_attempt=True)  # a fixed pool: replaced through the provider
         [lost], [replaced] = heard.of(NodeLost), heard.of(NodeReplaced)
         assert lost.node == 1 and replaced.node == 1
         fresh = session.nodes[1]
-        assert fresh.usable and fresh.pid not in (None, lost_pid) and len(session.nodes) == 2  # a new agent
+        assert fresh.usable and fresh.pid is not None and fleet.identity(fresh) != before  # a new agent
+        assert len(session.nodes) == 2
     finally:
         session.close()
     nothing_left(fleet)
@@ -235,8 +313,8 @@ def test_an_elastic_pool_starts_with_what_it_can_have_grows_back_and_drops_a_los
         try:
             assert 1 <= len(session.nodes) <= room  # between min_nodes and what the fleet had (SLURM: its min)
             session.prepare(Heard(), first_attempt=True)  # before a call: grown back toward nodes
-            assert len(session.nodes) == room and len({n.pid for n in session.nodes}) == room
-            kill_agent(session, room - 1)
+            assert len(session.nodes) == room and len({fleet.identity(n) for n in session.nodes}) == room
+            kill_agent(fleet, session, room - 1)
             heard = Heard()
             session.prepare(heard, first_attempt=False)  # above min_nodes: dropped, not replaced
             [shrank] = heard.of(PoolShrank)
@@ -265,7 +343,7 @@ def test_agents_end_when_their_controller_falls_silent_and_what_it_held_is_swept
                     read_frame(link.inbound)
         assert time.monotonic() - silent_from < 20
         assert [p for p in skytasks_processes() if "skytasks.node.agent" in " ".join(p.cmdline())] == []
-        if fleet.name in ("aws", "slurm"):
+        if fleet.name in ("aws", "slurm", "kubernetes"):
             an_hour_on = datetime.now(timezone.utc) + timedelta(hours=13)  # past max_lifetime_minutes=720
             assert len(fleet.gc(an_hour_on)) == 1  # this pool's, and only it
             assert fleet.leftovers() == []

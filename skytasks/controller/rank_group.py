@@ -61,6 +61,7 @@ class NodeShape:
     machine: str
     gpus: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    where: str = ""  # NodeLink.where
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class RankGroup:
         choice = choose_backend(spec.backend, devices)
         self.backend, self.notice = choice.backend, choice.note
         self.devices = {d.rank: d.device for d in devices}
-        self.placement: dict[int, tuple[int, str]] = {}  # rank -> (node_rank, node address)
+        self.placement: dict[int, tuple[int, str]] = {}  # rank -> (node_rank, node address and where it runs)
         self.spawns: dict[int, dict[str, Any]] = {}  # node_rank -> its SPAWN message
         peers = tuple(n.address for n in nodes)
         self.addresses = {n.node_rank: n.address for n in nodes}
@@ -115,7 +116,7 @@ class RankGroup:
             ranks = []
             for local in range(ppn):
                 rank = node.node_rank * ppn + local
-                self.placement[rank] = (node.node_rank, node.address)
+                self.placement[rank] = (node.node_rank, f"{node.address} ({node.where})" if node.where else node.address)
                 env = rank_environment(rank=rank, world_size=self.world_size, local_rank=local, local_world_size=ppn,
                                        node_rank=node.node_rank, peers=peers, head_port=port,
                                        accelerators=len(node.gpus))

@@ -141,7 +141,7 @@ class PoolSession:
                 self._mend(observer, before_call=False)
                 node_dir = self._workdir_on_nodes(spec.workdir, observer) if spec.workdir else None
                 shapes = [NodeShape(n.link.node_rank, n.link.address, n.link.machine, tuple(n.gpus),
-                                    tuple(n.link.env.items())) for n in self.nodes]
+                                    tuple(n.link.env.items()), n.link.where) for n in self.nodes]
                 self.group = g = RankGroup(shapes, self.procs_per_node, spec,
                                            self.provider.free_port(self.nodes[0].link.node_id), self.env, node_dir)
                 self._members = tuple(n.serial for n in self.nodes)

@@ -83,8 +83,9 @@ PREEMPTED_STATE = "Preempted"  # a Cancelled-type state: the cloud's or the sche
 
 def final_state(rank: int, outcome: RankOutcome) -> tuple[Callable[..., State], str | None, str | None]:
     """A run's final state for `outcome`: Prefect's constructor, the state's name, its message."""
-    if outcome.status is RankState.COMPLETED:
-        return Completed, None, None
+    if outcome.status is RankState.COMPLETED:  # where it ran: a pod and its Kubernetes node, a host
+        return Completed, None, (f"rank {rank} ran on node {outcome.node_rank} ({outcome.node_addr})"
+                                 if outcome.node_addr else None)
     if outcome.preempted:
         why = str(outcome.failure.exception) if outcome.failure is not None else outcome.stop_reason
         return Cancelled, PREEMPTED_STATE, f"rank {rank}: the attempt ended for a preemption: {why}"

@@ -41,6 +41,9 @@ class NodeLink:
     # when the node is found lost; "" when the provider knows no more than the closed stream.
     loss_detail: Callable[[], str] = lambda: ""
     node_id: int = -1  # -1: the node_rank it was started as
+    # Where the node runs, as a person finds it ("pod P on node K"), shown beside its address in
+    # the rank table and a rank's failure; "" when the address says it all.
+    where: str = ""
 
     def __post_init__(self) -> None:
         if self.node_id < 0:

@@ -177,12 +177,9 @@ class KubernetesProvider(NodeProvider):
                     self.placed[v.name] = v.node
                 self._ips.update({v.name: v.ip for v in views})
                 return list(decision.running)
-            if isinstance(decision, pod_status.Fail):
-                from skytasks.errors import PoolConfigError
-
-                text = f"{decision.field + ': ' if decision.field else ''}{decision.reason}; every pod was deleted"
-                raise (PoolConfigError(text) if decision.field not in (None, "ready_timeout_seconds")
-                       else PoolStartError(text))
+            if isinstance(decision, pod_status.Fail):  # the field to fix first, as every pool error says it
+                raise PoolStartError(f"{decision.field + ': ' if decision.field else ''}{decision.reason}; "
+                                     "every pod was deleted")
             self.reporter.progress(sum(v.running for v in views), len(views), decision.detail)
             if self._aborted.wait(POLL_SECONDS):
                 raise InterruptedError(f"the start of {self.pool_id} was cancelled")
@@ -199,6 +196,7 @@ class KubernetesProvider(NodeProvider):
         assert self._agents is not None
         name = self.nodes[node_id]
         link = self._agents.start(node_id, name, self._ips[name], agent_args(pods.HEARTBEAT_FILE, pods.NOTICE_FILE))
+        link.where = f"pod {name} on node {self.placed.get(name) or '?'}"
         link.loss_detail = lambda: self._loss_detail(name)
         link.close_lost = lambda: self._agents.end(name) if self._agents else None
         return link
@@ -259,12 +257,16 @@ class KubernetesProvider(NodeProvider):
         names: list[str] = []
         try:
             names = self._create_pods(count)
-            ready = self._wait_running(names, 1, GROW_WAIT_SECONDS)
+            ready = self._wait_running(names, 0, GROW_WAIT_SECONDS)  # 0: pods with no room now are not waited for
         except Exception as exc:  # noqa: BLE001 - growing never fails a call
             self._delete_pods(names, why="could not grow")
             self.reporter.note(f"{self.pool_id}: could not grow by {count} pod{'s' * (count != 1)} now: {exc}")
             return []
         self._delete_pods([n for n in names if n not in ready], why="not running in time to grow the pool")
+        if not ready:
+            self.reporter.note(f"{self.pool_id}: could not grow by {count} pod{'s' * (count != 1)} now: no room "
+                               "for them in the cluster")
+            return []
         first = max(self.nodes, default=-1) + 1
         self.reporter.note(f"{self.pool_id}: grew by {', '.join(ready)}")
         return self._start_agents(ready, first)

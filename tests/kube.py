@@ -1,0 +1,36 @@
+"""Pools on the Kubernetes test cluster (tests/k8s_cluster.py), as a user makes them: a
+KubernetesCredentials block from a kubeconfig, an image, and a pod template that mounts this
+machine's Python (the test image has none of its own)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from skytasks import GPUPool
+
+
+def credentials(kubeconfig: Path) -> Any:
+    from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCredentials
+
+    return KubernetesCredentials(cluster_config=KubernetesClusterConfig.from_file(kubeconfig))
+
+
+def kube_pool(cluster: Any, kubeconfig: Path | None = None, **fields: Any) -> GPUPool:
+    base: dict[str, Any] = dict(provider="kubernetes", nodes=2, k8s_image=cluster.image,
+                                k8s_pod_template=cluster.host_python_template(), remote_python=sys.executable,
+                                kubernetes_credentials=credentials(kubeconfig or cluster.admin_kubeconfig),
+                                ready_timeout_seconds=90)
+    return GPUPool(**{**base, **fields})
+
+
+def held(cluster: Any, namespace: str = "default") -> list[str]:
+    """Every pod and owner ConfigMap skytasks made in the namespace, as the API server lists them."""
+    out = []
+    for kind in ("pods", "configmaps"):
+        listed = json.loads(cluster.kubectl("get", kind, "-n", namespace, "-l", "app.kubernetes.io/managed-by=skytasks",
+                                            "-o", "json").stdout)["items"]
+        out += [f"{kind}/{i['metadata']['name']}" for i in listed]
+    return out
