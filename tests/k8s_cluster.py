@@ -62,6 +62,7 @@ POD_GATEWAY = "198.51.100.1"
 SERVICE_SUBNET = "203.0.113.0/24"  # Services (TEST-NET-3); nothing routes them but the one below
 SERVICE_IP = "203.0.113.1"  # the `kubernetes` Service: an address of the node namespace
 NODE_NAME = "skytasks-node"
+CGROUP_LEDGERS = Path("/run/skytasks-k8s-cgroups")
 IMAGE = "skytasks-test/python:1"
 PAUSE_IMAGE = "skytasks-test/pause:1"
 TOOLS = ("etcd", "containerd", "containerd-shim-runc-v2", "runc", "ctr", "socat", "openssl", "ip", "unshare",
@@ -102,12 +103,13 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _v1_hierarchies() -> list[Path]:
-    """The mount points of the cgroup v1 hierarchies."""
+def _v1_hierarchies(unified: bool = False) -> list[Path]:
+    """The mount points of the cgroup v1 hierarchies (and of the v2 one beside them, where runc
+    makes the containers' cgroups too)."""
     found = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, _, right = line.partition(" - ")
-        if right.split()[:1] == ["cgroup"]:
+        if right.split()[:1] == ["cgroup"] or (unified and right.split()[:1] == ["cgroup2"]):
             found.append(Path(left.split()[4]))
     return found
 
@@ -151,6 +153,21 @@ def _remove_cgroup_tree(path: Path, timeout: float = 10.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
+
+
+def _remove_cgroups(made: list[str], timeout: float = 10.0) -> None:
+    """The cgroups a cluster made (listed in the order made), with all the kubelet and runc made
+    below them: the cluster's own root with everything in it (waiting while killed processes
+    leave), then the folders above it it had to make, if no other cluster uses them now."""
+    for d in reversed(made):
+        path = Path(d)
+        if path.name.startswith("skytasks-k8s-"):
+            _remove_cgroup_tree(path, timeout)
+        else:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
 
 
 def _popen(argv: list[str], log: Path, **kw) -> subprocess.Popen:
@@ -241,7 +258,8 @@ class K8sCluster:
         self.ca_cert = self.pki / "ca.crt"
         self.admin_kubeconfig = self.folder / "admin.kubeconfig"
         self.cgroup_root = f"{_own_memory_cgroup()}/skytasks-k8s-{os.getpid()}-{self.tag}"
-        self._made_cgroups: list[Path] = []
+        self._made_cgroups: list[Path] = []  # in the order made, in every hierarchy
+        self._ledger: Path | None = None
         self.daemons: dict[str, subprocess.Popen] = {}
         self.timings: dict[str, float] = {}
         self._stopped = False
@@ -334,33 +352,31 @@ class K8sCluster:
             self._kubeconfig(self.folder / f"{name}.kubeconfig", self._cert_user(name))
 
     def _sweep_stale_cgroups(self) -> None:
-        """Cgroup roots of clusters whose test process died without stopping them."""
-        parent = self.cgroup_root.rsplit("/", 1)[0]
-        for h in _v1_hierarchies():
-            base = Path(f"{h}{parent}")
-            if not base.is_dir():
+        """The cgroups of clusters whose test process died without stopping them: each cluster
+        notes the ones it makes in a ledger of its own under CGROUP_LEDGERS."""
+        for ledger in CGROUP_LEDGERS.glob("*.json"):
+            try:
+                pid = int(ledger.name.split("-")[0])
+            except ValueError:
                 continue
-            for d in base.glob("skytasks-k8s-*"):
-                try:
-                    pid = int(d.name.split("-")[2])
-                except (IndexError, ValueError):
-                    continue
-                if not _pid_alive(pid):
-                    _remove_cgroup_tree(d, timeout=1.0)
+            if not _pid_alive(pid):
+                _remove_cgroups(json.loads(ledger.read_text() or "[]"), timeout=1.0)
+                ledger.unlink(missing_ok=True)
 
     def _make_cgroup_root(self) -> None:
-        for h in _v1_hierarchies():
-            made = []
+        CGROUP_LEDGERS.mkdir(parents=True, exist_ok=True)
+        self._ledger = CGROUP_LEDGERS / f"{os.getpid()}-{self.tag}.json"
+        for h in _v1_hierarchies(unified=True):
             path = h
             for part in self.cgroup_root.strip("/").split("/"):
                 parent, path = path, path / part
                 if not path.exists():
+                    self._made_cgroups.append(path)
+                    self._ledger.write_text(json.dumps([str(p) for p in self._made_cgroups]))
                     path.mkdir()
-                    made.append(path)
-                    if h.name == "cpuset" or "cpuset" in h.name.split(","):
+                    if "cpuset" in h.name.split(","):
                         for f in ("cpuset.cpus", "cpuset.mems"):
                             (path / f).write_text((parent / f).read_text())
-            self._made_cgroups.extend(reversed(made))  # deepest first
 
     def _start_etcd(self) -> None:
         peer = f"http://127.0.0.1:{self.etcd_peer_port}"
@@ -634,32 +650,38 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 
     # -- stop ------------------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        with self._lock:
-            t0 = time.monotonic()
-            node = self.daemons.pop("node", None)
-            if node is not None:  # its pid 1 first: the kernel ends every process of the namespace
-                init = _children(node.pid)
-                for pid in init:
-                    _kill(pid, signal.SIGKILL)
-                _kill(node.pid, signal.SIGTERM if init else signal.SIGKILL)
-                _reap(node)
-            for name in ("controller-manager", "scheduler", "apiserver", "kubelet-bridge", "api-bridge", "etcd"):
-                p = self.daemons.pop(name, None)
-                if p is not None:
-                    _killpg(p, signal.SIGTERM)
-            for p in list(self.daemons.values()):
-                _killpg(p, signal.SIGTERM)
-            for name, p in list(self.daemons.items()):
-                _reap(p)
-            self.daemons.clear()
-            for d in self._made_cgroups:  # deepest first; those it made, with what the kubelet made
-                _remove_cgroup_tree(d)
-            self._made_cgroups = []
-            for d in (self.node_dir, self.run_dir, self.folder / "etcd"):
-                shutil.rmtree(d, ignore_errors=True)
-            self.timings["stop"] = time.monotonic() - t0
-            _unregister(self)
+    def stop(self, _wait: bool = True) -> None:
+        if not self._lock.acquire(blocking=_wait):
+            return  # stopping already (a SIGTERM during stop(): the kernel ends the daemons)
+        try:
+            self._stop()
+        finally:
+            self._lock.release()
+
+    def _stop(self) -> None:
+        t0 = time.monotonic()
+        node = self.daemons.pop("node", None)
+        if node is not None:  # its pid 1 first: the kernel ends every process of the namespace
+            init = _children(node.pid)
+            for pid in init:
+                _kill(pid, signal.SIGKILL)
+            _killpg(node, signal.SIGTERM if init else signal.SIGKILL)
+            _reap(node)
+        order = ("controller-manager", "scheduler", "apiserver", "kubelet-bridge", "api-bridge", "etcd")
+        rest = [self.daemons.pop(n) for n in order if n in self.daemons] + list(self.daemons.values())
+        self.daemons.clear()
+        for p in rest:
+            _killpg(p, signal.SIGTERM)
+        for p in rest:
+            _reap(p)
+        _remove_cgroups([str(p) for p in self._made_cgroups])
+        self._made_cgroups = []
+        if self._ledger is not None:
+            self._ledger.unlink(missing_ok=True)
+        for d in (self.node_dir, self.run_dir, self.folder / "etcd"):
+            shutil.rmtree(d, ignore_errors=True)
+        self.timings["stop"] = time.monotonic() - t0
+        _unregister(self)
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -705,16 +727,16 @@ _clusters: weakref.WeakSet[K8sCluster] = weakref.WeakSet()
 _handlers_installed = False
 
 
-def _stop_all() -> None:
+def _stop_all(wait: bool = True) -> None:
     for c in list(_clusters):
         try:
-            c.stop()
+            c.stop(wait)
         except Exception:
             pass
 
 
 def _on_sigterm(signum, frame) -> None:
-    _stop_all()
+    _stop_all(wait=False)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
