@@ -18,6 +18,9 @@ The binaries are Debian bookworm's Kubernetes source built once per machine by
 - The `kubernetes` Service's ClusterIP (SERVICE_IP, 203.0.113.1, a documentation range) is an
   address of the node namespace, where a socat takes port 443 to the apiserver: a pod's
   `load_incluster_config()` works with the variables the kubelet injects (no kube-proxy needed).
+- A small DNS server on NODE_IP (the pods' nameserver) answers `service.namespace.svc.cluster.local`
+  and a headless Service's `hostname.subdomain.namespace.svc.cluster.local` from the API, and
+  nothing else (it forwards no query).
 - Images come from no registry: IMAGE is a few empty folders whose command is the host's Python,
   run by mounting the host's interpreter and this repository read-only (`host_python_template`);
   PAUSE_IMAGE is the pods' sandbox (a static `pause` built with the binaries).
@@ -280,14 +283,13 @@ class K8sCluster:
             self._certificates()
             self._make_cgroup_root()
             self._write_kubeconfigs()
-            self._start_node()  # containerd starts while the control plane does
+            self._start_node()  # containerd and the kubelet start while the control plane does
             self._start_etcd()
             self._start_apiserver()
             importer = threading.Thread(target=self._import_images, daemon=True)
             importer.start()
             self._wait_apiserver(t0 + timeout)
             self.timings["apiserver_ready"] = time.monotonic() - t0
-            (self.run_dir / "apiserver-ready").touch()  # the node's kubelet starts on this
             self._start_controllers()
             importer.join(max(0.0, t0 + timeout - time.monotonic()))
             if importer.is_alive() or self._import_error:
@@ -865,7 +867,9 @@ def _node_main(spec_path: str) -> None:
     }
     waiting_kubelet = True
     while True:
-        if waiting_kubelet and (run / "apiserver-ready").exists() and (run / "containerd.sock").exists():
+        # The kubelet starts with containerd, before the apiserver answers: it registers the
+        # node as soon as it does (about 4 s sooner Ready than a kubelet started after it).
+        if waiting_kubelet and (run / "containerd.sock").exists():
             procs["kubelet"] = start("kubelet", spec["kubelet"])
             waiting_kubelet = False
         try:  # pid 1 reaps every orphan of the namespace

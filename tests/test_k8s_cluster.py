@@ -63,11 +63,19 @@ def test_node_is_ready(api, k8s_cluster):
 
 
 def test_a_pod_runs_the_hosts_python_with_torch(api, k8s_cluster, namespace):
-    code = "import torch, cloudpickle, skytasks; print('torch', torch.__version__, torch.ones(2).sum().item())"
+    code = """
+import socket, torch, cloudpickle, skytasks
+print('torch', torch.__version__, torch.ones(2).sum().item())
+try:  # nothing routes out of the node's namespace (a documentation address, never a real one)
+    socket.create_connection(("203.0.113.7", 80), timeout=5)
+except OSError as e:
+    print("outside:", type(e).__name__)
+"""
     api.create_namespaced_pod(namespace, python_pod(k8s_cluster, "py", code))
     wait_phase(api, namespace, "py", ("Succeeded",))
-    logs = api.read_namespaced_pod_log("py", namespace)  # the apiserver through to the kubelet
-    assert logs.startswith("torch ") and logs.strip().endswith(" 2.0"), logs
+    logs = api.read_namespaced_pod_log("py", namespace).splitlines()  # the apiserver through to the kubelet
+    assert logs[0].startswith("torch ") and logs[0].endswith(" 2.0"), logs
+    assert logs[1] == "outside: OSError", logs  # no route: at once, not a timeout
 
 
 def test_two_pods_all_reduce_over_gloo_by_pod_ip(api, k8s_cluster, namespace):
