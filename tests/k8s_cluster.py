@@ -271,6 +271,9 @@ class K8sCluster:
     # -- start -----------------------------------------------------------------------------------
 
     def start(self, timeout: float = 120.0) -> K8sCluster:
+        """Up to a Ready node and a `default` service account with its token (about 9-13 s).
+        The daemons die with the thread that calls this (PR_SET_PDEATHSIG): call it from one
+        that outlives the cluster, as pytest's main thread does."""
         why = available()
         if why:
             raise RuntimeError(why)

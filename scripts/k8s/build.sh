@@ -14,6 +14,8 @@
 # half cache, and the next run starts over. Also installs (apt) what the cluster runs on.
 # Root, as on the dev and CI machines.
 set -eu
+{ # One block, read whole before it runs: a sh reads a script as it goes, and an edit made to
+  # it during the build would otherwise run from the middle of the new text.
 VERSION=v1.20.2
 CACHE=${K8S_CACHE:-${HOME:-/root}/.cache/skytasks/k8s-$VERSION}
 BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl"
@@ -94,7 +96,8 @@ install $BUILD
 
 mkdir -p "$CACHE"
 work=$(mktemp -d "$CACHE/build.XXXXXX")
-trap 'rm -rf "$work"' EXIT INT TERM HUP
+trap 'rm -rf "$work"' EXIT
+trap 'exit 1' INT TERM HUP
 cd "$work"
 apt-get source -qq kubernetes >/dev/null 2>&1 || apt-get source kubernetes
 src=$(find . -maxdepth 1 -type d -name 'kubernetes-*' | head -n1)
@@ -123,3 +126,5 @@ build_pause "$work/bin/pause"
 rm -rf "$CACHE/bin"
 mv "$work/bin" "$CACHE/bin"
 echo "Kubernetes $VERSION binaries in $CACHE/bin" >&2
+exit 0
+}
