@@ -144,3 +144,18 @@ except client.rest.ApiException as e:
     api.create_namespaced_pod(namespace, pod)
     wait_phase(api, namespace, "incluster", ("Succeeded",))
     assert api.read_namespaced_pod_log("incluster", namespace).split("\n")[:2] == ["['incluster']", "secrets 403"]
+
+
+def test_exec_into_a_pod(api, k8s_cluster, namespace):
+    """exec (and logs) reach the kubelet through the apiserver: the kubelet's bridge works."""
+    from kubernetes.stream import stream
+
+    pod = python_pod(k8s_cluster, "sleeper", "import time; time.sleep(60)")
+    api.create_namespaced_pod(namespace, pod)
+    wait_phase(api, namespace, "sleeper", ("Running",))
+    # an exec stream takes over the client it is given: one of its own
+    own = client.CoreV1Api(config.new_client_from_config(str(k8s_cluster.admin_kubeconfig)))
+    out = stream(own.connect_get_namespaced_pod_exec, "sleeper", namespace, command=["/bin/echo", "hello"],
+                 stderr=True, stdin=False, stdout=True, tty=False)
+    assert out == "hello\n"
+    api.delete_namespaced_pod("sleeper", namespace, grace_period_seconds=0)
