@@ -103,13 +103,13 @@ apt-get source -qq kubernetes >/dev/null 2>&1 || apt-get source kubernetes
 src=$(find . -maxdepth 1 -type d -name 'kubernetes-*' | head -n1)
 cd "$src"
 
-# Debian's reflect2 and json-iterator over the vendored ones (their non-test .go files).
+# Debian's reflect2 and json-iterator over the vendored ones (their non-test .go and .s files).
 for pkg in github.com/modern-go/reflect2 github.com/json-iterator/go; do
 	from=/usr/share/gocode/src/$pkg
 	test -d "$from" || { echo "missing $from" >&2; exit 1; }
-	rm -f vendor/$pkg/*.go
-	for f in "$from"/*.go; do
-		case $f in *_test.go) ;; *) cp "$f" vendor/$pkg/ ;; esac
+	rm -f vendor/$pkg/*.go vendor/$pkg/*.s
+	for f in "$from"/*.go "$from"/*.s; do
+		case $f in *_test.go) ;; *) test ! -e "$f" || cp "$f" vendor/$pkg/ ;; esac
 	done
 done
 
