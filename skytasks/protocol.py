@@ -20,8 +20,9 @@ Controller -> agent:
   PREEMPTION node_rank, address, reason, deadline, at
                                                 a node of the pool will be taken away: relayed to
                                                 every rank (rank_info().preempted)
-  PEERS   secret, address                       open the node's relay listener on `address` (the node's
-                                                own, as its peers see it), for peers with `secret`
+  PEERS   secret, address, cert, key            open the node's relay listener on `address` (the node's
+                                                own, as its peers see it), for peers that prove the
+                                                pool's TLS key (`cert`, `key`: PEM) and `secret`
   ROUTE   group, children [{address, port, children}]
                                                 the next CALL frame also goes down this relay tree
                                                 (from the controller to the first node, or from a
@@ -148,8 +149,13 @@ class Heartbeat(TypedDict):
 
 
 class Peers(TypedDict):
-    secret: str  # hex; the pool's own, handed over this authenticated channel only
+    # The pool's own, handed over this authenticated channel only (never a file, command line,
+    # environment or log): the HMAC key of the peer challenge (hex), and the certificate every
+    # agent presents and trusts alone, with its key (PEM; both "" with SKYTASKS_PEER_TLS=0).
+    secret: str
     address: str
+    cert: str
+    key: str
 
 
 class Route(TypedDict):

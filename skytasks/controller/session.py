@@ -23,6 +23,7 @@ from skytasks.controller.packing import PackedCall
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
 from skytasks.events import GrowFailed, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank, WorkdirSynced
+from skytasks.controller.peer_tls import PoolTLS, pool_tls
 from skytasks.protocol import NODE_FAILURES, Op, message
 from skytasks.providers import NodeProvider
 from skytasks.settings import settings
@@ -70,6 +71,7 @@ class PoolSession:
         self._grow_failed_at: float | None = None  # when an elastic pool last tried to grow and came up short
         self.policy: MembershipPolicy = policy_for(nodes)
         self._peer_secret = secrets.token_bytes(32)  # the relay tree's: only the pool's agents know it
+        self._peer_tls: PoolTLS | None = None  # and its TLS key (controller/peer_tls.py), made at the first PEERS
 
     @property
     def world_size(self) -> int:
@@ -106,13 +108,24 @@ class PoolSession:
                 node.gpus = list(msg.get("gpus") or [])
                 node.pid = msg.get("pid")
                 # Its relay listener, for large calls (skytasks.node.peers): on its own address,
-                # for the pool's members only, with the secret handed over this channel.
+                # TLS both ways for the pool's members only, with the key handed over this channel.
                 # Its PEER_READY sets the channel's peer_port; calls go straight until it has.
-                node.send(message(Op.PEERS, secret=self._peer_secret.hex(), address=node.link.address))
+                cert, key = self._peer_credentials()
+                node.send(message(Op.PEERS, secret=self._peer_secret.hex(), address=node.link.address,
+                                  cert=cert, key=key))
                 del waiting[node_rank]
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
+
+    def _peer_credentials(self) -> tuple[str, str]:
+        """The pool's TLS certificate and key for the relay links, PEM; ("", "") with
+        SKYTASKS_PEER_TLS=0 (measuring what TLS costs: the links then run in the clear)."""
+        if not settings().peer_tls:
+            return "", ""
+        if self._peer_tls is None:
+            self._peer_tls = pool_tls()
+        return self._peer_tls.cert, self._peer_tls.key
 
     def prepare(self, observer: CallObserver, *, first_attempt: bool) -> None:
         """The nodes the next attempt runs on: the pool's policy decides from its status (lost and

@@ -32,7 +32,7 @@ from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
 from skytasks.node.notices import NodeNotice
-from skytasks.node.peers import RelayNode
+from skytasks.node.peers import PeerTLS, RelayNode
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess, start_ranks
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.rank_stops import ask_stacks, stop_and_wait, stop_for_good, wait_until
@@ -55,7 +55,8 @@ class NodeAgent:
                           Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward_notice,
                           Op.HEARTBEAT: _heard, Op.PEERS: self._open_to_peers}
         self._spawned = threading.Condition(self._lock)  # a group's ranks were started
-        self._relay = RelayNode(self._ranks_of)  # this node's part in the relay tree of large calls
+        # this node's part in the relay tree of large calls
+        self._relay = RelayNode(self._ranks_of, self._relay_broke)
         self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
         self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
 
@@ -173,11 +174,19 @@ class NodeAgent:
 
     def _open_to_peers(self, msg: dict[str, Any]) -> None:
         try:
-            port = self._relay.open(bytes.fromhex(msg["secret"]), msg["address"])
+            tls = PeerTLS(msg["cert"], msg["key"]) if msg["cert"] else None  # none: SKYTASKS_PEER_TLS=0
+            port = self._relay.open(bytes.fromhex(msg["secret"]), msg["address"], tls)
         except OSError as exc:  # not an address of this machine (NAT): calls come straight, as before
             print(f"skytasks agent: no relay listener on {msg['address']}: {exc}", file=sys.stderr, flush=True)
             port = 0
         self.emit(message(Op.PEER_READY, port=port))
+
+    def _relay_broke(self, reason: str) -> None:
+        """A peer link broke in the middle of a call: this node's ranks hold part of its frame, so
+        they are stopped and the call fails here as a lost node, with the reason."""
+        print(f"skytasks agent: {reason}", file=sys.stderr, flush=True)
+        self.emit(message(Op.AGENT_ERROR, error=reason))
+        self.stop_ranks(grace=0.0)
 
     def _ranks_of(self, group: int | None, wait: float = 0.0) -> list[RankProcess]:
         """The ranks of `group` (None: every rank here), waiting up to `wait` for its SPAWN: a

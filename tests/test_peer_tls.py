@@ -1,0 +1,301 @@
+"""Node-to-node links are TLS with both ends authenticated by the pool (issue #47): a stranger
+cannot connect, cannot listen in a member's place, and cannot read or alter a frame. Real sockets
+on loopback; the pool's key as the controller makes it (controller/peer_tls.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import ssl
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
+from skytasks.controller.peer_tls import pool_tls
+from skytasks.node.peers import DIGEST_BYTES, PeerListener, PeerTLS, RelayNode, connect
+from skytasks.protocol import Op, message
+from skytasks.wire import RELAY, ChannelClosed, read_frame
+
+SECRET = b"s" * 32
+
+
+def tls_of(pool=None) -> PeerTLS:
+    pool = pool or pool_tls()
+    return PeerTLS(pool.cert, pool.key)
+
+
+def wait_for(predicate, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture
+def pool_key():
+    return pool_tls()
+
+
+@pytest.fixture
+def listener(pool_key):
+    heard: list[dict] = []
+    lst = PeerListener("127.0.0.1", SECRET, lambda stream: heard.append(read_frame(stream)), tls_of(pool_key))
+    lst.heard = heard
+    yield lst
+    lst.close()
+
+
+def test_a_member_connects_and_its_frame_arrives(listener, pool_key):
+    writer = connect("127.0.0.1", listener.port, SECRET, tls=tls_of(pool_key))
+    writer.send(message(Op.HEARTBEAT) | {"payload": b"hello"})
+    writer.close()
+    assert wait_for(lambda: listener.heard)
+    assert listener.heard == [{"op": "heartbeat", "payload": b"hello"}] and listener.refused == 0
+
+
+def _client_context(own=None) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # a stranger trusts anyone
+    if own is not None:
+        ctx.load_cert_chain(*own)
+    return ctx
+
+
+def _stranger_says_something(port: int, ctx: ssl.SSLContext | None) -> bytes:
+    """What a stranger gets back after trying to speak to the listener: b"" when it was shut out."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        if ctx is None:  # plain TCP: the old challenge's answer, a guess
+            raw.sendall(b"\0" * DIGEST_BYTES)
+            return raw.recv(100)
+        try:
+            conn = ctx.wrap_socket(raw)
+            conn.sendall(b"\0" * DIGEST_BYTES + b"\x01" * 64)
+            return conn.recv(100)
+        except (ssl.SSLError, ConnectionError):
+            return b""
+    except ConnectionError:
+        return b""
+    finally:
+        raw.close()
+
+
+def test_a_stranger_is_refused_with_no_certificate_or_another_pools(listener, tmp_path):
+    other = pool_tls()  # a key of the right shape, made the same way, but not this pool's
+    (tmp_path / "cert.pem").write_text(other.cert)
+    (tmp_path / "key.pem").write_text(other.key)
+    tries = [None, _client_context(), _client_context((tmp_path / "cert.pem", tmp_path / "key.pem"))]
+    for ctx in tries:
+        assert _stranger_says_something(listener.port, ctx) == b""  # no nonce, nothing at all
+    assert wait_for(lambda: listener.refused == len(tries)), listener.refused
+    assert listener.heard == []
+
+
+class Impostor:
+    """A listener in a member's place: TLS with a key that is not the pool's (or plain TCP that
+    plays the challenge), admitting anyone and recording what it is sent."""
+
+    def __init__(self, tmp_path, tls: bool):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.got = bytearray()
+        self.ctx = None
+        if tls:
+            other = pool_tls()
+            (tmp_path / "imp.pem").write_text(other.cert + other.key)
+            self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.ctx.load_cert_chain(tmp_path / "imp.pem")
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        conn.settimeout(10)
+        try:
+            if self.ctx is not None:
+                conn = self.ctx.wrap_socket(conn, server_side=True)
+            conn.sendall(os.urandom(16))  # the nonce of the challenge
+            while chunk := conn.recv(1 << 16):
+                self.got += chunk
+                conn.sendall(b"\x01")  # "admitted"
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["another key", "plain TCP"])
+def test_a_node_sends_nothing_to_a_listener_without_the_pools_key(tmp_path, pool_key, tls):
+    impostor = Impostor(tmp_path, tls)
+    with pytest.raises(ChannelClosed, match="did not prove the pool's key|refused the connection"):
+        connect("127.0.0.1", impostor.port, SECRET, timeout=5, tls=tls_of(pool_key))
+    time.sleep(0.2)
+    if tls:
+        assert bytes(impostor.got) == b""  # not the challenge's answer, not a frame
+    else:  # all it heard is a TLS hello, and the alert that ended it
+        assert _record_types(bytes(impostor.got)) <= {0x15, 0x16}, impostor.got[:64]
+
+
+def _record_types(data: bytes) -> set[int]:
+    """The TLS record types in `data` (22: handshake, 21: alert), which must be whole records."""
+    types, pos = set(), 0
+    while pos < len(data):
+        assert pos + 5 <= len(data)
+        types.add(data[pos])
+        pos += 5 + int.from_bytes(data[pos + 3:pos + 5], "big")
+    assert pos == len(data)
+    return types
+
+
+class ManInTheMiddle:
+    """Forwards every connection to `target` and records what a member sends; with `flip_at`, the
+    first connection's byte at that offset (member to listener) is flipped on the way."""
+
+    def __init__(self, target: tuple[str, int], flip_at: int | None = None):
+        self.target, self.flip_at = target, flip_at
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.sent = bytearray()  # member -> listener, as it crossed the wire
+        self.flipped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, forward: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if forward:
+                    start = len(self.sent)
+                    self.sent += chunk
+                    if self.flip_at is not None and not self.flipped and start <= self.flip_at < len(self.sent):
+                        chunk = bytearray(chunk)
+                        chunk[self.flip_at - start] ^= 0x01
+                        self.flipped = True
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+MARKER = b"the-plaintext-argument-nobody-else-may-read:"
+
+
+def test_the_bytes_on_the_wire_are_not_the_frame(listener, pool_key):
+    mitm = ManInTheMiddle(("127.0.0.1", listener.port))
+    try:
+        writer = connect("127.0.0.1", mitm.port, SECRET, tls=tls_of(pool_key))
+        small, big = MARKER * 10, MARKER * (200_000 // len(MARKER))  # in the pickle, and out of band
+        writer.send(message(Op.HEARTBEAT) | {"small": small, "big": big})
+        writer.close()
+        assert wait_for(lambda: listener.heard)
+        assert listener.heard[0]["small"] == small and bytes(listener.heard[0]["big"]) == big
+        assert len(mitm.sent) > len(big)
+        assert MARKER[:16] not in mitm.sent and b"heartbeat" not in mitm.sent
+    finally:
+        mitm.close()
+
+
+def test_the_same_recorder_sees_the_frame_when_tls_is_off():
+    """What the test above proves rests on the recorder seeing plaintext where there is some."""
+    heard: list[dict] = []
+    lst = PeerListener("127.0.0.1", SECRET, lambda stream: heard.append(read_frame(stream)), None)
+    mitm = ManInTheMiddle(("127.0.0.1", lst.port))
+    try:
+        writer = connect("127.0.0.1", mitm.port, SECRET)
+        writer.send(message(Op.HEARTBEAT) | {"small": MARKER})
+        writer.close()
+        assert wait_for(lambda: heard)
+        assert MARKER in mitm.sent
+    finally:
+        mitm.close()
+        lst.close()
+
+
+def test_a_flipped_byte_breaks_the_link_and_says_why(pool_key):
+    broken: list[str] = []
+    relay = RelayNode(lambda group, wait: [], broken=broken.append)
+    port = relay.open(SECRET, "127.0.0.1", tls_of(pool_key))
+    mitm = ManInTheMiddle(("127.0.0.1", port), flip_at=60_000)  # past the handshake, inside the frame
+    try:
+        writer = connect("127.0.0.1", mitm.port, SECRET, tls=tls_of(pool_key))
+        try:
+            writer.send(message(Op.HEARTBEAT) | {"big": os.urandom(1 << 20)}, flags=RELAY)
+        except ChannelClosed:
+            pass  # the listener may have cut the link before the last byte
+        assert wait_for(lambda: broken)
+        assert mitm.flipped
+        assert "integrity" in broken[0] and "altered" in broken[0], broken
+    finally:
+        mitm.close()
+
+
+def digest(a: np.ndarray) -> tuple[int, str]:
+    return rank_info().rank, hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def _through(pool, mitm_for) -> ManInTheMiddle:
+    """Node 0's link to node 1 in the relay tree goes through a man in the middle from now on."""
+    node = pool.runtime().session.nodes[1]
+    mitm = mitm_for((node.link.address, node.peer_port))
+    node.peer_port = mitm.port
+    return mitm
+
+
+def test_a_relayed_argument_crosses_between_nodes_encrypted():
+    arg = np.frombuffer(MARKER * ((4 << 20) // len(MARKER)), dtype=np.uint8)
+    with GPUPool(nodes=3) as pool:
+        task = distributed_task(digest, pool=pool, init_torch=False)
+        task(np.zeros(1, dtype=np.uint8))
+        mitm = _through(pool, ManInTheMiddle)
+        try:
+            out = task(arg)
+        finally:
+            mitm.close()
+    assert out == [(r, hashlib.sha256(arg.tobytes()).hexdigest()) for r in range(3)]
+    assert len(mitm.sent) > arg.nbytes  # the argument went node 0 -> node 1 through it
+    assert MARKER[:16] not in mitm.sent
+
+
+def test_a_flipped_byte_between_nodes_fails_the_call_as_a_lost_node_saying_so():
+    arg = np.random.default_rng(0).integers(0, 255, size=4 << 20, dtype=np.uint8)
+    with GPUPool(nodes=3) as pool:
+        task = distributed_task(digest, pool=pool, init_torch=False, node_recoveries=0)
+        task(np.zeros(1, dtype=np.uint8))
+        mitm = _through(pool, lambda target: ManInTheMiddle(target, flip_at=1 << 20))
+        try:
+            started = time.monotonic()
+            with pytest.raises(DistributedTaskError) as failed:
+                task(arg)
+            assert time.monotonic() - started < 30
+        finally:
+            mitm.close()
+        assert mitm.flipped
+        text = " ".join(str(e) for e in failed.value.exceptions)
+        assert "lost the agent of node 1" in text or "the agent of node 1 failed" in text, text
+        assert "integrity" in text, text
+        # the pool goes on: the next call is whole again
+        node = pool.runtime().session.nodes[1]
+        node.peer_port = mitm.target[1]
+        again = distributed_task(digest, pool=pool, init_torch=False)(arg)
+    assert [d for _, d in again] == [hashlib.sha256(arg.tobytes()).hexdigest()] * 3
