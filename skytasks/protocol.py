@@ -63,8 +63,9 @@ Made on the controller, never sent:
 
 
 
+import types
 from enum import StrEnum
-from typing import Any, NotRequired, TypedDict, get_type_hints
+from typing import Any, Callable, NotRequired, TypedDict, Union, get_args, get_origin, get_type_hints
 
 
 class Op(StrEnum):
@@ -99,6 +100,9 @@ class Op(StrEnum):
 
 # What shows a call is not hung (with hang_timeout_seconds): a rank starting, writing or finishing.
 SIGNS_OF_PROGRESS = frozenset({Op.OUTPUT, Op.LOG, Op.REPORT, Op.RESULT, Op.READY, Op.JOINING})
+# What a rank sends (through its agent), stamped with its rank: only a rank of that node may send them.
+RANK_MESSAGES = frozenset({Op.OUTPUT, Op.EXITED, Op.STACK, Op.JOINING, Op.READY, Op.LOG, Op.REPORT, Op.RESULT,
+                           Op.FAILED})
 # A node itself failed: the root cause, not the ranks it took with it.
 NODE_FAILURES = frozenset({Op.LOST, Op.AGENT_ERROR, Op.LEAVING})
 
@@ -274,15 +278,53 @@ MESSAGES: dict[Op, type] = {
     Op.PEERS: Peers, Op.ROUTE: Route, Op.PEER_READY: PeerReady, Op.SHARED: Shared,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})
-_FIELDS: dict[Op, tuple[frozenset[str], frozenset[str]]] = {}  # op -> (required, allowed), made on first use
+Fits = Callable[[Any], bool]
+# op -> (required, allowed, each field's type check), made on first use
+_FIELDS: dict[Op, tuple[frozenset[str], frozenset[str], dict[str, Fits]]] = {}
+_BYTES = (bytes, bytearray, memoryview)  # a large payload arrives as the buffer it was read into
 
 
-def _fields(op: Op) -> tuple[frozenset[str], frozenset[str]]:
+def _fits(kind: Any) -> Fits:
+    """Whether a value is of `kind`, as the message types spell it (what a frame can carry: plain
+    data). Numbers are exact: a bool is no int, and a float field takes an int."""
+    if kind is Any:
+        return lambda v: True
+    origin, args = get_origin(kind), get_args(kind)
+    if origin in (Union, types.UnionType):
+        parts = [_fits(a) for a in args]
+        return lambda v: any(p(v) for p in parts)
+    if kind is type(None):
+        return lambda v: v is None
+    if kind is bool:
+        return lambda v: type(v) is bool
+    if kind is int:
+        return lambda v: type(v) is int
+    if kind is float:
+        return lambda v: type(v) in (int, float)
+    if kind is str:
+        return lambda v: type(v) is str
+    if kind is bytes:
+        return lambda v: isinstance(v, _BYTES)
+    if origin is list:
+        item = _fits(args[0]) if args else _fits(Any)
+        return lambda v: type(v) is list and all(item(x) for x in v)
+    if origin is dict:
+        key, value = (_fits(args[0]), _fits(args[1])) if args else (_fits(Any), _fits(Any))
+        return lambda v: type(v) is dict and all(key(k) and value(x) for k, x in v.items())
+    raise TypeError(f"no check for {kind!r} in a message type")  # a new field's type: teach _fits
+
+
+def _fields(op: Op) -> tuple[frozenset[str], frozenset[str], dict[str, Fits]]:
     if op not in _FIELDS:
         kind = MESSAGES[op]
         hints = get_type_hints(kind)
-        _FIELDS[op] = (frozenset(getattr(kind, "__required_keys__")), frozenset(hints))  # a TypedDict's keys
+        fits = {name: _fits(_unwrapped(h)) for name, h in hints.items()}
+        _FIELDS[op] = (frozenset(getattr(kind, "__required_keys__")), frozenset(hints), fits)  # a TypedDict's keys
     return _FIELDS[op]
+
+
+def _unwrapped(hint: Any) -> Any:
+    return get_args(hint)[0] if get_origin(hint) is NotRequired else hint
 
 
 def message(op: Op, **fields: Any) -> dict[str, Any]:
@@ -292,14 +334,30 @@ def message(op: Op, **fields: Any) -> dict[str, Any]:
 
 
 def check(msg: dict[str, Any]) -> None:
-    """Raise ValueError unless `msg` is a well-formed message of its op."""
+    """Raise ValueError unless `msg` is a well-formed message of its op: a dict, a known op, its
+    fields all there, none unknown, each of its type. What a node sends is read through this
+    (controller/channel.py), so a malformed or hostile message is an error naming the node, never
+    a KeyError or TypeError deep in the controller."""
+    if type(msg) is not dict:
+        raise ValueError(f"not a skytasks message: a {type(msg).__name__}")
+    op_name = msg.get("op")
     try:
-        op = Op(msg["op"])
-    except (KeyError, ValueError):
-        raise ValueError(f"not a skytasks message: op {msg.get('op')!r}") from None
-    required, allowed = _fields(op)
+        op = Op(op_name) if type(op_name) is str or isinstance(op_name, Op) else None
+    except ValueError:
+        op = None
+    if op is None:
+        raise ValueError(f"not a skytasks message: op {op_name!r:.80}")
+    required, allowed, fits = _fields(op)
     keys = set(msg) - {"op"} - _ADDED_ON_THE_WAY
     if missing := required - keys:
         raise ValueError(f"{op}: missing {sorted(missing)}")
     if unknown := keys - allowed:
-        raise ValueError(f"{op}: unknown {sorted(unknown)}")
+        raise ValueError(f"{op}: unknown {sorted(map(repr, unknown))[:10]}")
+    for name in keys:
+        if not fits[name](msg[name]):
+            raise ValueError(f"{op}: {name} is a {type(msg[name]).__name__}, not a {_hint_text(op, name)}")
+
+
+def _hint_text(op: Op, name: str) -> str:
+    hint = _unwrapped(get_type_hints(MESSAGES[op])[name])
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

@@ -10,11 +10,17 @@ unpickling them, which keeps cloudpickle and torch out of the agent.
 Layout: header (meta length, buffer count), meta, then per buffer (length, bytes).
 
 Pickle here is code execution, which is why the stream must always be an authenticated channel
-(a pipe to a child process, or SSH with pinned host keys), never a listening socket.
+(a pipe to a child process, SSH with pinned host keys, a peer link of TLS with the pool's key).
+And a frame's own pickle is read as plain data only (`_PlainUnpickler`: dicts, lists, strings,
+numbers, bytes; no class or function is looked up), so even a corrupt or hostile frame can do
+no more than fail to read: what it carries as code (a call, a return value) stays bytes until
+the side that expects code loads it. A frame's sizes are claims, not facts: memory is taken as
+the bytes arrive, and a frame past the caps below is a corrupt stream (ChannelClosed, naming it).
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 import threading
@@ -30,9 +36,17 @@ LENGTH = struct.Struct(">Q")
 # A buffer's length with this bit set: its bytes are not in the stream. A token follows, naming
 # the memory file the node's agent handed the rank beside it (see node/relay.py).
 BY_REF = 1 << 63
-# A frame larger than this is a corrupted stream, not a message: fail loudly instead of
-# trying to allocate it.
+# A buffer larger than this is a corrupted stream, not a message: fail loudly instead of
+# trying to allocate it. (A legitimate return value may be many GB; memory follows the bytes that
+# actually arrive, see read_exact, so a lying length costs nothing before its bytes come.)
 MAX_FRAME = 1 << 40
+# A frame's own pickle (its fields; large payloads travel out of band) is small: past this, corrupt.
+MAX_META = 1 << 30
+# Out-of-band buffers in one frame: past this, corrupt (each is a payload of 64 KB or more).
+MAX_BUFFERS = 1 << 16
+# A read of more than this is taken in steps of this as its bytes arrive, never allocated at once
+# on a length the stream claimed.
+EAGER_BYTES = 64 << 20
 # Byte payloads at least this large travel out of band (no copy into the pickle stream).
 OUT_OF_BAND_BYTES = 64 * 1024
 # A buffer this large gets memory of its own: a memory file a node's agent hands its ranks
@@ -109,7 +123,38 @@ def encode(msg: dict[str, Any], flags: int = 0) -> list[Any]:
     return chunks
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """A frame's pickle as plain data: no global is ever looked up, so nothing is imported or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a frame may carry plain data only, not {module}.{name}")
+
+
+def _loads(meta: Any, buffers: list[Any]) -> dict[str, Any]:
+    """The message in a frame's pickle; ChannelClosed, saying so, for anything else."""
+    try:
+        msg = _PlainUnpickler(io.BytesIO(meta), buffers=buffers).load()
+    except Exception as exc:  # noqa: BLE001 - garbage fails in many ways (UnpicklingError, EOFError, ValueError, ...)
+        raise ChannelClosed(f"a frame that is not a message ({type(exc).__name__}: {exc}): the stream is corrupt") \
+            from None
+    if type(msg) is not dict:
+        raise ChannelClosed(f"a frame that is not a message (a {type(msg).__name__}): the stream is corrupt")
+    return msg
+
+
+def _check_sizes(meta_len: int, count: int) -> None:
+    if meta_len > MAX_META:
+        raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
+    if count > MAX_BUFFERS:
+        raise ChannelClosed(f"frame of {count} buffers: the stream is corrupt")
+
+
 def read_exact(stream: Readable, n: int, into: Any = None) -> Any:
+    if into is None and n > EAGER_BYTES:  # a length the stream claimed: memory as its bytes arrive
+        grown = bytearray()
+        while len(grown) < n:
+            grown += read_exact(stream, min(EAGER_BYTES, n - len(grown)))
+        return grown
     # readinto a preallocated buffer: one copy of a large payload, not a list of chunks.
     buf = bytearray(n) if into is None else into
     view = memoryview(buf).cast("B")
@@ -124,8 +169,7 @@ def read_exact(stream: Readable, n: int, into: Any = None) -> Any:
 
 def read_header(stream: Readable) -> tuple[int, int, int]:
     meta_len, count, flags = HEADER.unpack(read_exact(stream, HEADER.size))
-    if meta_len > MAX_FRAME:
-        raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
+    _check_sizes(meta_len, count)
     return meta_len, count, flags
 
 
@@ -140,6 +184,7 @@ def read_frame(stream: Readable, buffer_for: Callable[[int], Any] | None = None,
 def read_body(stream: Readable, meta_len: int, count: int, flags: int = 0,
               buffer_for: Callable[[int], Any] | None = None,
               by_ref: Callable[[int, int], Any] | None = None) -> dict[str, Any]:
+    _check_sizes(meta_len, count)
     meta = read_exact(stream, meta_len)
     buffers = []
     for _ in range(count):
@@ -151,7 +196,7 @@ def read_body(stream: Readable, meta_len: int, count: int, flags: int = 0,
         if size > MAX_FRAME:
             raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
         buffers.append(read_exact(stream, size, buffer_for(size) if buffer_for else None))
-    return pickle.loads(meta, buffers=buffers)
+    return _loads(meta, buffers)
 
 
 class FrameParser:
@@ -159,6 +204,10 @@ class FrameParser:
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        # How far the first frame in the buffer has been measured: (where its next buffer's length
+        # is, buffers still to measure). Kept across pieces, so a frame of many buffers arriving in
+        # many pieces is measured once, not again at every piece.
+        self._scan: tuple[int, int] | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
         """The frames `data` completes, in order; the rest is kept for the next piece."""
@@ -167,6 +216,7 @@ class FrameParser:
         while (end := self._next_end()) is not None:
             frames.append(decode(self._buf))  # one copy of a large buffer, into its bytearray
             del self._buf[:end]  # cheap at the front of a bytearray
+            self._scan = None
         return frames
 
     def feed_raw(self, data: bytes | bytearray | memoryview) -> list[tuple[int, bytearray]]:
@@ -177,24 +227,29 @@ class FrameParser:
         while (end := self._next_end()) is not None:
             frames.append((HEADER.unpack_from(self._buf, 0)[2], self._buf[:end]))
             del self._buf[:end]
+            self._scan = None
         return frames
 
     def _next_end(self) -> int | None:
         """Where the first whole frame in the buffer ends; None until one is whole."""
         buf, have = self._buf, len(self._buf)
-        if have < HEADER.size:
-            return None
-        meta_len, count, _flags = HEADER.unpack_from(buf, 0)
-        if meta_len > MAX_FRAME:
-            raise ChannelClosed(f"frame of {meta_len} bytes: the stream is corrupt")
-        pos = HEADER.size + meta_len
-        for _ in range(count):
+        if self._scan is None:
+            if have < HEADER.size:
+                return None
+            meta_len, count, _flags = HEADER.unpack_from(buf, 0)
+            _check_sizes(meta_len, count)
+            self._scan = (HEADER.size + meta_len, count)
+        pos, left = self._scan
+        while left:
             if have < pos + LENGTH.size:
+                self._scan = (pos, left)
                 return None
             (size,) = LENGTH.unpack_from(buf, pos)
             if size > MAX_FRAME:
                 raise ChannelClosed(f"buffer of {size} bytes: the stream is corrupt")
             pos += LENGTH.size + size
+            left -= 1
+        self._scan = (pos, 0)
         return pos if have >= pos else None
 
 
@@ -209,7 +264,7 @@ def decode(frame: bytes | bytearray) -> dict[str, Any]:
         pos += LENGTH.size
         buffers.append(frame[pos:pos + size] if isinstance(frame, bytearray) else bytearray(frame[pos:pos + size]))
         pos += size
-    return pickle.loads(bytes(frame[HEADER.size:HEADER.size + meta_len]), buffers=buffers)
+    return _loads(bytes(frame[HEADER.size:HEADER.size + meta_len]), buffers)
 
 
 class FrameWriter:

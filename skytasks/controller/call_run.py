@@ -32,7 +32,7 @@ from skytasks.controller.stragglers import StragglerWatch
 from skytasks.errors import HangError, RankFailure, RankProcessDied
 from skytasks.events import BackendChosen, NodeLost, NodePreempted, RanksStillRunning
 from skytasks.preemption import Preempted
-from skytasks.protocol import SIGNS_OF_PROGRESS, Op, message
+from skytasks.protocol import RANK_MESSAGES, SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
 from skytasks.stacks import where
 
@@ -137,6 +137,12 @@ class CallRun:
         op = msg["op"]
         if msg.get("group", self.group.id) != self.group.id or not self.bus.is_current(node_rank, msg):
             return  # late news from a group already discarded, or from a replaced node
+        if op in RANK_MESSAGES and (msg.get("rank") not in self.outcomes
+                                    or self.outcomes[msg["rank"]].node_rank != node_rank):
+            # A node speaks for its own ranks only: anything else is a broken or hostile agent.
+            reason = f"it sent {op} for rank {msg.get('rank')!r}, which is not one of its ranks in this call"
+            self._on_node_failure(node_rank, message(Op.LOST, reason=reason), now)
+            return
         if op == Op.NOTICE:
             self._on_notice(node_rank, msg)
         elif self.phase is Phase.STOPPING:
