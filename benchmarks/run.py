@@ -160,27 +160,39 @@ def raw_pipe_mb_per_s(mb: int) -> float:
 
 
 def broadcast(sizes_mb: list[int], node_counts: list[int]) -> dict:
+    """A large argument to every rank. From 3 nodes it goes down the relay tree, node to node over
+    TLS: those rows run again with SKYTASKS_PEER_TLS=0 (the links in the clear), in the same run,
+    to show what TLS costs. Below 3 nodes the controller sends to each node itself: no peer link."""
     import numpy as np
+
+    from skytasks.controller.channel import RELAY_TREE_NODES
 
     rows = []
     pipe = max(raw_pipe_mb_per_s(max(sizes_mb)) for _ in range(3))  # best of 3: the machine is noisy
     for nodes in node_counts:
-        pool = GPUPool(nodes=nodes)
-        task = distributed_task(workloads.payload_size, pool=pool, init_torch=False, name="broadcast")
-        with pool:
-            # The empty call takes an empty array: the ranks import numpy once, which is no part
-            # of moving bytes (about 0.1 s on this machine, paid by the first array a rank gets).
-            empty_s = statistics.median(timed(task, np.zeros(0, np.uint8))[0] for _ in range(5))
-            for mb in sizes_mb:
-                data = np.frombuffer(os.urandom(mb << 20), dtype=np.uint8)
-                first_s, sizes = timed(task, data)
-                assert sizes == [len(data)] * nodes
-                repeat_s, _ = timed(task, data)
-                moved = mb * nodes
-                rows.append({"nodes": nodes, "mb": mb, "first_s": first_s, "repeat_s": repeat_s,
-                             "empty_call_s": empty_s, "mb_per_s": moved / max(first_s - empty_s, 1e-9),
-                             "fraction_of_pipe": moved / max(first_s - empty_s, 1e-9) / pipe})
-                del data
+        for tls in (True, False) if nodes >= RELAY_TREE_NODES else (None,):
+            if tls is False:
+                os.environ["SKYTASKS_PEER_TLS"] = "0"
+            try:
+                pool = GPUPool(nodes=nodes)
+                task = distributed_task(workloads.payload_size, pool=pool, init_torch=False, name="broadcast")
+                with pool:
+                    # The empty call takes an empty array: the ranks import numpy once, which is no part
+                    # of moving bytes (about 0.1 s on this machine, paid by the first array a rank gets).
+                    empty_s = statistics.median(timed(task, np.zeros(0, np.uint8))[0] for _ in range(5))
+                    for mb in sizes_mb:
+                        data = np.frombuffer(os.urandom(mb << 20), dtype=np.uint8)
+                        first_s, sizes = timed(task, data)
+                        assert sizes == [len(data)] * nodes
+                        repeat_s, _ = timed(task, data)
+                        moved = mb * nodes
+                        rows.append({"nodes": nodes, "mb": mb, "peer_tls": tls, "first_s": first_s,
+                                     "repeat_s": repeat_s, "empty_call_s": empty_s,
+                                     "mb_per_s": moved / max(first_s - empty_s, 1e-9),
+                                     "fraction_of_pipe": moved / max(first_s - empty_s, 1e-9) / pipe})
+                        del data
+            finally:
+                os.environ.pop("SKYTASKS_PEER_TLS", None)
     return {"raw_pipe_mb_per_s": pipe, "rows": rows}
 
 
@@ -245,9 +257,10 @@ def main() -> None:
     if args.only is None or args.only == "broadcast":
         results["broadcast"] = b = broadcast([10, 100] if args.quick else [10, 100, 500], [2] if args.quick else [2, 4])
         print(f"\n4. argument broadcast (raw pipe on this machine: {b['raw_pipe_mb_per_s']:.0f} MB/s)")
-        print("   nodes    MB  first call  MB/s moved  of pipe  warm repeat")
+        print("   nodes    MB  peer TLS  first call  MB/s moved  of pipe  warm repeat")
         for r in b["rows"]:
-            print(f"   {r['nodes']:>5} {r['mb']:>5}  {r['first_s']:>10.2f}  {r['mb_per_s']:>10.0f}  "
+            tls = {True: "on", False: "off", None: "-"}[r["peer_tls"]]
+            print(f"   {r['nodes']:>5} {r['mb']:>5}  {tls:>8}  {r['first_s']:>10.2f}  {r['mb_per_s']:>10.0f}  "
                   f"{r['fraction_of_pipe']:>6.0%}  {r['repeat_s']:>11.3f}")
         if args.only:
             return update_results(out, broadcast=b)
