@@ -18,9 +18,19 @@ def credentials(kubeconfig: Path) -> Any:
     return KubernetesCredentials(cluster_config=KubernetesClusterConfig.from_file(kubeconfig))
 
 
-def kube_pool(cluster: Any, kubeconfig: Path | None = None, **fields: Any) -> GPUPool:
+def sharing(cluster: Any, folder: Path) -> dict[str, Any]:
+    """The host template with `folder` of this machine mounted read-write at the same path in
+    every pod: storage the ranks and the test share, as a cluster's shared volume would be."""
+    template = cluster.host_python_template()
+    template["spec"]["volumes"].append({"name": "shared", "hostPath": {"path": str(folder), "type": "Directory"}})
+    template["spec"]["containers"][0]["volumeMounts"].append({"name": "shared", "mountPath": str(folder)})
+    return template
+
+
+def kube_pool(cluster: Any, kubeconfig: Path | None = None, share: Path | None = None, **fields: Any) -> GPUPool:
+    template = sharing(cluster, share) if share is not None else cluster.host_python_template()
     base: dict[str, Any] = dict(provider="kubernetes", nodes=2, k8s_image=cluster.image,
-                                k8s_pod_template=cluster.host_python_template(), remote_python=sys.executable,
+                                k8s_pod_template=template, remote_python=sys.executable,
                                 kubernetes_credentials=credentials(kubeconfig or cluster.admin_kubeconfig),
                                 ready_timeout_seconds=90)
     return GPUPool(**{**base, **fields})

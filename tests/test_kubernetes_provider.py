@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from skytasks import PoolConfigError, PoolStartError, distributed_task, rank_info
-from skytasks.events import NodeLost, NodeReplaced, ProviderProgress, listen
+from skytasks.events import NodeLost, NodeReplaced, listen
 from tests.kube import held, kube_pool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,22 +78,25 @@ class Timed(logging.Handler):
         self.lines.append((time.monotonic() - self.started, record.getMessage()))
 
     def __enter__(self) -> Timed:
-        logging.getLogger("skytasks").addHandler(self)
+        log = logging.getLogger("skytasks")
+        self._level = log.level
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        logging.getLogger("skytasks").removeHandler(self)
+        log = logging.getLogger("skytasks")
+        log.removeHandler(self)
+        log.setLevel(self._level)
 
 
 def test_a_pod_no_node_can_take_fails_the_start_at_once_naming_the_field(k8s):
-    with listen() as heard:
-        started = time.monotonic()
-        with pytest.raises(PoolStartError, match="^k8s_node_selector") as caught:
-            with kube_pool(k8s, k8s_node_selector={"skytasks-test/no-such-label": "x"}):
-                pass
-    assert time.monotonic() - started < 30
+    started = time.monotonic()
+    with pytest.raises(PoolStartError, match="^k8s_node_selector") as caught:
+        with kube_pool(k8s, k8s_node_selector={"skytasks-test/no-such-label": "x"}):
+            pass
+    assert time.monotonic() - started < 30  # not the ready timeout (90 s)
     assert "didn't match" in str(caught.value) and "every pod was deleted" in str(caught.value)
-    assert any(isinstance(e, ProviderProgress) for e in heard)
 
 
 def test_an_image_that_does_not_exist_fails_the_start_at_once(k8s):
@@ -125,7 +128,7 @@ def test_a_python_without_torch_fails_the_start_naming_remote_python(k8s):
 
 def test_a_deleted_pod_is_a_lost_node_replaced_from_node_recoveries(k8s, tmp_path):
     marker = tmp_path / "rank1"
-    pool = kube_pool(k8s)
+    pool = kube_pool(k8s, share=tmp_path)
 
     @distributed_task(pool=pool, retries=0)
     def slow(marker: str):
@@ -156,7 +159,7 @@ def test_a_pod_asked_to_leave_is_a_preemption_with_its_grace_period(k8s, tmp_pat
     from skytasks import Checkpointer, on_preemption
 
     marker = tmp_path / "rank1"
-    pool = kube_pool(k8s)
+    pool = kube_pool(k8s, share=tmp_path)
 
     @distributed_task(pool=pool)
     def train(ckpt_dir: str, marker: str):
