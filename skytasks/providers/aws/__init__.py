@@ -2,9 +2,10 @@
 
 `spec.py` (its fields and spec), `provider.py` (launch), `plan.py` (what to launch), `resources.py`
 (tagged resources and teardown), `bootstrap.py` (the node's user-data), `watchdog.py` (its
-self-termination), `gc.py` (the sweep of anything left behind)."""
+self-termination), `gc.py` (the sweep of anything left behind), `check.py` (`skytasks check`)."""
 
 from skytasks.providers import ProviderPlugin
 from skytasks.providers.aws import spec
 
-PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider", reads=spec.READS, build=spec.build)
+PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider", reads=spec.READS, build=spec.build,
+                        check="skytasks.providers.aws.check:run")

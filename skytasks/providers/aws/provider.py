@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink, NodeProvider
@@ -201,33 +201,8 @@ class AWSProvider(NodeProvider):
                                        TagSpecifications=self._tags("placement-group"))
             self.owned.placement_group = self.pool_id
         groups = [sg_id, *self._aws.security_group_ids]
-        request: dict[str, Any] = dict(
-            ImageId=plan.image_id, InstanceType=plan.instance_type,
-            KeyName=self.owned.key_name or self._aws.key_name,
-            UserData=render_user_data(spec, plan.cuda, host_key.export_private_key().decode(),
-                                      host_key.export_public_key().decode()),
-            InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's shutdown ends the instance
-            # The user-data holds the host's private key: only IMDSv2 (a session token, no
-            # one-hop SSRF) may read it back on the node.
-            MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
-            BlockDeviceMappings=[{"DeviceName": plan.root_device,
-                                  "Ebs": {"VolumeSize": self._aws.root_volume_gb, "VolumeType": "gp3",
-                                          "DeleteOnTermination": True}}],
-            TagSpecifications=self._tags("instance") + self._tags("volume"),
-        )
-        if plan.efa:  # EFA needs the interface spelled out; the subnet and groups move into it
-            request["NetworkInterfaces"] = [{"DeviceIndex": 0, "InterfaceType": "efa", "SubnetId": plan.subnet_id,
-                                             "Groups": groups, "DeleteOnTermination": True}]
-        else:
-            request.update(SubnetId=plan.subnet_id, SecurityGroupIds=groups)
-        if self.owned.placement_group:
-            request["Placement"] = {"GroupName": self.owned.placement_group}
-        if self._aws.spot:
-            request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-        if self._aws.iam_instance_profile:
-            key = "Arn" if self._aws.iam_instance_profile.startswith("arn:") else "Name"
-            request["IamInstanceProfile"] = {key: self._aws.iam_instance_profile}
+        request = launch_request(spec, plan, host_key, self._tags, groups, self.owned.key_name or self._aws.key_name,
+                                 self.owned.placement_group)
         self._request = request  # a replacement is launched exactly alike (replace())
         instances, short = launch_what_can_be_had(ec2, request, spec.fewest, spec.nodes)
         self.owned.instance_ids = [i["InstanceId"] for i in instances]
@@ -312,3 +287,40 @@ class AWSProvider(NodeProvider):
                 # Raised from stop(), after every step was tried: the pool's exit raises it.
                 return self.reporter.teardown_failed(left, "; ".join(errors))
             return None
+
+
+def launch_request(spec: PoolSpec, plan: LaunchPlan, host_key: Any, tags: Callable[[str], list[dict]],
+                   groups: list[str], key_name: str | None, placement_group: str | None) -> dict[str, Any]:
+    """The RunInstances request of a pool's nodes (less MinCount and MaxCount): its start's, and
+    `skytasks check`'s DryRun of it (check.py), where the pool's own security group, key pair and
+    placement group do not exist yet (None and absent there)."""
+    aws = spec.own(AWSSpec)
+    request: dict[str, Any] = dict(
+        ImageId=plan.image_id, InstanceType=plan.instance_type,
+        UserData=render_user_data(spec, plan.cuda, host_key.export_private_key().decode(),
+                                  host_key.export_public_key().decode()),
+        InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's shutdown ends the instance
+        # The user-data holds the host's private key: only IMDSv2 (a session token, no
+        # one-hop SSRF) may read it back on the node.
+        MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
+        BlockDeviceMappings=[{"DeviceName": plan.root_device,
+                              "Ebs": {"VolumeSize": aws.root_volume_gb, "VolumeType": "gp3",
+                                      "DeleteOnTermination": True}}],
+        TagSpecifications=tags("instance") + tags("volume"),
+    )
+    if plan.efa:  # EFA needs the interface spelled out; the subnet and groups move into it
+        request["NetworkInterfaces"] = [{"DeviceIndex": 0, "InterfaceType": "efa", "SubnetId": plan.subnet_id,
+                                         "Groups": groups, "DeleteOnTermination": True}]
+    else:
+        request.update(SubnetId=plan.subnet_id, **({"SecurityGroupIds": groups} if groups else {}))
+    if key_name:
+        request["KeyName"] = key_name
+    if placement_group:
+        request["Placement"] = {"GroupName": placement_group}
+    if aws.spot:
+        request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+            "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+    if aws.iam_instance_profile:
+        key = "Arn" if aws.iam_instance_profile.startswith("arn:") else "Name"
+        request["IamInstanceProfile"] = {key: aws.iam_instance_profile}
+    return request

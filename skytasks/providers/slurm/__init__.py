@@ -1,9 +1,10 @@
 """provider="slurm": the nodes of a SLURM allocation. `spec.py` (its fields and spec), `provider.py`
 (allocate, start agents, replace, cancel), `job.py` (sbatch arguments, the batch script, SLURM's
 answers read), `shell.py` (where SLURM's commands run: here or on a login node over SSH), `gc.py`
-(`skytasks gc --slurm`)."""
+(`skytasks gc --slurm`), `check.py` (`skytasks check`)."""
 
 from skytasks.providers import ProviderPlugin
 from skytasks.providers.slurm import spec
 
-PLUGIN = ProviderPlugin("slurm", "skytasks.providers.slurm.provider:SlurmProvider", reads=spec.READS, build=spec.build)
+PLUGIN = ProviderPlugin("slurm", "skytasks.providers.slurm.provider:SlurmProvider", reads=spec.READS, build=spec.build,
+                        check="skytasks.providers.slurm.check:run")

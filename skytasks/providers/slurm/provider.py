@@ -88,11 +88,13 @@ class SlurmProvider(NodeProvider):
             self.stop()
             raise
 
-    def _check_request(self) -> None:
+    def _check_request(self) -> str:
+        """SLURM's answer to `sbatch --test-only` ("Job N to start at ..."), or PoolConfigError
+        naming the field it refuses. Also `skytasks check`'s (check.py)."""
         args = slurm_job.sbatch_args(self._spec, self.pool_id, self._spec.nodes)
         done = self.shell.run([*args, "--test-only"], input=b"#!/bin/bash\ntrue\n")
         if done.returncode == 0:
-            return
+            return slurm_job.slurm_message(done.stderr or done.stdout)
         said = slurm_job.slurm_message(done.stderr)
         field = slurm_job.refused_field(said) or self._narrow_down(args)
         raise PoolConfigError(f"{field}: SLURM refused the allocation: {said} (sbatch {' '.join(args[1:])}); "

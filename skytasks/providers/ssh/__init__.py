@@ -1,9 +1,11 @@
 """provider="ssh": machines you already have, reached with asyncssh, host keys always checked.
 
-`spec.py` (its field and spec), `provider.py` (the provider), and the SSH transport that aws and
-slurm login nodes share: `nodes.py` (agents on SSH channels), `bridge.py`, `workdir.py`."""
+`spec.py` (its field and spec), `provider.py` (the provider), `check.py` (`skytasks check`), and the
+SSH transport that aws and slurm login nodes share: `nodes.py` (agents on SSH channels), `bridge.py`,
+`workdir.py`."""
 
 from skytasks.providers import ProviderPlugin
 from skytasks.providers.ssh import spec
 
-PLUGIN = ProviderPlugin("ssh", "skytasks.providers.ssh.provider:SSHProvider", reads=spec.READS, build=spec.build)
+PLUGIN = ProviderPlugin("ssh", "skytasks.providers.ssh.provider:SSHProvider", reads=spec.READS, build=spec.build,
+                        check="skytasks.providers.ssh.check:run")

@@ -133,27 +133,9 @@ class SSHNodes:
             raise failed[0]
         return [link for link in started if isinstance(link, NodeLink)]
 
-    def _known_hosts(self) -> Any:
-        return load_known_hosts(self._login.known_hosts, "ssh")
-
     async def _connect(self, node_rank: int, user: str | None, host: str, port: int,
                        connect_timeout: float | None = None) -> Any:
-        import asyncssh
-
-        keys = None
-        if self._login.private_key is not None:
-            keys = [asyncssh.import_private_key(self._login.private_key)]
-        try:
-            return await asyncssh.connect(host, port=port, username=user, known_hosts=self._known_hosts(),
-                                          client_keys=keys, agent_path=None, keepalive_interval=10,
-                                          keepalive_count_max=3, connect_timeout=connect_timeout)
-        except asyncssh.HostKeyNotVerifiable as exc:
-            raise PoolStartError(
-                f"node {node_rank} ({host}:{port}): host key of {host}:{port} does not match known_hosts (or the "
-                f"host is not in it): refused ({exc})"
-            ) from None
-        except (OSError, asyncssh.Error) as exc:
-            raise PoolStartError(f"node {node_rank} ({host}:{port}): cannot connect over SSH: {exc}") from exc
+        return await connect(self._login, node_rank, user, host, port, connect_timeout)
 
     async def _start_agent(self, conn: Any, node_rank: int, host: str, bundle: bytes, digest: str) -> NodeLink:
 
@@ -327,6 +309,28 @@ class SSHNodes:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+async def connect(login: SSHLogin, node_rank: int, user: str | None, host: str, port: int,
+                  connect_timeout: float | None = None) -> Any:
+    """One node's SSH connection, with the login's key and its host key checked against
+    known_hosts; PoolStartError naming the node otherwise (a start's, and `skytasks check`'s)."""
+    import asyncssh
+
+    keys = None
+    if login.private_key is not None:
+        keys = [asyncssh.import_private_key(login.private_key)]
+    try:
+        return await asyncssh.connect(host, port=port, username=user, known_hosts=load_known_hosts(login.known_hosts, "ssh"),
+                                      client_keys=keys, agent_path=None, keepalive_interval=10,
+                                      keepalive_count_max=3, connect_timeout=connect_timeout)
+    except asyncssh.HostKeyNotVerifiable as exc:
+        raise PoolStartError(
+            f"node {node_rank} ({host}:{port}): host key of {host}:{port} does not match known_hosts (or the "
+            f"host is not in it): refused ({exc})"
+        ) from None
+    except (OSError, asyncssh.Error) as exc:
+        raise PoolStartError(f"node {node_rank} ({host}:{port}): cannot connect over SSH: {exc}") from exc
 
 
 def load_known_hosts(text: str | None, provider: str) -> Any:

@@ -46,6 +46,12 @@ from skytasks.node.agent import main
 main(sys.argv[3:])
 """
 
+# `skytasks check`: the check alone, in a Python of its own that ends at once (no agent after it).
+PROBE = CHECK + r"""
+import sys
+sys.exit(0 if _python_ok() else 3)
+"""
+
 
 @dataclass(frozen=True)
 class Found:
