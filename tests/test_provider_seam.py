@@ -19,12 +19,25 @@ SET = {"hosts": ["a", "b"], "ssh_user": "me", "ssh_private_key": "k", "known_hos
        "slurm_constraint": "c", "slurm_gres": "gpu:1", "slurm_extra_args": ["--exclusive"], "torch_version": "2.5",
        "torch_cuda": "cu121", "torchvision": "0.20", "torchaudio": "2.5", "instance_type": "t3.micro",
        "image_id": "ami-1", "subnet_id": "subnet-1", "security_group_ids": ["sg-1"], "key_name": "mine", "spot": True,
-       "root_volume_gb": 50, "iam_instance_profile": "role", "tags": {"team": "x"}, "ssh_ingress_cidr": "10.0.0.0/8"}
+       "root_volume_gb": 50, "iam_instance_profile": "role", "tags": {"team": "x"}, "ssh_ingress_cidr": "10.0.0.0/8",
+       "k8s_namespace": "ml", "k8s_image": "reg/train:1", "k8s_service_account": "trainer",
+       "k8s_image_pull_secrets": ["regcred"], "k8s_node_selector": {"pool": "gpu"},
+       "k8s_tolerations": [{"key": "gpu", "operator": "Exists"}], "k8s_cpu": "8", "k8s_memory": "64Gi",
+       "k8s_shm_size": "8Gi", "k8s_pod_template": {"metadata": {"labels": {"team": "x"}}}}
+
+
+def _credentials():
+    from prefect_kubernetes.credentials import KubernetesClusterConfig, KubernetesCredentials
+
+    return KubernetesCredentials(cluster_config=KubernetesClusterConfig(config={"clusters": []}, context_name="c"))
+
+
+SET["kubernetes_credentials"] = _credentials()
 FOREIGN = [(field, name) for field, readers in readers_of_fields().items() for name in PROVIDERS if name not in readers]
 
 
 def test_the_table_names_every_provider_once_and_each_class_declares_the_protocol():
-    assert list(PROVIDERS) == ["local", "ssh", "aws", "slurm"]
+    assert list(PROVIDERS) == ["local", "ssh", "aws", "slurm", "kubernetes"]
     for name in PROVIDERS:
         cls = provider_class(name)
         assert NodeProvider in cls.__mro__, name  # declared, so a type checker holds it to the protocol
@@ -45,6 +58,8 @@ def test_a_field_of_another_provider_is_a_pool_config_error_naming_it(field, pro
         fields["hosts"] = ["a", "b"]
     if provider == "aws" and field != "ssh_private_key":
         fields["ssh_private_key"] = "k"
+    if provider == "kubernetes" and field != "k8s_image":
+        fields["k8s_image"] = "reg/train:1"
     with pytest.raises(PoolConfigError) as caught:
         GPUPool(**fields)
     assert str(caught.value).startswith(f"{field}: only provider "), str(caught.value)
@@ -65,6 +80,7 @@ def test_a_local_pool_imports_no_other_providers_code_or_ssh_library():
     # (boto3 comes with the block's AwsCredentials field, from prefect-aws, for every provider)
     code = ("import sys; from skytasks import GPUPool; GPUPool(nodes=2).spec(); "
             "print(sorted(m for m in ('asyncssh', 'skytasks.providers.aws.provider', "
-            "'skytasks.providers.ssh.nodes', 'skytasks.providers.slurm.provider') if m in sys.modules))")
+            "'skytasks.providers.ssh.nodes', 'skytasks.providers.slurm.provider', "
+            "'skytasks.providers.kubernetes.provider') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -48,7 +48,9 @@ def api_client(cfg: Any) -> Any:
 
 def api_message(exc: BaseException) -> str:
     """The API server's own words in an ApiException (its Status message), else the exception."""
-    body = getattr(exc, "body", None)
+    body = getattr(exc, "body", None) or getattr(exc, "resp_body", None)  # the client's, or a websocket's
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
     if body:
         try:
             return str(json.loads(body).get("message") or body)
@@ -60,7 +62,7 @@ def api_message(exc: BaseException) -> str:
 def refused(exc: BaseException, doing: str, namespace: str) -> Exception:
     """An API error as the pool's error: a missing permission is a PoolConfigError naming the
     verb and resource (and what grants it); a quota or a rejected manifest says which field."""
-    status = getattr(exc, "status", None)
+    status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
     said = api_message(exc)
     if status == 403 and "forbidden" in said.lower() and "quota" not in said.lower():
         return PoolConfigError(f"kubernetes_credentials: the pool's identity may not {doing} in namespace "

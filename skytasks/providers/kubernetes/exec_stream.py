@@ -35,10 +35,9 @@ def _connect(cfg: Any, namespace: str, pod: str, container: str, command: Sequen
                                                   ("stdin", "true" if stdin else "false")]
     host = cfg.host.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
     url = f"{host}/api/v1/namespaces/{quote(namespace)}/pods/{quote(pod)}/exec?{urlencode(query)}"
-    headers = []
-    token = cfg.get_api_key_with_prefix("authorization")
-    if token:
-        headers.append(f"authorization: {token}")
+    # The client's own auth settings (a bearer token from a kubeconfig, a service account or an
+    # exec plugin), as its REST calls send them.
+    headers = [f"{a['key']}: {a['value']}" for a in cfg.auth_settings().values() if a.get("in") == "header" and a.get("value")]
     sslopt: dict[str, Any] = {"cert_reqs": ssl.CERT_REQUIRED if cfg.verify_ssl else ssl.CERT_NONE}
     if cfg.ssl_ca_cert:
         sslopt["ca_certs"] = cfg.ssl_ca_cert

@@ -47,7 +47,11 @@ if not have:
         os.rename(tmp, home)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (home, os.environ.get("PYTHONPATH")) if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(home), os.environ.get("PYTHONPATH")) if p)
+try:
+    os.chdir(os.path.expanduser("~"))  # where a workdir is synced, as on ssh and slurm nodes
+except OSError:
+    pass
 os.execv(sys.executable, [sys.executable] + sys.argv[3:])
 """
 

@@ -60,6 +60,7 @@ class KubernetesProvider(NodeProvider):
         self._stop_lock = threading.Lock()
         self._watch: Optional[threading.Thread] = None
         self._ips: dict[str, str] = {}  # pod -> its IP, where its peers reach it
+        self._made_owner = False  # until then the pool made nothing (every pod names the owner)
 
     def abort(self) -> None:
         self._aborted.set()
@@ -95,16 +96,18 @@ class KubernetesProvider(NodeProvider):
         owner = pods.owner_manifest(self.pool_id, self._spec.name, self._k8s)
         made = self._api(lambda: self._core.create_namespaced_config_map(self.namespace, owner), "create configmaps")
         self._owner_ref = pods.owner_reference({"metadata": {"name": made.metadata.name, "uid": made.metadata.uid}})
+        self._made_owner = True
         if self._k8s.accelerator:
             self._affinity = self._gpu_affinity(self._k8s.accelerator)
 
     def _api(self, call: Any, doing: str) -> Any:
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
         try:
             return call()
-        except Exception as exc:
-            if type(exc).__name__ == "ApiException" or "urllib3" in type(exc).__module__:
-                raise cluster.refused(exc, doing, self.namespace) from exc
-            raise
+        except (ApiException, urllib3.exceptions.HTTPError) as exc:
+            raise cluster.refused(exc, doing, self.namespace) from exc
 
     def _gpu_affinity(self, accelerator: str) -> Optional[tuple[str, list[str]]]:
         """The GPU product label the cluster's nodes carry, when the pool may read nodes."""
@@ -306,7 +309,7 @@ class KubernetesProvider(NodeProvider):
         with self._stop_lock:
             if self._agents:
                 self._agents.end_all()
-            if self._core is None:
+            if self._core is None or not self._made_owner:
                 return None
             left, detail = delete_pool(self._core, self.namespace, self.pool_id, settings().teardown_wait_seconds)
             self.nodes.clear()
