@@ -111,14 +111,7 @@ def _pool(provider: str, sshd) -> GPUPool:
                    known_hosts=sshd["known_hosts"], remote_python=sys.executable, **common)
 
 
-SSH_ENV_ON_THE_COMMAND_LINE = pytest.mark.xfail(
-    strict=True, reason="the ssh provider starts the agent, its pip and its Python probe with the pool's env "
-                        "(AWS credentials and `env` included) on the remote command line (providers/ssh/nodes.py, "
-                        "check.py: `cd && K=V ... exec python`), where `ps` on the node shows it; to be sent over "
-                        "the agent's stdin instead")
-
-
-@pytest.mark.parametrize("provider", ["local", pytest.param("ssh", marks=SSH_ENV_ON_THE_COMMAND_LINE)])
+@pytest.mark.parametrize("provider", ["local", "ssh"])
 def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
     sshd = request.getfixturevalue("sshd") if provider == "ssh" else None
     pool = _pool(provider, sshd)

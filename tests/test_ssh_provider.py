@@ -191,3 +191,23 @@ def test_a_remote_python_that_does_not_exist_fails_the_start_naming_it(sshd):
     with pytest.raises(PoolStartError, match=r"remote_python: node \d .*'/nonexistent/python3' did not start.*"
                                              r"/nonexistent/python3"):
         distributed_task(lambda: 1, pool=ssh_pool(sshd, remote_python="/nonexistent/python3"), init_torch=False)()
+
+
+def test_the_env_reaches_the_node_s_python_on_stdin_and_the_stream_after_it_is_untouched():
+    """The bootstrap's half of env_in, in a local Python: the env arrives, a startup variable
+    (PYTHONOPTIMIZE) restarts the interpreter with it in the same process, the bytes after the
+    env line are left for the agent, and nothing of the env is on the command line."""
+    from skytasks.providers.ssh import env_in
+
+    code = env_in.ENV_IN + "\n_env_in()\n" + (
+        "import os, sys\n"
+        "print(os.getpid(), os.environ['MY_TOKEN'], sys.flags.optimize, 'SKYTASKS_ENV_READ' in os.environ,\n"
+        "      sys.stdin.read(), flush=True)\n")
+    secret = "tok-' \"$HOME\n\u00e9"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
+    out, _ = proc.communicate(env_in.frame({"MY_TOKEN": secret, "PYTHONOPTIMIZE": "1", "PYTHONPATH": "/x"}) + b"rest",
+                              timeout=30)
+    pid, rest = out.decode().split(" ", 1)
+    assert int(pid) == proc.pid and rest == f"{secret} 1 False rest\n"
+    assert secret not in env_in.command(sys.executable, env_in.AGENT_START, "-m x", "$HOME/a")
+    assert b"/x" not in env_in.frame({"PYTHONPATH": "/x"})  # PYTHONPATH stays the command line's

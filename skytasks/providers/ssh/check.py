@@ -2,7 +2,7 @@
 
 Every host at once, each bounded by a short timeout: that it answers SSH with the pool's key and a
 host key known_hosts has (the start's own connection, `nodes.connect`), and that its
-`remote_python` can import torch and cloudpickle (the start's own check, `python_check.PROBE`,
+`remote_python` can import torch and cloudpickle (the start's own check, `env_in.PROBE`,
 run alone: no agent starts, nothing is copied, pip installs nothing).
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.checks import Check
-from skytasks.providers.ssh import python_check
+from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.nodes import SSHLogin, connect, load_known_hosts
 
 CONNECT_SECONDS = 15.0  # one host's answer to SSH
@@ -67,10 +67,12 @@ async def _python(conn: Any, login: SSHLogin, node: int, where: str) -> Check:
     import asyncssh
 
     name = f"node {node} ({where}): remote_python imports torch and cloudpickle"
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in login.env.items())
+    # The env on stdin, never on the node's command line (env_in); PYTHONPATH as the start sets it.
+    pythonpath = shlex.quote(login.env["PYTHONPATH"]) if login.env.get("PYTHONPATH") else None
     try:
         result = await asyncio.wait_for(
-            conn.run(f"cd && {env} exec {login.python} -c {shlex.quote(python_check.PROBE)}", encoding=None),
+            conn.run(env_in.command(login.python, env_in.PROBE, pythonpath=pythonpath),
+                     input=env_in.frame(login.env), encoding=None),
             PYTHON_SECONDS)
     except asyncio.TimeoutError:
         return Check(name, False, f"{python_check.ran(login.python, login.python_default)} did not answer within "

@@ -26,7 +26,7 @@ from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
-from skytasks.providers.ssh import python_check
+from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.bridge import bridge_process
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # skytasks/
@@ -144,17 +144,16 @@ class SSHNodes:
         await conn.run(f"test -d {remote_dir}/skytasks || (mkdir -p {remote_dir} && tar -xzf - -C {remote_dir})",
                        input=bundle, encoding=None, check=True)
         paths = [f"$HOME/{remote_dir}"]
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in login.env.items() if k != "PYTHONPATH")
         if login.pip_packages:
-            paths.append("$HOME/" + await self._install_packages(conn, env))
+            paths.append("$HOME/" + await self._install_packages(conn))
         if login.env.get("PYTHONPATH"):
             paths.append(shlex.quote(login.env["PYTHONPATH"]))
         agent = " ".join(shlex.quote(a) for a in agent_args(login.heartbeat_file, login.notice_file))
-        # The agent starts behind the check of its Python (python_check): one line, then its frames.
+        # The agent starts behind its env (on stdin: never on the node's command line, env_in) and
+        # the check of its Python (python_check): one line, then its frames.
         proc = await conn.create_process(
-            f"cd && {env} PYTHONPATH={':'.join(paths)} exec {login.python} "
-            f"-c {shlex.quote(python_check.AGENT_START)} {agent}", encoding=None
-        )
+            env_in.command(login.python, env_in.AGENT_START, agent, ":".join(paths)), encoding=None)
+        proc.stdin.write(env_in.frame(login.env))  # at once: no round trip of its own
         await self._check_python(proc, f"node {node_rank} ({host})")
         inbound, outbound, tasks = bridge_process(proc, f"node {node_rank} {host}", self._reporter)
         self._closers.append((proc, tasks))
@@ -185,7 +184,7 @@ class SSHNodes:
         text = (said or b"").decode(errors="replace") or line.decode(errors="replace")
         raise PoolStartError(python_check.did_not_start(where, login.python, text, login.python_default))
 
-    async def _install_packages(self, conn: Any, env: str) -> str:
+    async def _install_packages(self, conn: Any) -> str:
         """`pip_packages` into a folder of their own, cached by what was asked for: a warm node
         installs nothing, and the node's own Python stays untouched."""
         login = self._login
@@ -194,10 +193,12 @@ class SSHNodes:
         packages = " ".join(shlex.quote(p) for p in login.pip_packages)
         result = await conn.run(
             # Nodes may share a home (NFS, or two "hosts" on one machine): each installs into a
-            # folder of its own and the first to finish renames it into place.
-            f"cd && (test -f {target}/.done || (tmp={target}.$$ && {env} {login.python} -m pip install -q "
-            f"--disable-pip-version-check --target $tmp {packages} && touch $tmp/.done && "
-            f"(mv -T $tmp {target} 2>/dev/null || rm -rf $tmp)) && test -f {target}/.done)"
+            # folder of its own and the first to finish renames it into place. pip takes the env
+            # (a private index's token, say) from stdin (env_in.PIP), never from the command line.
+            f"cd && (test -f {target}/.done || (tmp={target}.$$ && {login.python} -c {shlex.quote(env_in.PIP)} "
+            f"install -q --disable-pip-version-check --target $tmp {packages} && touch $tmp/.done && "
+            f"(mv -T $tmp {target} 2>/dev/null || rm -rf $tmp)) && test -f {target}/.done)",
+            input=env_in.frame(login.env).decode(),
         )
         if result.exit_status != 0:
             raise PoolStartError(f"pip_packages: installing {login.pip_packages} on {conn.get_extra_info('peername')} "
