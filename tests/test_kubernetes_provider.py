@@ -343,7 +343,8 @@ def test_a_controller_in_a_pod_uses_its_service_account(k8s, limited):
             phase = json.loads(k8s.kubectl("get", "pod", "controller", "-n", limited, "-o", "json").stdout)[
                 "status"].get("phase", "")
         logs = k8s.kubectl("logs", "controller", "-n", limited, check=False).stdout
-        assert phase == "Succeeded", logs[-3000:]
+        status = k8s.kubectl("get", "pod", "controller", "-n", limited, "-o", "json").stdout
+        assert phase == "Succeeded", logs[-3000:] + json.dumps(json.loads(status)["status"].get("containerStatuses"))
         assert "RESULT [0, 1]" in logs
     finally:
         k8s.kubectl("delete", "pod", "controller", "-n", limited, "--grace-period=0", "--force", check=False)

@@ -36,7 +36,7 @@ def _outcome(status: RankState, failure: Exception | None = None, preempted: boo
 
 
 @pytest.mark.parametrize("outcome, kind, name, message", [
-    (_outcome(RankState.COMPLETED), "Completed", None, None),
+    (_outcome(RankState.COMPLETED), "Completed", None, "rank 3 ran on node 1 (127.0.0.1)"),
     (_outcome(RankState.FAILED, ValueError("bad batch")), "Failed", None, "rank 3 failed: ValueError: bad batch"),
     (_outcome(RankState.STOPPED, why="stopped because rank 0 failed"), "Cancelled", None,
      "rank 3: stopped because rank 0 failed"),

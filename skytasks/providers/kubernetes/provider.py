@@ -154,7 +154,9 @@ class KubernetesProvider(NodeProvider):
                                                       _request_timeout=10).items
         except Exception:  # noqa: BLE001 - events are a courtesy
             return ""
-        warnings = sorted((e for e in events if e.type == "Warning"), key=lambda e: str(e.last_timestamp or ""))
+        # The scheduler's word is in the pod's own condition while it waits for a node, and stale after.
+        warnings = sorted((e for e in events if e.type == "Warning" and e.reason != "FailedScheduling"),
+                          key=lambda e: str(e.last_timestamp or ""))
         return f"{warnings[-1].reason}: {warnings[-1].message}" if warnings else ""
 
     def _wait_running(self, names: list[str], fewest: int, timeout: float) -> list[str]:
