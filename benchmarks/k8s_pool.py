@@ -29,14 +29,14 @@ def kubernetes_pools(torchrun_s: float, sizes: tuple[int, ...] = (2, 4, 8), repe
     import workloads
     from skytasks import PoolStartError, distributed_task, rank_info
     from tests.k8s_cluster import K8sCluster
-    from tests.kube import kube_pool
+    from tests.kube import kube_pool, sharing
 
     cluster = K8sCluster(Path(tempfile.mkdtemp(prefix="skytasks-bench-k8s-"))).start()
     try:
         all_reduce = distributed_task(workloads.all_reduce_once, name="all_reduce")
 
-        def small(**fields):
-            template = cluster.host_python_template()
+        def small(share: Path | None = None, **fields):
+            template = sharing(cluster, share) if share else cluster.host_python_template()
             template["spec"]["containers"].append({"resources": {"requests": {"cpu": "10m"}}})
             return kube_pool(cluster, k8s_pod_template=template, **fields)
 
@@ -63,7 +63,9 @@ def kubernetes_pools(torchrun_s: float, sizes: tuple[int, ...] = (2, 4, 8), repe
         unschedulable_s = time.perf_counter() - started
 
         marks: dict[str, float] = {}
-        lost_pool = small(nodes=2)
+        shared = Path(tempfile.mkdtemp())  # where the test and the pods meet
+        marker = shared / "pod"
+        lost_pool = small(nodes=2, share=shared)
 
         @distributed_task(pool=lost_pool)
         def long_step(marker: str):
@@ -74,8 +76,6 @@ def kubernetes_pools(torchrun_s: float, sizes: tuple[int, ...] = (2, 4, 8), repe
                     Path(marker).write_text(socket.gethostname())
                 time.sleep(120)
             return time.time()
-
-        marker = Path(tempfile.mkdtemp()) / "pod"
 
         def delete_pod() -> None:
             while not marker.exists():

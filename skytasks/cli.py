@@ -41,7 +41,9 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
 
 def _gc_parser(commands: argparse._SubParsersAction) -> None:
     gc = commands.add_parser("gc", help="delete what pools left behind: EC2 resources of aws pools that are expired "
-                                        "or orphaned; with --slurm, skytasks SLURM jobs past their expiry")
+                                        "or orphaned; with --slurm, skytasks SLURM jobs past their expiry; with "
+                                        "--kubernetes, the pods of kubernetes pools past their lifetime or with no "
+                                        "controller")
     gc.add_argument("--slurm", action="store_true", help="sweep SLURM jobs (run where SLURM's commands work) instead")
     gc.add_argument("--kubernetes", action="store_true",
                     help="delete what kubernetes pools left in a namespace past their lifetime, or with no controller")

@@ -186,3 +186,17 @@ def test_the_rbac_file_grants_exactly_what_the_provider_uses():
                for verb in rule["verbs"]}
     assert granted == set(NEEDED)
     assert not any(d["kind"].startswith("Cluster") for d in docs)
+
+
+def test_without_the_extra_a_kubernetes_pool_names_it_and_other_pools_work():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['kubernetes'] = sys.modules['prefect_kubernetes'] = None\n"
+            "from skytasks import GPUPool, PoolConfigError\n"
+            "GPUPool(provider='local', nodes=2).spec()\n"
+            "try:\n    GPUPool(provider='kubernetes', k8s_image='x')\n"
+            "except PoolConfigError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "provider: provider='kubernetes' needs its extra: pip install \"skytasks[kubernetes]\""
