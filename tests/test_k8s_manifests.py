@@ -46,7 +46,7 @@ def test_gpus_resources_selector_and_tolerations():
                    k8s_service_account="trainer", k8s_image_pull_secrets=["regcred"])
     spec = pod["spec"]
     res = spec["containers"][0]["resources"]
-    assert res["limits"] == {"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": 8}
+    assert res["limits"] == {"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "8"}
     assert res["requests"] == {"cpu": "16", "memory": "64Gi"}
     assert spec["nodeSelector"] == {"pool": "gpu"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]

@@ -429,3 +429,63 @@ def test_users_code_unchanged_on_two_pods(k8s, tmp_path):
     assert "[rank 0] rank 0/2 sum=1.0 lr=0.1 double=4" in ran.stdout
     assert "[rank 1] rank 1/2 sum=1.0 lr=0.1 double=4" in ran.stdout
     assert held(k8s) == []
+
+
+@pytest.fixture
+def gpu_node(k8s):
+    """The test node advertises two GPUs as a device plugin would (an extended resource in its
+    status), carries GPU Feature Discovery's product label, and the taint GPU nodes carry."""
+    from kubernetes import client
+
+    from skytasks.providers.kubernetes import cluster as k8s_client
+    from tests.kube import credentials
+
+    core = client.CoreV1Api(k8s_client.api_client(k8s_client.configuration(credentials(k8s.admin_kubeconfig))))
+    node = k8s.node_name
+    core.patch_node_status(node, {"status": {"capacity": {"nvidia.com/gpu": "2"}}})
+    k8s.kubectl("label", "node", node, "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3", "--overwrite")
+    k8s.kubectl("taint", "node", node, "nvidia.com/gpu=present:NoSchedule", "--overwrite")
+    try:
+        deadline = time.monotonic() + 30
+        while core.read_node(node).status.allocatable.get("nvidia.com/gpu") != "2" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield node
+    finally:
+        k8s.kubectl("taint", "node", node, "nvidia.com/gpu-", check=False)
+        k8s.kubectl("label", "node", node, "nvidia.com/gpu.product-", check=False)
+        core.patch_node_status(node, {"status": {"capacity": {"nvidia.com/gpu": None}}})
+
+
+def seen_by_a_rank():
+    return dict(rank=rank_info().rank, accelerators=rank_info().accelerators)
+
+
+def test_gpus_come_as_nvidia_com_gpu_on_nodes_that_carry_the_product(k8s, gpu_node):
+    pool = kube_pool(k8s, accelerator="H100", accelerators_per_node=1)
+    with pool:
+        specs = json.loads(k8s.kubectl("get", "pods", "-l", "app.kubernetes.io/managed-by=skytasks", "-o",
+                                       "json").stdout)["items"]
+        # The GPUs are an advertised count, not devices: the ranks see none, and start no CUDA.
+        out = distributed_task(seen_by_a_rank, pool=pool, init_torch=False)()
+    assert [o["rank"] for o in out] == [0, 1]
+    for pod in specs:
+        spec = pod["spec"]
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        [term] = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                             "values": ["NVIDIA-H100-80GB-HBM3"]}]
+    # Two pods of two GPUs each on a node of two: one waits, in the scheduler's words, then the start fails.
+    with pytest.raises(PoolStartError, match="ready_timeout_seconds") as caught:
+        with kube_pool(k8s, accelerator="H100", accelerators_per_node=2, ready_timeout_seconds=8):
+            pass
+    assert "Insufficient nvidia.com/gpu" in str(caught.value)
+    # A product no node carries: the pods ask for nvidia.com/gpu only, and say so.
+    assert pods_module_label_choice(k8s, "A100") is None
+
+
+def pods_module_label_choice(k8s, accelerator):
+    from skytasks.providers.kubernetes import pods as k8s_pods
+
+    labels = json.loads(k8s.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    return k8s_pods.gpu_product_affinity(accelerator, [n["metadata"].get("labels", {}) for n in labels])

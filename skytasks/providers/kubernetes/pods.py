@@ -157,7 +157,7 @@ def pod_manifest(spec: PoolSpec, k8s: KubernetesSpec, pool_id: str, node_id: int
             resources.setdefault("limits", {})[key] = value
     tolerations = [dict(t) for t in k8s.tolerations]
     if k8s.gpus:
-        resources.setdefault("limits", {})[GPU_RESOURCE] = k8s.gpus
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(k8s.gpus)  # a quantity, as the API takes it
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     shm: dict[str, Any] = {"medium": "Memory", **({"sizeLimit": k8s.shm_size} if k8s.shm_size else {})}
     pod: dict[str, Any] = {
