@@ -1,8 +1,11 @@
 """Secrets stay secret (issue #47): a pool with an SSH private key, AWS credentials, an `env`
-secret (and its own relay TLS key) runs a call in a flow; then everything skytasks wrote is
-searched for the secret values: the console, the Prefect records (logs, artifacts, events, task
-and flow runs with their parameters), files under ~/.cache/skytasks, and every process's command
-line while the call ran. None may hold one."""
+secret (and its own relay TLS key) runs a call in a flow, on every provider of the suite; then
+everything skytasks wrote is searched for the secret values: the console, the Prefect records
+(logs, artifacts, events, task and flow runs with their parameters), files under
+~/.cache/skytasks, and every process's command line while the call ran (srun's steps included);
+on Kubernetes also the pods' manifests (and ConfigMaps) as the API server holds them, on AWS the
+instances' user-data. None may hold one. (Kubernetes pools have no SSH key; a SLURM pool has one only with
+`slurm_login`, tested both ways.)"""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import psutil
 import pytest
@@ -101,21 +106,119 @@ def sshd(tmp_path_factory):
     server.stop()
 
 
-def _pool(provider: str, sshd) -> GPUPool:
-    common = dict(nodes=3, env={"MY_TOKEN": ENV_SECRET},
-                  aws_credentials=AwsCredentials(aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY))
+@pytest.fixture(scope="module")
+def login_node(request, tmp_path_factory):
+    """A real sshd on loopback playing a SLURM login node, with the pool's key."""
+    cluster = request.getfixturevalue("cluster")
+    server = SSHServer(tmp_path_factory.mktemp("login"), ["127.0.0.1"], free_port(),
+                       set_env={"SLURM_CONF": str(cluster.conf)})
+    yield server
+    server.stop()
+
+
+@dataclass
+class Setup:
+    pool: GPUPool
+    ssh_key: str = ""  # the private key the pool logs in with, where it has one
+    during: Callable[[], str] = lambda: ""  # what the provider holds while the pool is up (pod specs)
+    after: Callable[[], str] = lambda: ""  # and after (user-data)
+    close: Callable[[], None] = lambda: None
+
+
+def _setup(provider: str, request) -> Setup:
+    common: dict[str, Any] = dict(nodes=3, env={"MY_TOKEN": ENV_SECRET})
+    creds = dict(aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
     if provider == "local":
-        return GPUPool(**common)
-    hosts = sshd["hosts"] + [sshd["hosts"][0]]
-    return GPUPool(provider="ssh", hosts=[f"root@{h}:{sshd['port']}" for h in hosts], ssh_private_key=sshd["key"],
-                   known_hosts=sshd["known_hosts"], remote_python=sys.executable, **common)
+        return Setup(GPUPool(aws_credentials=AwsCredentials(**creds), **common))
+    if provider == "ssh":
+        sshd = request.getfixturevalue("sshd")
+        hosts = sshd["hosts"] + [sshd["hosts"][0]]
+        return Setup(GPUPool(provider="ssh", hosts=[f"root@{h}:{sshd['port']}" for h in hosts],
+                             ssh_private_key=sshd["key"], known_hosts=sshd["known_hosts"],
+                             remote_python=sys.executable, aws_credentials=AwsCredentials(**creds), **common),
+                     ssh_key=sshd["key"])
+    if provider.startswith("slurm"):
+        request.getfixturevalue("cluster")
+        login: dict[str, Any] = {}
+        if provider == "slurm_login":
+            server = request.getfixturevalue("login_node")
+            login = dict(slurm_login=f"root@127.0.0.1:{server.port}", ssh_private_key=server.client_key,
+                         known_hosts=server.known_hosts())
+        return Setup(GPUPool(provider="slurm", remote_python=sys.executable, ready_timeout_seconds=60,
+                             aws_credentials=AwsCredentials(**creds), **login, **common),
+                     ssh_key=login.get("ssh_private_key", ""))
+    if provider == "kubernetes":
+        from tests.kube import kube_pool
+
+        k8s = request.getfixturevalue("k8s_cluster")
+        return Setup(kube_pool(k8s, aws_credentials=AwsCredentials(**creds), **common),
+                     during=lambda: k8s.kubectl("get", "pods,configmaps", "-A", "-o", "json").stdout)
+    assert provider == "aws"
+    return _aws_setup(request, creds, common)
 
 
-@pytest.mark.parametrize("provider", ["local", "ssh"])
+def _aws_setup(request, creds: dict, common: dict) -> Setup:
+    """moto's EC2, with the stand-in for cloud-init; the pool logs in with a key pair of its own
+    (key_name), so that the test knows the private key to look for."""
+    import asyncssh
+    import base64
+
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from tests.test_aws_provider import CloudInitStandIn
+
+    moto = request.getfixturevalue("moto")
+    ec2 = moto["ec2"]
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    key_name = f"secrets-{time.time_ns()}"
+    ec2.import_key_pair(KeyName=key_name, PublicKeyMaterial=key.export_public_key())
+    stand_in = CloudInitStandIn(ec2, request.getfixturevalue("tmp_path"))
+    stand_in.start()
+    aws = AwsCredentials(region_name="us-east-1", aws_client_parameters=AwsClientParameters(
+        endpoint_url=moto["endpoint"]), **creds)
+    pool = GPUPool(provider="aws", instance_type="t3.micro", image_id=moto["image"], subnet_id=moto["subnet"],
+                   ssh_ingress_cidr="127.0.0.1/32", ssh_user="root", remote_python=sys.executable,
+                   key_name=key_name, ssh_private_key=key.export_private_key().decode(), ready_timeout_seconds=120,
+                   aws_credentials=aws, **common)
+
+    def user_data() -> str:
+        every = [i for r in ec2.describe_instances(Filters=[{"Name": "key-name", "Values": [key_name]}])["Reservations"]
+                 for i in r["Instances"]]
+        assert len(every) == 3, every
+        raw = [ec2.describe_instance_attribute(InstanceId=i["InstanceId"], Attribute="userData")["UserData"]
+               .get("Value", "") for i in every]
+        return "\n".join(base64.b64decode(r).decode(errors="replace") for r in raw)
+
+    def close() -> None:
+        stand_in.stop()
+        ec2.delete_key_pair(KeyName=key_name)
+
+    return Setup(pool, ssh_key=key.export_private_key().decode(), after=user_data, close=close)
+
+
+PROVIDERS = ["local", "ssh", "slurm", "slurm_login", "kubernetes", "aws"]
+
+
+def _secret_lines(private_key: str) -> list[str]:
+    """A private key's lines that are its own: not the armor, nor a line every key of its kind
+    starts with (an OpenSSH key's first line is its format's header: an instance's host key in
+    the user-data has it too)."""
+    if not private_key:
+        return []
+    import asyncssh
+
+    kind = asyncssh.import_private_key(private_key).algorithm.decode()
+    generic = set(asyncssh.generate_private_key(kind).export_private_key().decode().splitlines())
+    return [line for line in private_key.splitlines() if line and "PRIVATE KEY" not in line and line not in generic]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
 def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
-    sshd = request.getfixturevalue("sshd") if provider == "ssh" else None
-    pool = _pool(provider, sshd)
+    setup = _setup(provider, request)
+    request.addfinalizer(setup.close)
+    pool = setup.pool
     tls_key: list[str] = []
+    held: list[str] = []
 
     @flow(name=f"secrets-{provider}")
     def run() -> list:
@@ -124,6 +227,7 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
             out = task()
             tls = pool.runtime().session._peer_tls
             tls_key.append(tls.key if tls else "")
+            held.append(setup.during())  # while the pool is up: its pods, say
             return out
 
     with CommandLines() as ps:
@@ -132,14 +236,19 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
     console = capfd.readouterr()
     time.sleep(1.5)  # the log and event workers' last batch
     records = asyncio.run(_records(state.state_details.flow_run_id))
-    key_lines = [line for line in (sshd["key"] if sshd else "").splitlines() if line and "PRIVATE KEY" not in line]
+    key_lines = _secret_lines(setup.ssh_key)
     tls_lines = [line for line in tls_key[0].splitlines() if line and "PRIVATE KEY" not in line]
     assert tls_lines, "the pool made its relay key"
+    assert bool(key_lines) == (provider in ("ssh", "slurm_login", "aws"))
     secrets = {"aws access key": ACCESS_KEY, "aws secret key": SECRET_KEY, "env secret": ENV_SECRET,
                **{f"ssh key line {i}": s for i, s in enumerate(key_lines)},
                **{f"relay key line {i}": s for i, s in enumerate(tls_lines)}}
     places = {"console": console.out + console.err, "prefect": records, "cache": cache_files(),
-              "command lines": "\n".join(ps.seen)}
+              "command lines": "\n".join(ps.seen), "the provider's records": held[0] + "\n" + setup.after()}
+    if provider == "kubernetes":
+        assert held[0].count('"app.kubernetes.io/managed-by": "skytasks"') >= 3, "the search reads the pods it means to"
+    if provider == "aws":
+        assert "ssh_keys" in places["the provider's records"]  # the user-data it means to read
     assert "has its secrets: True" in records  # the search reads the records it means to
     leaks = [(what, where) for what, value in secrets.items() for where, text in places.items() if value in text]
     shown = {w: [line[:300] for line in places[w].splitlines() if any(v in line for v in secrets.values())][:3] for _, w in leaks}

@@ -1,12 +1,16 @@
 """The job steps of a SLURM pool: one `srun --overlap` step per node running its agent, and short
 steps for what a call needs on a node (a free port on the head, the workdir).
 
-An agent's step starts with a few lines of Python that first check the node's Python can run
-ranks (torch and cloudpickle, `python_check`: one line on the stream, read before anything else),
-then make sure the controller's skytasks is on the node: it answers "have" or "need" on the
-stream, the controller then sends the package (a tar.gz) only when needed, and the bootstrap
-unpacks it under ~/.cache/skytasks/<hash> and execs the agent. One step per node, no second round
-trip, and nothing to copy on a shared home.
+An agent's step starts with a few lines of Python that first read the pool's `env` from the
+stream (one length-prefixed JSON line, `env_in`, written as the step starts): never on srun's
+command line, which `ps` shows to every user of the login node and the compute node, and which
+SLURM may record with the step. Only PATH (where `remote_python` is looked up) and PYTHONPATH
+stay there. Then they check the node's Python can run ranks (torch and cloudpickle,
+`python_check`: one line on the stream, read before anything else), then make sure the
+controller's skytasks is on the node: it answers "have" or "need" on the stream, the controller
+then sends the package (a tar.gz) only when needed, and the bootstrap unpacks it under
+~/.cache/skytasks/<hash> and execs the agent. One step per node, no second round trip, and
+nothing to copy on a shared home.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers import NodeLink
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.slurm.shell import SlurmShell, Step
-from skytasks.providers.ssh import python_check
+from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.nodes import package_bundle
 
-# argv: digest, bundle size, then the agent's own arguments. Stdlib only.
-BOOTSTRAP = python_check.CHECK + r"""
+# argv: digest, bundle size, then the agent's own arguments. Stdlib only. The env comes first on
+# stdin (env_in: a startup variable such as LD_LIBRARY_PATH restarts this Python with it, before
+# the check), then the package if the answer is "need".
+BOOTSTRAP = env_in.ENV_IN + "\n_env_in()\n" + python_check.CHECK + r"""
 import io, os, shutil, sys, tarfile
 if not _python_ok():
     sys.exit(3)
@@ -77,9 +83,18 @@ class NodeSteps:
         if self._bundle is None:
             self._bundle = package_bundle()
         bundle, digest = self._bundle
-        env = [f"{k}={v}" for k, v in self._spec.env.items()]
-        argv = [*srun(job_id, name), "env", *env, self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *args]
+        env = self._spec.env
+        # On the command line only where the Python and its modules are found (PATH, PYTHONPATH:
+        # no secret); the rest of the env goes on the step's stdin, at once (env_in).
+        paths = [f"{k}={env[k]}" for k in ("PATH", "PYTHONPATH") if env.get(k)]
+        argv = [*srun(job_id, name), *(["env", *paths] if paths else []), self._python, "-c", BOOTSTRAP, digest,
+                str(len(bundle)), *args]
         step = self._steps[name] = self._shell.open(argv, f"node {node_rank} {name}")
+        try:
+            step.outbound.write(env_in.frame(dict(env)))
+            step.outbound.flush()
+        except OSError:  # the step ended already: its own words come below
+            pass
         timeout = self._spec.own(SlurmSpec).ready_timeout_seconds
         where = f"node {node_rank} ({name}, job {job_id})"
         first = _read_line(step, timeout=timeout)
