@@ -5,6 +5,7 @@ on loopback; the pool's key as the controller makes it (controller/peer_tls.py).
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import socket
 import ssl
@@ -18,7 +19,7 @@ from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
 from skytasks.controller.peer_tls import pool_tls
 from skytasks.node.peers import DIGEST_BYTES, PeerListener, PeerTLS, RelayNode, connect
 from skytasks.protocol import Op, message
-from skytasks.wire import RELAY, ChannelClosed, read_frame
+from skytasks.wire import RELAY, ChannelClosed, encode, read_frame, read_header
 
 SECRET = b"s" * 32
 
@@ -299,3 +300,124 @@ def test_a_flipped_byte_between_nodes_fails_the_call_as_a_lost_node_saying_so():
         node.peer_port = mitm.target[1]
         again = distributed_task(digest, pool=pool, init_torch=False)(arg)
     assert [d for _, d in again] == [hashlib.sha256(arg.tobytes()).hexdigest()] * 3
+
+
+def test_frames_of_many_sizes_arrive_whole_through_tls(pool_key):
+    """The listener reads TLS through memory, many records a read: frames of small and large
+    buffers, one after another, arrive byte for byte (and the link's end is no frame)."""
+    heard: list[dict] = []
+
+    def serve(stream) -> None:
+        while True:
+            try:
+                heard.append(read_frame(stream))
+            except ChannelClosed:
+                return
+
+    lst = PeerListener("127.0.0.1", SECRET, serve, tls_of(pool_key))
+    try:
+        frames = [message(Op.HEARTBEAT) | {"big": os.urandom((3 << 20) + 17), "small": os.urandom(70_000),
+                                           "tiny": b"x", "n": i} for i in range(3)]
+        frames.insert(1, message(Op.HEARTBEAT))
+        writer = connect("127.0.0.1", lst.port, SECRET, tls=tls_of(pool_key))
+        for frame in frames:
+            writer.send(frame)
+        writer.close()
+        assert wait_for(lambda: len(heard) == len(frames))
+        assert [{k: bytes(v) if isinstance(v, (bytearray, memoryview)) else v for k, v in h.items()}
+                for h in heard] == frames
+    finally:
+        lst.close()
+
+
+def test_a_peer_that_trickles_its_handshake_is_cut_off_at_the_deadline(pool_key, monkeypatch):
+    """A byte at a time, each well within a read's timeout, still ends at the handshake's deadline
+    (the listener does its TLS through memory: the deadline is its own, as an SSLSocket's was)."""
+    import skytasks.node.peers as peers
+
+    monkeypatch.setattr(peers, "HANDSHAKE_SECONDS", 0.5)
+    lst = PeerListener("127.0.0.1", SECRET, lambda stream: None, tls_of(pool_key))
+    raw = socket.create_connection(("127.0.0.1", lst.port), timeout=10)
+    try:
+        started = time.monotonic()
+        hello = b"\x16\x03\x01\x02\x00" + b"\x01" * 0x200  # a ClientHello's record header, then its "body"
+        for byte in hello:
+            try:
+                raw.sendall(bytes([byte]))
+            except OSError:
+                break  # cut off
+            if lst.refused:
+                break
+            time.sleep(0.05)
+        assert lst.refused == 1
+        assert time.monotonic() - started < 5
+    finally:
+        raw.close()
+        lst.close()
+
+
+class _Held(PeerListener):
+    """A listener that holds each connection until `barrier` passes: only links opened side by
+    side get past it."""
+
+    def __init__(self, barrier: threading.Barrier, tls: PeerTLS):
+        self.barrier = barrier
+        super().__init__("127.0.0.1", SECRET, lambda stream: None, tls)
+
+    def _admit(self, conn) -> None:
+        try:
+            self.barrier.wait(timeout=10)
+        except threading.BrokenBarrierError:
+            conn.close()
+            return
+        super()._admit(conn)
+
+
+def test_a_node_opens_its_childrens_links_side_by_side(pool_key):
+    from skytasks.node.peers import PeerLinks
+
+    barrier = threading.Barrier(2)
+    children = [_Held(barrier, tls_of(pool_key)) for _ in range(2)]
+    links = PeerLinks(SECRET, tls_of(pool_key))
+    try:
+        assert links.open_all([("127.0.0.1", c.port) for c in children]) == {}
+        assert [c.refused for c in children] == [0, 0]
+    finally:
+        for c in children:
+            c.close()
+
+
+def test_a_child_that_cannot_be_reached_is_tried_twice_and_its_sibling_gets_the_frame(pool_key, monkeypatch):
+    import skytasks.node.peers as peers
+
+    heard: list[dict] = []
+
+    def serve(stream) -> None:
+        heard.append(read_frame(stream))  # the ROUTE
+        heard.append(read_frame(stream))  # the CALL frame, still marked RELAY: read as a plain frame here
+
+    live = PeerListener("127.0.0.1", SECRET, serve, tls_of(pool_key))
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()  # nothing listens there
+    tries: list[int] = []
+
+    def counted(address, port, *args, **kwargs):
+        tries.append(port)
+        return connect(address, port, *args, **kwargs)
+
+    monkeypatch.setattr(peers, "connect", counted)
+    relay = RelayNode(lambda group, wait: [])
+    relay.open(SECRET, "127.0.0.1", tls_of(pool_key))
+    frame = b"".join(bytes(c) for c in encode(message(Op.HEARTBEAT) | {"big": os.urandom(2 << 20)}, flags=RELAY))
+    stream = io.BytesIO(frame)
+    route = {"group": 1, "children": [{"address": "127.0.0.1", "port": dead_port, "children": []},
+                                      {"address": "127.0.0.1", "port": live.port, "children": []}]}
+    try:
+        relay.relay_call(stream, read_header(stream), route)
+        assert wait_for(lambda: len(heard) == 2)
+        assert heard[0]["op"] == Op.ROUTE and heard[0]["children"] == []
+        assert bytes(heard[1]["big"]) == bytes(frame[-(2 << 20):])
+        assert tries.count(dead_port) == 2 and tries.count(live.port) == 1
+    finally:
+        live.close()

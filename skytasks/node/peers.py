@@ -22,6 +22,11 @@ byte is private and checked:
   HMAC-SHA256(pool secret, nonce), compared in constant time. With SKYTASKS_PEER_TLS=0 (for
   measuring what TLS costs, nothing else) that challenge alone admits a peer, in the clear.
 
+TLS costs what AES-GCM costs and little more: the receiving end reads TLS through memory
+(`TLSReader`: many records per system call, each decrypted straight into the frame's buffer), the
+sending end hands each 1 MB chunk to one SSL_write (`LinkWriter`), and a node opens the links to
+its children side by side, so a first relayed call waits for one handshake per level of the tree.
+
 Standard library only, like the rest of the node side (`ssl` and `hashlib` are imported at a
 peer's first connection: OpenSSL is milliseconds of every agent's start otherwise).
 """
@@ -34,11 +39,12 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 from skytasks.protocol import Op, message
 from skytasks.node.relay import relay_frame
-from skytasks.wire import RELAY, ChannelClosed, FrameWriter, Readable, read_body, read_header
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, Readable, read_body, read_exact, read_header
 
 NONCE_BYTES = 16
 DIGEST_BYTES = 32
@@ -75,9 +81,134 @@ class PeerTLS:
 
     def wrap(self, sock: socket.socket, server_side: bool) -> socket.socket:
         """`sock` as a TLS link, its handshake done (within the socket's timeout); ssl.SSLError
-        (an OSError) if the other end does not prove the pool's key."""
+        (an OSError) if the other end does not prove the pool's key. (A peer's sending end.)"""
         wrapped: socket.socket = self.context(server_side).wrap_socket(sock, server_side=server_side)
         return wrapped
+
+    def accept(self, sock: socket.socket, deadline: float) -> TLSReader:
+        """The listener's end of a TLS link on `sock`, its handshake done by `deadline`
+        (time.monotonic()); ssl.SSLError (an OSError) if the peer does not prove the pool's key,
+        TimeoutError past the deadline, ChannelClosed if the peer hangs up."""
+        import ssl
+
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        link = TLSReader(sock, self.context(True).wrap_bio(incoming, outgoing, server_side=True), incoming, outgoing)
+        while True:
+            try:
+                link.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                link.send_pending()
+                link.fill(deadline)
+            except ssl.SSLError:
+                try:
+                    link.send_pending()  # the alert that says why, as an SSLSocket would send it
+                except OSError:
+                    pass
+                raise
+        link.send_pending()  # the handshake's last words (TLS 1.3's session tickets)
+        return link
+
+
+class TLSReader:
+    """The receiving end of a peer link, TLS read through memory (`ssl.MemoryBIO`) rather than
+    an SSLSocket: an SSLSocket takes one 16 KB record per call, two system calls each (its
+    header, then its body), each through a buffered file's copy; here one recv takes whatever the
+    socket holds (many records) and each record is decrypted straight into the reader's buffer.
+    What TLS checks is unchanged: a record that fails its check raises ssl.SSLError."""
+
+    def __init__(self, sock: socket.socket, tls: Any, incoming: Any, outgoing: Any):
+        import ssl
+
+        self.sock, self.tls = sock, tls
+        self._incoming, self._outgoing = incoming, outgoing
+        self._want_read = ssl.SSLWantReadError
+        self._raw = memoryview(bytearray(STREAM_BUFFER))
+        self._ended = False
+
+    def fill(self, deadline: float | None = None) -> bool:
+        """More of the peer's bytes from the socket (one recv, as many as are there); False at
+        its end. With `deadline` (time.monotonic()): TimeoutError past it."""
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer's TLS handshake took too long")
+            self.sock.settimeout(left)
+        n = self.sock.recv_into(self._raw)
+        if not n:
+            if deadline is not None:
+                raise ChannelClosed("the peer closed the connection during the handshake")
+            return False
+        self._incoming.write(self._raw[:n])
+        return True
+
+    def send_pending(self) -> None:
+        if self._outgoing.pending:
+            self.sock.sendall(self._outgoing.read())
+
+    def write(self, data: bytes) -> None:
+        """A few bytes to the peer (the challenge's nonce and its verdict), sent at once."""
+        self.tls.write(data)
+        self.send_pending()
+
+    def readinto(self, buffer: Any, /) -> int:
+        """Fill `buffer` (a byte memoryview or bytearray); fewer bytes only at the link's end."""
+        view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+        want = view.nbytes
+        got = 0
+        read, want_read = self.tls.read, self._want_read
+        while got < want and not self._ended:
+            try:
+                n = read(want - got, view[got:] if got else view)
+            except want_read:
+                if not self.fill():
+                    self._ended = True  # no close_notify: a frame cut short is the reader's to name
+                continue
+            if not n:  # the peer's close_notify
+                self._ended = True
+            got += n
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class LinkWriter:
+    """The sending end of a peer link, as FrameWriter's stream: small writes (a frame's header,
+    a ROUTE) gathered into one send, a large chunk sent from its own memory with one call (one
+    SSL_write of all its records with TLS), never copied through a buffered file first."""
+
+    GATHER = 64 * 1024
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._gathered = bytearray()
+
+    def write(self, chunk: Any) -> None:
+        size = len(chunk) if isinstance(chunk, (bytes, bytearray)) else memoryview(chunk).nbytes
+        if len(self._gathered) + size <= self.GATHER:
+            self._gathered += chunk
+            return
+        self.flush()
+        if size < self.GATHER:
+            self._gathered += chunk
+        else:
+            self._sock.sendall(chunk)
+
+    def writelines(self, chunks: Sequence[Any]) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def flush(self) -> None:
+        if self._gathered:
+            self._sock.sendall(self._gathered)
+            self._gathered.clear()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._sock.close()
 
 
 def _load_chain(ctx: Any, pem: str) -> None:
@@ -144,6 +275,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+class _PlainLink:
+    """The challenge on a link without TLS (SKYTASKS_PEER_TLS=0)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def write(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def readinto(self, buffer: Any, /) -> int:
+        return self.sock.recv_into(buffer)
+
+
 class PeerListener:
     """The agent's door for its parent in the relay tree: one thread per accepted, proven peer,
     which hands the connection's frames to `serve(stream)`. `tls` None: no TLS (SKYTASKS_PEER_TLS=0)."""
@@ -168,24 +312,30 @@ class PeerListener:
             threading.Thread(target=self._admit, args=(conn,), daemon=True).start()
 
     def _admit(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + HANDSHAKE_SECONDS  # TLS and the challenge, all told
+        stream: Any
         try:
             conn.settimeout(HANDSHAKE_SECONDS)
             if self._tls is not None:
-                conn = self._tls.wrap(conn, server_side=True)  # no pool certificate: refused here
+                stream = self._tls.accept(conn, deadline)  # no pool certificate: refused here
+            else:
+                stream = _PlainLink(conn)
             nonce = os.urandom(NONCE_BYTES)
-            conn.sendall(nonce)
-            answer = _recv_exact(conn, DIGEST_BYTES)
+            stream.write(nonce)
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            answer = bytes(read_exact(stream, DIGEST_BYTES))
             if not _same(answer, _proof(self._secret, nonce)):
                 self.refused += 1
                 conn.close()
                 return
-            conn.sendall(b"\x01")  # admitted
+            stream.write(b"\x01")  # admitted
             conn.settimeout(None)
         except (OSError, ChannelClosed):  # ssl.SSLError is an OSError
             self.refused += 1
             conn.close()
             return
-        stream: Any = conn.makefile("rb", buffering=STREAM_BUFFER)
+        if self._tls is None:
+            stream = conn.makefile("rb", buffering=STREAM_BUFFER)
         try:
             self._serve(stream)
         finally:
@@ -223,7 +373,7 @@ def connect(address: str, port: int, secret: bytes, timeout: float = HANDSHAKE_S
     except (OSError, ChannelClosed) as exc:
         sock.close()
         raise ChannelClosed(f"the peer at {address}:{port} refused the connection: {exc}") from exc
-    stream: Any = sock.makefile("wb", buffering=STREAM_BUFFER)
+    stream: Any = LinkWriter(sock)
     return FrameWriter(stream)
 
 
@@ -238,9 +388,39 @@ class PeerLinks:
     def writer(self, address: str, port: int) -> FrameWriter:
         key = (address, port)
         with self._lock:
-            if key not in self._writers:
-                self._writers[key] = connect(address, port, self._secret, tls=self._tls)
-            return self._writers[key]
+            kept = self._writers.get(key)
+        if kept is not None:
+            return kept
+        made = connect(address, port, self._secret, tls=self._tls)  # not under the lock: see open_all
+        with self._lock:
+            kept = self._writers.setdefault(key, made)
+        if kept is not made:
+            made.close()
+        return kept
+
+    def open_all(self, peers: Sequence[tuple[str, int]]) -> dict[tuple[str, int], ChannelClosed]:
+        """Links to those of `peers` that have none yet, opened side by side (each a TLS handshake
+        at both ends, and on a node's first relayed call each child's own first use of TLS): a
+        node's first relayed call waits for the slowest of its children, not for all of them in
+        turn. What could not be opened, and why."""
+        with self._lock:
+            fresh = [peer for peer in peers if peer not in self._writers]
+        failed: dict[tuple[str, int], ChannelClosed] = {}
+        if len(fresh) < 2:
+            return failed
+
+        def open_one(peer: tuple[str, int]) -> None:
+            try:
+                self.writer(*peer)
+            except ChannelClosed as exc:
+                failed[peer] = exc
+
+        threads = [threading.Thread(target=open_one, args=(peer,), daemon=True) for peer in fresh]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return failed
 
     def forget(self, address: str, port: int) -> None:
         with self._lock:
@@ -353,11 +533,14 @@ class RelayNode:
             return
         onward: list[FrameWriter] = []
         children: list[tuple[str, int]] = []
+        assert self._links is not None, "a ROUTE before PEERS"
+        failed = self._links.open_all([(child["address"], child["port"]) for child in route["children"]])
         for child in route["children"]:
-            assert self._links is not None, "a ROUTE before PEERS"
             announce = message(Op.ROUTE, group=route["group"], children=child["children"])
             for last_try in (False, True):  # a kept link the child has since cut (a broken frame): once more, anew
                 try:
+                    if not last_try and (child["address"], child["port"]) in failed:
+                        raise failed[(child["address"], child["port"])]  # that was its first try
                     writer = self._links.writer(child["address"], child["port"])
                     writer.send(announce)
                     onward.append(writer)
@@ -371,7 +554,7 @@ class RelayNode:
             self._to_ranks(stream, header, self._ranks_of(route["group"], SPAWN_WAIT_SECONDS), onward)
         except BaseException:
             for address, port in children:
-                self._links.forget(address, port)  # type: ignore[union-attr]  # set with the ROUTE
+                self._links.forget(address, port)
             raise
 
     @staticmethod

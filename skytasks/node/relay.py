@@ -91,10 +91,14 @@ def _memory_file(size: int) -> int | None:
 
 
 def _copy(stream: Readable, left: int, out: Callable[[Any], Any]) -> None:
+    """`left` bytes of `stream` to `out`, a chunk at a time through one buffer: every `out` is
+    done with a chunk when it returns (it writes it, or copies it into a buffer of its own), so
+    a large payload costs no fresh memory per chunk."""
+    buffer = memoryview(bytearray(min(left, RELAY_CHUNK)))
     while left:
-        chunk = read_exact(stream, min(left, RELAY_CHUNK))
-        out(chunk)
-        left -= len(chunk)
+        n = min(left, RELAY_CHUNK)
+        out(read_exact(stream, n, buffer[:n]))
+        left -= n
 
 
 def _write_all(fd: int, chunk: Any) -> None:
