@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,34 +19,19 @@ from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink
 from skytasks.providers.kubernetes import exec_stream
 from skytasks.providers.kubernetes.pods import CONTAINER
+from skytasks.providers.package_in import PACKAGE_IN, read_line
 from skytasks.providers.ssh import python_check
 from skytasks.providers.ssh.nodes import package_bundle
 
 # argv: digest, bundle size, then the agent's own arguments (`-m skytasks.node.agent ...`).
-BOOTSTRAP = python_check.CHECK + r"""
-import io, os, shutil, sys, tarfile
+BOOTSTRAP = python_check.CHECK + PACKAGE_IN + r"""
+import os, sys
 if not _python_ok():
     sys.exit(3)
 base = next((d for d in ("/tmp", "/dev/shm") if os.access(d, os.W_OK)), None)
 if base is None:
     sys.exit("skytasks: neither /tmp nor /dev/shm is writable in the pod")
-home = os.path.join(base, "skytasks", sys.argv[1])
-have = os.path.isdir(os.path.join(home, "skytasks"))
-os.write(1, b"have\n" if have else b"need\n")
-if not have:
-    size, data = int(sys.argv[2]), bytearray()
-    while len(data) < size:
-        chunk = os.read(0, size - len(data))
-        if not chunk:
-            sys.exit("skytasks: the stream closed before the package arrived")
-        data += chunk
-    tmp = home + ".%d" % os.getpid()
-    tarfile.open(fileobj=io.BytesIO(bytes(data))).extractall(tmp)
-    try:
-        os.rename(tmp, home)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(home), os.environ.get("PYTHONPATH")) if p)
+_package_in(os.path.join(base, "skytasks", sys.argv[1]), int(sys.argv[2]))
 try:
     os.chdir(os.path.expanduser("~"))  # where a workdir is synced, as on ssh and slurm nodes
 except OSError:
@@ -71,27 +55,6 @@ sys.exit(proc.wait())
 """
 
 
-def _read_line(stream: exec_stream.PodExec, timeout: float) -> bytes:
-    box: dict[str, bytes] = {}
-
-    def read() -> None:
-        line = bytearray()
-        while not line.endswith(b"\n"):
-            b = stream.inbound.read(1)
-            if not b:
-                break
-            line += b
-        box["line"] = bytes(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if reader.is_alive():
-        stream.close()
-        reader.join(5)
-    return box.get("line", b"")
-
-
 class PodAgents:
     """The agents of one pool's pods, and the commands run beside them."""
 
@@ -113,8 +76,8 @@ class PodAgents:
             from skytasks.providers.kubernetes.cluster import refused
             raise refused(exc, f"exec into pod {pod} (pods/exec)", self._namespace) from exc
         self.streams[pod] = stream
-        checked = python_check.parse(_read_line(stream, self._timeout))
-        answer = _read_line(stream, self._timeout) if checked is not None and not checked.missing else b""
+        checked = python_check.parse(read_line(stream.inbound, self._timeout, stream.close))
+        answer = read_line(stream.inbound, self._timeout, stream.close) if checked is not None and not checked.missing else b""
         if checked is not None and checked.missing:
             stream.close()
             raise PoolStartError(python_check.cannot_import(where, self._python, checked))

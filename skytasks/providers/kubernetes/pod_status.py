@@ -96,8 +96,8 @@ def view(pod: Mapping[str, Any]) -> PodView:
                 f" ({status.get('reason') or terminated.get('reason') or 'ended'}"
                 f"{', exit code %s' % terminated['exitCode'] if 'exitCode' in terminated else ''})"
                 + (f": {said.strip()[-300:]}" if said else ""))
-        if never is None and not any("running" in (c.get("lastState") or {}) for c in [container]) and \
-                phase == "Failed" and terminated.get("exitCode") in (126, 127, 2):
+        # The keeper could not run at all: the image's shell or loader said the command is not there.
+        if never is None and phase == "Failed" and terminated.get("exitCode") in (126, 127, 2):
             never = ("remote_python", gone)
     elif running and conditions.get("Ready", {}).get("status") == "False" and \
             conditions["Ready"].get("reason") in ("NodeNotReady", "NodeLost"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +27,7 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers import NodeLink
 from skytasks.providers.reporting import PoolReporter
+from skytasks.providers.package_in import PACKAGE_IN, read_line
 from skytasks.providers.slurm.shell import SlurmShell, Step
 from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.nodes import package_bundle
@@ -35,29 +35,12 @@ from skytasks.providers.ssh.nodes import package_bundle
 # argv: digest, bundle size, then the agent's own arguments. Stdlib only. The env comes first on
 # stdin (env_in: a startup variable such as LD_LIBRARY_PATH restarts this Python with it, before
 # the check), then the package if the answer is "need".
-BOOTSTRAP = env_in.ENV_IN + "\n_env_in()\n" + python_check.CHECK + r"""
-import io, os, shutil, sys, tarfile
+BOOTSTRAP = env_in.ENV_IN + "\n_env_in()\n" + python_check.CHECK + PACKAGE_IN + r"""
+import os, sys
 if not _python_ok():
     sys.exit(3)
 os.chdir(os.path.expanduser("~"))
-home = os.path.join(".cache", "skytasks", sys.argv[1])
-have = os.path.isdir(os.path.join(home, "skytasks"))
-os.write(1, b"have\n" if have else b"need\n")
-if not have:
-    size, data = int(sys.argv[2]), bytearray()
-    while len(data) < size:
-        chunk = os.read(0, size - len(data))
-        if not chunk:
-            sys.exit("skytasks: the stream closed before the package arrived")
-        data += chunk
-    tmp = home + ".%d" % os.getpid()
-    tarfile.open(fileobj=io.BytesIO(bytes(data))).extractall(tmp)
-    try:
-        os.rename(tmp, home)
-    except OSError:  # another node on the same home was first
-        shutil.rmtree(tmp, ignore_errors=True)
-path = os.path.abspath(home)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
+_package_in(os.path.join(".cache", "skytasks", sys.argv[1]), int(sys.argv[2]))
 os.execv(sys.executable, [sys.executable] + sys.argv[3:])
 """
 
@@ -97,7 +80,7 @@ class NodeSteps:
             pass
         timeout = self._spec.own(SlurmSpec).ready_timeout_seconds
         where = f"node {node_rank} ({name}, job {job_id})"
-        first = _read_line(step, timeout=timeout)
+        first = read_line(step.inbound, timeout, step.close)
         found = python_check.parse(first)
         if found is not None and found.missing:  # before any rank: the step ends, stop() cancels the job
             step.close()
@@ -107,7 +90,7 @@ class NodeSteps:
             step.close()
             raise PoolStartError(python_check.did_not_start(where, self._python, f"srun: {said}",
                                                             self._python_default))
-        answer = _read_line(step, timeout=timeout)
+        answer = read_line(step.inbound, timeout, step.close)
         if answer == b"need\n":
             step.outbound.write(bundle)
             step.outbound.flush()
@@ -176,15 +159,3 @@ class _StepShell:
             raise PoolStartError(f"node {self._name} (job {self._job_id}): {shlex.split(command)[:3]} failed: "
                                  f"{done.stderr.strip()[-500:]}")
         return SimpleNamespace(stdout=done.stdout, stderr=done.stderr, exit_status=done.returncode)
-
-
-def _read_line(step: Step, timeout: float) -> bytes:
-    """The bootstrap's first line, or b"" when the step ended (or said nothing in time)."""
-    box: dict[str, bytes] = {}
-    reader = threading.Thread(target=lambda: box.setdefault("line", step.inbound.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if reader.is_alive():
-        step.close()
-        reader.join(10)
-    return box.get("line", b"")
