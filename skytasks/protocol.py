@@ -27,6 +27,11 @@ Controller -> agent:
                                                 the next CALL frame also goes down this relay tree
                                                 (from the controller to the first node, or from a
                                                 node to its children over their peer connections)
+  LINKS   children [{address, port, children}]  open the relay links to these children now, and pass
+                                                each its own part of the tree: the pool's tree is
+                                                known (every node's PEER_READY), so the first large
+                                                call waits for no TLS handshake (from the controller
+                                                to the first node, then node to node)
   HEARTBEAT                                     both ways; never reaches the event queue
 Agent -> controller:
   HELLO   pid, python, gpus                     once, first: the node is ready, with its GPUs
@@ -78,6 +83,7 @@ class Op(StrEnum):
     HEARTBEAT = "heartbeat"
     PEERS = "peers"
     ROUTE = "route"
+    LINKS = "links"
     HELLO = "hello"
     PEER_READY = "peer_ready"
     OUTPUT = "output"
@@ -165,6 +171,10 @@ class Peers(TypedDict):
 class Route(TypedDict):
     group: int  # the CALL is for this group's ranks: a node waits until it has spawned them
     children: list[dict[str, Any]]  # [{address, port, children}]
+
+
+class Links(TypedDict):
+    children: list[dict[str, Any]]  # [{address, port, children}], as ROUTE's
 
 
 class PeerReady(TypedDict):
@@ -275,7 +285,7 @@ MESSAGES: dict[Op, type] = {
     Op.AGENT_ERROR: AgentError, Op.LEAVING: Leaving, Op.NOTICE: Notice, Op.PREEMPTION: Preemption,
     Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
     Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
-    Op.PEERS: Peers, Op.ROUTE: Route, Op.PEER_READY: PeerReady, Op.SHARED: Shared,
+    Op.PEERS: Peers, Op.ROUTE: Route, Op.LINKS: Links, Op.PEER_READY: PeerReady, Op.SHARED: Shared,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})
 Fits = Callable[[Any], bool]

@@ -17,9 +17,11 @@ import pytest
 
 from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
 from skytasks.controller.peer_tls import pool_tls
-from skytasks.node.peers import DIGEST_BYTES, PeerListener, PeerTLS, RelayNode, connect
+from skytasks.node.peer_links import DIGEST_BYTES, PeerListener, connect
+from skytasks.node.peers import RelayNode, relay_tree
+from skytasks.node.tls_link import PeerTLS
 from skytasks.protocol import Op, message
-from skytasks.wire import RELAY, ChannelClosed, encode, read_frame, read_header
+from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_frame, read_header
 
 SECRET = b"s" * 32
 
@@ -333,9 +335,9 @@ def test_frames_of_many_sizes_arrive_whole_through_tls(pool_key):
 def test_a_peer_that_trickles_its_handshake_is_cut_off_at_the_deadline(pool_key, monkeypatch):
     """A byte at a time, each well within a read's timeout, still ends at the handshake's deadline
     (the listener does its TLS through memory: the deadline is its own, as an SSLSocket's was)."""
-    import skytasks.node.peers as peers
+    import skytasks.node.peer_links as peer_links
 
-    monkeypatch.setattr(peers, "HANDSHAKE_SECONDS", 0.5)
+    monkeypatch.setattr(peer_links, "HANDSHAKE_SECONDS", 0.5)
     lst = PeerListener("127.0.0.1", SECRET, lambda stream: None, tls_of(pool_key))
     raw = socket.create_connection(("127.0.0.1", lst.port), timeout=10)
     try:
@@ -374,7 +376,7 @@ class _Held(PeerListener):
 
 
 def test_a_node_opens_its_childrens_links_side_by_side(pool_key):
-    from skytasks.node.peers import PeerLinks
+    from skytasks.node.peer_links import PeerLinks
 
     barrier = threading.Barrier(2)
     children = [_Held(barrier, tls_of(pool_key)) for _ in range(2)]
@@ -388,7 +390,7 @@ def test_a_node_opens_its_childrens_links_side_by_side(pool_key):
 
 
 def test_a_child_that_cannot_be_reached_is_tried_twice_and_its_sibling_gets_the_frame(pool_key, monkeypatch):
-    import skytasks.node.peers as peers
+    import skytasks.node.peer_links as peer_links
 
     heard: list[dict] = []
 
@@ -406,7 +408,7 @@ def test_a_child_that_cannot_be_reached_is_tried_twice_and_its_sibling_gets_the_
         tries.append(port)
         return connect(address, port, *args, **kwargs)
 
-    monkeypatch.setattr(peers, "connect", counted)
+    monkeypatch.setattr(peer_links, "connect", counted)
     relay = RelayNode(lambda group, wait: [])
     relay.open(SECRET, "127.0.0.1", tls_of(pool_key))
     frame = b"".join(bytes(c) for c in encode(message(Op.HEARTBEAT) | {"big": os.urandom(2 << 20)}, flags=RELAY))
@@ -421,3 +423,56 @@ def test_a_child_that_cannot_be_reached_is_tried_twice_and_its_sibling_gets_the_
         assert tries.count(dead_port) == 2 and tries.count(live.port) == 1
     finally:
         live.close()
+
+
+class _Rank:
+    """A rank as the relay sees it: its pipe is one end of a socket pair, read by the test."""
+
+    def __init__(self):
+        self.ours, theirs = socket.socketpair()
+        self.to_rank = FrameWriter(self.ours.makefile("wb"))
+        self.reader = theirs.makefile("rb")
+
+    def hand_fd(self, token: int, fd: int) -> bool:
+        return False  # the bytes go inline
+
+
+def test_links_open_down_the_whole_tree_before_the_first_call_and_the_call_opens_none(pool_key, monkeypatch):
+    """LINKS to the first node opens every link of the tree (the first node's to its children,
+    each child's to its own), so the first large call makes no connection of its own."""
+    import skytasks.node.peer_links as peer_links
+
+    opened: list[int] = []
+
+    def counted(address, port, *args, **kwargs):
+        opened.append(port)
+        return connect(address, port, *args, **kwargs)
+
+    monkeypatch.setattr(peer_links, "connect", counted)
+    ranks = [_Rank() for _ in range(4)]
+    nodes = [RelayNode(lambda group, wait, r=r: [r]) for r in ranks]
+    ports = [node.open(SECRET, "127.0.0.1", tls_of(pool_key)) for node in nodes]
+    tree = relay_tree([("127.0.0.1", port) for port in ports])  # 0 -> 1, 2; 1 -> 3
+    nodes[0].open_links(tree)
+    assert wait_for(lambda: sorted(opened) == sorted(ports[1:]))
+    time.sleep(0.2)
+    assert sorted(opened) == sorted(ports[1:])  # each link once, not again
+    payload = os.urandom(64 << 10)
+    frame = b"".join(bytes(c) for c in encode(message(Op.HEARTBEAT) | {"big": payload}, flags=RELAY))
+    stream = io.BytesIO(frame)
+    nodes[0].relay_call(stream, read_header(stream), {"group": 1, "children": tree})
+    for rank in ranks:  # every node's rank got the frame, down links opened before it
+        assert bytes(read_frame(rank.reader)["big"]) == payload
+    assert sorted(opened) == sorted(ports[1:])
+
+
+def test_a_peer_may_send_links_route_and_call_frames_only(pool_key):
+    said: list[str] = []
+    relay = RelayNode(lambda group, wait: [], broken=said.append)
+    port = relay.open(SECRET, "127.0.0.1", tls_of(pool_key))
+    w = connect("127.0.0.1", port, SECRET, tls=tls_of(pool_key))
+    w.send(message(Op.LINKS, children=[]))  # nothing to open: fine
+    w.send({"op": Op.LINKS, "children": "127.0.0.1"})  # not a tree
+    assert wait_for(lambda: said)
+    assert "children" in said[0]
+    w.close()

@@ -10,6 +10,7 @@ import io
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import psutil
@@ -17,7 +18,8 @@ import pytest
 
 from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.controller.channel import bytes_sent
-from skytasks.node.peers import DIGEST_BYTES, NONCE_BYTES, PeerListener, connect, relay_tree
+from skytasks.node.peer_links import DIGEST_BYTES, NONCE_BYTES, PeerListener, connect
+from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, message
 from skytasks.node.control_channel import HandedFiles, serve_control_channel
 from skytasks.serialization import SharedBuffer, mapped_buffer
@@ -55,6 +57,32 @@ def test_a_large_argument_leaves_the_controller_once_and_reaches_every_rank():
     assert out == [(r, want) for r in range(4)]
     assert [d for _, d in again] == [hashlib.sha256((arg + 1).tobytes()).hexdigest()] * 4
     assert arg.nbytes <= sent < 1.5 * arg.nbytes, sent  # once, not once per node (4x)
+
+
+def test_the_relay_trees_links_are_open_before_the_first_large_call_which_uses_them():
+    """Once every agent's listener is open, the agents open the tree's links (LINKS): the first
+    large call waits for no handshake and makes no connection of its own."""
+
+    def peer_links(session) -> set[tuple]:
+        ports = {n.peer_port for n in session.nodes}
+        return {(n.link.node_rank, c.laddr, c.raddr) for n in session.nodes
+                for c in psutil.Process(n.pid).net_connections("tcp")
+                if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr[1] in ports}
+
+    with GPUPool(nodes=4) as pool:
+        task = distributed_task(digest, pool=pool, init_torch=False)
+        task(np.zeros(1, dtype=np.uint8))  # small: straight to each node, no link used
+        session = pool.runtime().session
+        ports = [n.peer_port for n in session.nodes]
+        want = {(0, ports[1]), (0, ports[2]), (1, ports[3])}  # node 0 -> 1, 2; node 1 -> 3
+        deadline = time.monotonic() + 10
+        while {(rank, raddr[1]) for rank, _, raddr in peer_links(session)} != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = peer_links(session)
+        assert {(rank, raddr[1]) for rank, _, raddr in before} == want
+        arg = np.random.default_rng(1).integers(0, 255, size=4 << 20, dtype=np.uint8)
+        assert [d for _, d in task(arg)] == [hashlib.sha256(arg.tobytes()).hexdigest()] * 4
+        assert peer_links(session) == before  # the same connections carried it: none opened, none lost
 
 
 def test_a_stranger_is_refused_and_the_listener_is_on_the_nodes_address_only():

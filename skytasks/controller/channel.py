@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from skytasks.controller.backlog import NodeEvents
 from skytasks.node.peers import relay_tree
@@ -54,6 +54,7 @@ class NodeChannel:
         self.notice: dict[str, Any] | None = None  # its preemption notice: it runs, but not for long
         self.lost_reason = ""
         self.said = False  # its loss or notice was reported (NodeLost / NodePreempted): not twice
+        self.on_peer_ready: Callable[[], None] | None = None  # the session's: the relay tree may be known now
 
     def start(self) -> NodeChannel:
         """Start reading the agent's frames into the event queue: on the process's one reader
@@ -96,6 +97,8 @@ class NodeChannel:
                              f"{exc}") from None
         if msg["op"] == Op.PEER_READY:  # the channel's own news: never a call's
             self.peer_port = msg["port"]
+            if self.on_peer_ready is not None:
+                self.on_peer_ready()
             return
         if msg["op"] != Op.HEARTBEAT:
             msg["channel"] = self.serial
@@ -182,6 +185,20 @@ def send_call(nodes: list[NodeChannel], msg: dict[str, Any], group: int) -> None
     tree = relay_tree([(n.link.address, n.peer_port) for n in nodes])
     nodes[0].send(message(Op.ROUTE, group=group, children=tree))
     nodes[0].send_encoded(chunks)
+
+
+def relay_peers(nodes: list[NodeChannel]) -> tuple[tuple[str, int], ...]:
+    """The relay tree's members, in node order, as (address, port): () while the pool is too small
+    for one, or a node has no listener (yet, or at all: then calls go straight)."""
+    if len(nodes) < RELAY_TREE_NODES or not all(n.alive and n.peer_port for n in nodes):
+        return ()
+    return tuple((n.link.address, n.peer_port) for n in nodes)
+
+
+def open_relay_links(nodes: list[NodeChannel], peers: tuple[tuple[str, int], ...]) -> None:
+    """LINKS down the relay tree of `peers` (relay_peers(nodes)): each agent opens its links to its
+    children now, so the first large call pays for no TLS handshake."""
+    nodes[0].send(message(Op.LINKS, children=relay_tree(list(peers))))
 
 
 def keep_heartbeats(nodes: list[NodeChannel], closed: threading.Event) -> None:

@@ -17,7 +17,8 @@ from skytasks.controller.backlog import NodeEvents
 from skytasks.controller.call_run import CallRun
 from skytasks.controller.call_loop import drive
 from skytasks.controller.outcome import CallOutcome
-from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats, send_call
+from skytasks.controller.channel import (NodeChannel, broadcast, keep_heartbeats, open_relay_links, relay_peers,
+                                        send_call)
 from skytasks.controller.membership import Drop, GoneNode, Grow, MembershipPolicy, PoolStatus, Replace, policy_for
 from skytasks.controller.packing import PackedCall
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
@@ -72,6 +73,8 @@ class PoolSession:
         self.policy: MembershipPolicy = policy_for(nodes)
         self._peer_secret = secrets.token_bytes(32)  # the relay tree's: only the pool's agents know it
         self._peer_tls: PoolTLS | None = None  # and its TLS key (controller/peer_tls.py), made at the first PEERS
+        self._linked: tuple[tuple[str, int], ...] = ()  # the relay tree whose links the agents were told to open
+        self._links_lock = threading.Lock()
 
     @property
     def world_size(self) -> int:
@@ -82,7 +85,7 @@ class PoolSession:
         try:
             for position, link in enumerate(self.provider.start()):
                 link.node_rank = position
-                self.nodes.append(NodeChannel(link, self.events).start())
+                self.nodes.append(self._channel(link))
             keep_heartbeats(self.nodes, self._closed)
             self._await_agents()
         except BaseException:
@@ -117,6 +120,27 @@ class PoolSession:
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
+
+    def _channel(self, link: Any) -> NodeChannel:
+        node = NodeChannel(link, self.events)
+        node.on_peer_ready = self._peer_ready
+        return node.start()
+
+    def _peer_ready(self) -> None:
+        # On the reader's thread: a send may wait behind a large call's, so it goes on its own.
+        threading.Thread(target=self._open_relay_links, daemon=True, name="skytasks-links").start()
+
+    def _open_relay_links(self) -> None:
+        """Once every node's relay listener is open (and again when the members change), the agents
+        open the relay tree's links (LINKS), so the pool's first large call waits for no TLS
+        handshake. A node that has no listener: calls go straight, and there is no tree."""
+        with self._links_lock:
+            nodes = list(self.nodes)
+            peers = relay_peers(nodes)
+            if not peers or peers == self._linked:
+                return
+            self._linked = peers
+        open_relay_links(nodes, peers)
 
     def _peer_credentials(self) -> tuple[str, str]:
         """The pool's TLS certificate and key for the relay links, PEM; ("", "") with
@@ -159,6 +183,7 @@ class PoolSession:
                                            self.provider.free_port(self.nodes[0].link.node_id), self.env, node_dir)
                 self._members = tuple(n.serial for n in self.nodes)
                 g.start(self.bus)
+                self._open_relay_links()  # the members changed, or their listeners opened before they joined
             knobs = settings()
             run = CallRun(g, self.bus, observer, label=label, attempt=attempt, deadline=deadline,
                           hang_timeout=hang_timeout, stop_confirm_seconds=knobs.stop_confirm_seconds,
@@ -217,7 +242,7 @@ class PoolSession:
             old.link.let_go_lost()
             link = self.provider.replace(old.link.node_id)
             link.node_rank = old.link.node_rank
-            new = NodeChannel(link, self.events).start()
+            new = self._channel(link)
             self.nodes[self.nodes.index(old)] = new
             keep_heartbeats([new], self._closed)
             fresh.append((old, new, started))
@@ -243,7 +268,7 @@ class PoolSession:
             links = self.provider.grow(missing)
             for position, link in enumerate(links, start=len(self.nodes)):
                 link.node_rank = position
-                fresh.append(NodeChannel(link, self.events).start())
+                fresh.append(self._channel(link))
             self._await_agents(fresh)
         except PoolStartError as exc:
             for node in fresh:

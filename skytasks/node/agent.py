@@ -32,7 +32,8 @@ from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
 from skytasks.node.notices import NodeNotice
-from skytasks.node.peers import PeerTLS, RelayNode
+from skytasks.node.peers import RelayNode
+from skytasks.node.tls_link import PeerTLS
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess, start_ranks
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.rank_stops import ask_stacks, stop_and_wait, stop_for_good, wait_until
@@ -53,7 +54,8 @@ class NodeAgent:
         # PREEMPTION (a node of the pool is going, maybe this one) goes on to every rank at once.
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
                           Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward_notice,
-                          Op.HEARTBEAT: _heard, Op.PEERS: self._open_to_peers}
+                          Op.HEARTBEAT: _heard, Op.PEERS: self._open_to_peers,
+                          Op.LINKS: self._open_links}
         self._spawned = threading.Condition(self._lock)  # a group's ranks were started
         # this node's part in the relay tree of large calls
         self._relay = RelayNode(self._ranks_of, self._relay_broke)
@@ -180,6 +182,9 @@ class NodeAgent:
             print(f"skytasks agent: no relay listener on {msg['address']}: {exc}", file=sys.stderr, flush=True)
             port = 0
         self.emit(message(Op.PEER_READY, port=port))
+
+    def _open_links(self, msg: dict[str, Any]) -> None:
+        self._relay.open_links(msg["children"])
 
     def _relay_broke(self, reason: str) -> None:
         """A peer link broke in the middle of a call: this node's ranks hold part of its frame, so
