@@ -67,6 +67,26 @@ def test_c_level_output_is_muted_too(capsys):
     assert "fd-write-0" in out and "fd-write-1" not in out and "fd-write-2" not in out
 
 
+def c_burst() -> int:
+    import os
+
+    r = rank_info().rank
+    os.write(1, "".join(f"burst-{r}-{i}\n" for i in range(2000)).encode())
+    return r
+
+
+def test_what_c_code_writes_before_return_is_printed_before_the_call_returns(capsys):
+    """C code's fd 1 and the rank's result travel on two streams to the agent; every line written
+    before `return` is printed by the time the call returns."""
+    with GPUPool(nodes=2) as pool:
+        task = distributed_task(c_burst, pool=pool, init_torch=False)
+        for _ in range(3):
+            assert task() == [0, 1]
+            out = capsys.readouterr().out  # at once: nothing after the call may be waited for
+            for r in (0, 1):
+                assert sum(f"] burst-{r}-" in line for line in out.splitlines()) == 2000, r
+
+
 def test_a_bad_selector_is_refused_at_decoration():
     with pytest.raises(TypeError, match="only="):
         stdout(only="heads")

@@ -30,17 +30,37 @@ class RankHost(Protocol):
 
 class _LineSplitter:
     """A rank's stdout or stderr: bytes in, each whole line relayed (without its newline); what
-    is left when the stream ends is a line too."""
+    is left when the stream ends is a line too.
 
-    def __init__(self, rank: RankProcess, name: str):
+    `drain` reads what is waiting in the pipe now, out of the reactor's turn: the rank's frames
+    (its result) and what C code wrote to fd 1 or 2 come on two streams, and a line written before
+    `return` must reach the controller before the result does. It reads through a descriptor of
+    its own, closed at the stream's end, so it can never read a number the owner closed and the
+    kernel gave to another stream."""
+
+    def __init__(self, rank: RankProcess, name: str, stream: Any):
         self._rank, self._name, self._rest = rank, name, b""
+        self._fd: int | None = os.dup(stream.fileno())  # non-blocking: the reactor set it so
 
     def feed(self, data: bytes) -> None:
         *lines, self._rest = (self._rest + data).split(b"\n")
         for line in lines:
             self._rank.relay_line(line, self._name)
 
+    def drain(self) -> None:
+        while self._fd is not None:
+            try:
+                data = os.read(self._fd, DRAIN_BYTES)
+            except OSError:  # nothing waiting (BlockingIOError), or the stream is going: the reactor hears it
+                return
+            if not data:
+                return
+            self.feed(data)
+
     def end(self, why: str) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._rest:
             line, self._rest = self._rest, b""
             self._rank.relay_line(line, self._name)
@@ -94,6 +114,7 @@ def _control_channel() -> tuple[int, int]:
     return ours.detach(), theirs.detach()
 
 
+DRAIN_BYTES = 1 << 16
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
 
@@ -122,11 +143,14 @@ class RankProcess:
         self._reported = False
         self._streams_lock = threading.Lock()  # the streams' count, the exit and its report
         self._reactor = reactor = shared_reactor()
+        self._outputs: list[_LineSplitter] = []
+        for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
+            os.set_blocking(stream.fileno(), False)
+            self._outputs.append(_LineSplitter(self, name, stream))
         frames = FrameParser()
         reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed_raw(data)),
                     self.stream_ended)
-        for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
-            lines = _LineSplitter(self, name)
+        for stream, lines in zip((self.proc.stdout, self.proc.stderr), self._outputs):
             reactor.add(stream, lines.feed, lines.end)
         # Its end is heard on the same thread as its streams, not in a thread of its own.
         if not reactor.watch_exit(self.proc.pid, self._on_exit):
@@ -135,7 +159,10 @@ class RankProcess:
     def _relay_frames(self, frames: list[tuple[int, bytearray]]) -> None:
         """The rank's frames go on to the controller as the rank wrote them (it stamped them with
         its rank and group): no unpickling and pickling again of every result, line and log
-        record at the agent, one write for all that one read brought."""
+        record at the agent, one write for all that one read brought. What C code wrote to the
+        rank's fd 1 and 2 before these frames goes first."""
+        for lines in self._outputs:
+            lines.drain()
         onward: list[bytearray] = []
         for flags, frame in frames:
             if flags & TO_AGENT:  # SIGUSR2 reached this rank: it is the node's notice
