@@ -225,7 +225,7 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
         with pool:
             task = distributed_task(secrets_reached_the_rank, pool=pool, init_torch=False)
             out = task()
-            tls = pool.runtime().session._peer_tls
+            tls = pool.runtime().session.relay._tls
             tls_key.append(tls.key if tls else "")
             held.append(setup.during())  # while the pool is up: its pods, say
             return out

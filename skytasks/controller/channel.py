@@ -187,20 +187,6 @@ def send_call(nodes: list[NodeChannel], msg: dict[str, Any], group: int) -> None
     nodes[0].send_encoded(chunks)
 
 
-def relay_peers(nodes: list[NodeChannel]) -> tuple[tuple[str, int], ...]:
-    """The relay tree's members, in node order, as (address, port): () while the pool is too small
-    for one, or a node has no listener (yet, or at all: then calls go straight)."""
-    if len(nodes) < RELAY_TREE_NODES or not all(n.alive and n.peer_port for n in nodes):
-        return ()
-    return tuple((n.link.address, n.peer_port) for n in nodes)
-
-
-def open_relay_links(nodes: list[NodeChannel], peers: tuple[tuple[str, int], ...]) -> None:
-    """LINKS down the relay tree of `peers` (relay_peers(nodes)): each agent opens its links to its
-    children now, so the first large call pays for no TLS handshake."""
-    nodes[0].send(message(Op.LINKS, children=relay_tree(list(peers))))
-
-
 def keep_heartbeats(nodes: list[NodeChannel], closed: threading.Event) -> None:
     """Until `closed`: a heartbeat to every node each interval (one sender thread per node, so
     one stuck link delays no other), and a watch that gives up a node silent past the timeout."""

@@ -8,7 +8,6 @@ failed, or whose spec (backend, workdir, ...) differs, with a fresh one.
 from __future__ import annotations
 
 import queue
-import secrets
 import threading
 import time
 from typing import Any
@@ -17,15 +16,14 @@ from skytasks.controller.backlog import NodeEvents
 from skytasks.controller.call_run import CallRun
 from skytasks.controller.call_loop import drive
 from skytasks.controller.outcome import CallOutcome
-from skytasks.controller.channel import (NodeChannel, broadcast, keep_heartbeats, open_relay_links, relay_peers,
-                                        send_call)
+from skytasks.controller.channel import NodeChannel, broadcast, keep_heartbeats, send_call
 from skytasks.controller.membership import Drop, GoneNode, Grow, MembershipPolicy, PoolStatus, Replace, policy_for
 from skytasks.controller.packing import PackedCall
+from skytasks.controller.pool_relay import PoolRelay
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
 from skytasks.events import GrowFailed, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank, WorkdirSynced
-from skytasks.controller.peer_tls import PoolTLS, pool_tls
-from skytasks.protocol import NODE_FAILURES, Op, message
+from skytasks.protocol import NODE_FAILURES, Op
 from skytasks.providers import NodeProvider
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest
@@ -71,10 +69,7 @@ class PoolSession:
         self._members: tuple[int, ...] = ()  # the channels the group was placed on
         self._grow_failed_at: float | None = None  # when an elastic pool last tried to grow and came up short
         self.policy: MembershipPolicy = policy_for(nodes)
-        self._peer_secret = secrets.token_bytes(32)  # the relay tree's: only the pool's agents know it
-        self._peer_tls: PoolTLS | None = None  # and its TLS key (controller/peer_tls.py), made at the first PEERS
-        self._linked: tuple[tuple[str, int], ...] = ()  # the relay tree whose links the agents were told to open
-        self._links_lock = threading.Lock()
+        self.relay = PoolRelay()  # the relay tree's key, and its links opened ahead of large calls
 
     @property
     def world_size(self) -> int:
@@ -110,12 +105,7 @@ class PoolSession:
             if msg["op"] == Op.HELLO:
                 node.gpus = list(msg.get("gpus") or [])
                 node.pid = msg.get("pid")
-                # Its relay listener, for large calls (skytasks.node.peers): on its own address,
-                # TLS both ways for the pool's members only, with the key handed over this channel.
-                # Its PEER_READY sets the channel's peer_port; calls go straight until it has.
-                cert, key = self._peer_credentials()
-                node.send(message(Op.PEERS, secret=self._peer_secret.hex(), address=node.link.address,
-                                  cert=cert, key=key))
+                node.send(self.relay.peers_message(node.link.address))  # its relay listener
                 del waiting[node_rank]
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
@@ -128,28 +118,8 @@ class PoolSession:
 
     def _peer_ready(self) -> None:
         # On the reader's thread: a send may wait behind a large call's, so it goes on its own.
-        threading.Thread(target=self._open_relay_links, daemon=True, name="skytasks-links").start()
-
-    def _open_relay_links(self) -> None:
-        """Once every node's relay listener is open (and again when the members change), the agents
-        open the relay tree's links (LINKS), so the pool's first large call waits for no TLS
-        handshake. A node that has no listener: calls go straight, and there is no tree."""
-        with self._links_lock:
-            nodes = list(self.nodes)
-            peers = relay_peers(nodes)
-            if not peers or peers == self._linked:
-                return
-            self._linked = peers
-        open_relay_links(nodes, peers)
-
-    def _peer_credentials(self) -> tuple[str, str]:
-        """The pool's TLS certificate and key for the relay links, PEM; ("", "") with
-        SKYTASKS_PEER_TLS=0 (measuring what TLS costs: the links then run in the clear)."""
-        if not settings().peer_tls:
-            return "", ""
-        if self._peer_tls is None:
-            self._peer_tls = pool_tls()
-        return self._peer_tls.cert, self._peer_tls.key
+        threading.Thread(target=lambda: self.relay.open_links(list(self.nodes)), daemon=True,
+                         name="skytasks-links").start()
 
     def prepare(self, observer: CallObserver, *, first_attempt: bool) -> None:
         """The nodes the next attempt runs on: the pool's policy decides from its status (lost and
@@ -183,7 +153,7 @@ class PoolSession:
                                            self.provider.free_port(self.nodes[0].link.node_id), self.env, node_dir)
                 self._members = tuple(n.serial for n in self.nodes)
                 g.start(self.bus)
-                self._open_relay_links()  # the members changed, or their listeners opened before they joined
+                self.relay.open_links(self.nodes)  # the members changed, or their listeners opened before they joined
             knobs = settings()
             run = CallRun(g, self.bus, observer, label=label, attempt=attempt, deadline=deadline,
                           hang_timeout=hang_timeout, stop_confirm_seconds=knobs.stop_confirm_seconds,

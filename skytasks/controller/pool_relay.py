@@ -1,0 +1,59 @@
+"""The controller's part in a pool's relay tree (skytasks.node.peers): the pool's secret and TLS
+key, handed to each agent in its PEERS message, and the tree's links opened ahead of the first
+large call (LINKS).
+
+Why ahead: opening a link is each agent's first use of TLS and a handshake per link, about 0.15 s
+under load, which a pool's first large call would otherwise wait for. Only the controller knows
+when a pool is large enough to relay and who its members are, so it sends the tree once every
+member's listener is open, and again when the members change.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any
+
+from skytasks.controller.channel import RELAY_TREE_NODES, NodeChannel
+from skytasks.controller.peer_tls import PoolTLS, pool_tls
+from skytasks.node.peers import relay_tree
+from skytasks.protocol import Op, message
+from skytasks.settings import settings
+
+
+class PoolRelay:
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(32)  # the peer challenge's: only the pool's agents know it
+        self._tls: PoolTLS | None = None  # made at the first PEERS (controller/peer_tls.py)
+        self._linked: tuple[tuple[str, int], ...] = ()  # the tree whose links the agents were told to open
+        self._lock = threading.Lock()
+
+    def peers_message(self, address: str) -> dict[str, Any]:
+        """PEERS for the agent whose node peers reach at `address`: its relay listener opens there,
+        TLS both ways for the pool's members only, with the key handed over the controller's own
+        channel. Its PEER_READY sets the channel's peer_port; calls go straight until it has."""
+        cert, key = self._credentials()
+        return message(Op.PEERS, secret=self._secret.hex(), address=address, cert=cert, key=key)
+
+    def _credentials(self) -> tuple[str, str]:
+        """The pool's TLS certificate and key, PEM; ("", "") with SKYTASKS_PEER_TLS=0 (measuring what
+        TLS costs: the links then run in the clear)."""
+        if not settings().peer_tls:
+            return "", ""
+        with self._lock:
+            if self._tls is None:
+                self._tls = pool_tls()
+            return self._tls.cert, self._tls.key
+
+    def open_links(self, nodes: list[NodeChannel]) -> None:
+        """LINKS down the tree of `nodes` (the pool's members, in node order) once every one has a
+        listener, unless it was sent for these members already. A node without a listener (an
+        address not its own, behind NAT): calls go straight, and there is no tree."""
+        if len(nodes) < RELAY_TREE_NODES or not all(n.alive and n.peer_port for n in nodes):
+            return
+        peers = tuple((n.link.address, n.peer_port) for n in nodes)
+        with self._lock:
+            if peers == self._linked:
+                return
+            self._linked = peers
+        nodes[0].send(message(Op.LINKS, children=relay_tree(list(peers))))
