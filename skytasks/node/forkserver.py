@@ -71,6 +71,10 @@ def _warm(torch_env: dict[str, str] | None) -> None:
     torch too when `torch_env` is given, imported with those of its variables (its thread pools
     read them as they load)."""
     import cloudpickle  # noqa: F401 - the template warms it for every rank
+    import hashlib  # noqa: F401 - and these an agent of a pool of 3 nodes or more takes for its relay links
+    import hmac  # noqa: F401
+    import ssl  # noqa: F401
+
     import skytasks.node.agent  # noqa: F401
     import skytasks.node.worker
 
