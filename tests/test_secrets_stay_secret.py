@@ -86,15 +86,18 @@ async def _records(flow_run_id) -> str:
     return "\n".join(p.model_dump_json() for p in parts) + "\n" + text
 
 
-def cache_files() -> str:
+def cache_files(since: float) -> str:
+    """Every file under ~/.cache/skytasks made or changed since `since` (its ctime, which an
+    unpacked archive cannot set back): what this run wrote there. Not the whole cache: it holds
+    every version of the package the suite ever shipped, and the test cluster's binaries."""
     root = Path.home() / ".cache" / "skytasks"
     out = []
     for f in root.rglob("*") if root.exists() else []:
-        if f.is_file():
-            try:
+        try:
+            if f.is_file() and f.stat().st_ctime >= since:
                 out.append(f.read_bytes().decode("utf-8", "replace"))
-            except OSError:
-                pass
+        except OSError:
+            pass
     return "\n".join(out)
 
 
@@ -230,6 +233,7 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
             held.append(setup.during())  # while the pool is up: its pods, say
             return out
 
+    started = time.time() - 1
     with CommandLines() as ps:
         state = run(return_state=True)
     assert state.result() == [True, True, True]  # the secrets did reach every rank
@@ -243,7 +247,7 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
     secrets = {"aws access key": ACCESS_KEY, "aws secret key": SECRET_KEY, "env secret": ENV_SECRET,
                **{f"ssh key line {i}": s for i, s in enumerate(key_lines)},
                **{f"relay key line {i}": s for i, s in enumerate(tls_lines)}}
-    places = {"console": console.out + console.err, "prefect": records, "cache": cache_files(),
+    places = {"console": console.out + console.err, "prefect": records, "cache": cache_files(started),
               "command lines": "\n".join(ps.seen), "the provider's records": held[0] + "\n" + setup.after()}
     if provider == "kubernetes":
         assert held[0].count('"app.kubernetes.io/managed-by": "skytasks"') >= 3, "the search reads the pods it means to"
