@@ -133,3 +133,32 @@ def test_a_flood_of_output_never_stalls_the_ranks_and_every_line_is_printed_or_c
     assert sum(dropped.values()) > 0
     assert {r: printed[r] + dropped[r] for r in (0, 1)} == {0: lines, 1: lines}  # nothing lost silently
     assert "SKYTASKS_LINE_BACKLOG" in notes[0]
+
+
+def test_the_agent_drains_what_a_ranks_pipe_holds_and_no_more():
+    """Before a rank's frames go on, the agent takes what its stdout pipe holds at that moment;
+    what the rank writes after that is left for the agent's reader, in its turn, so a rank that
+    never stops writing cannot hold the agent's one reader thread."""
+    import os
+
+    from skytasks.node.rank_process import _LineSplitter
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    heard: list[str] = []
+
+    class Rank:
+        def relay_line(self, raw: bytes, name: str) -> None:
+            heard.append(raw.decode())
+            os.write(write_end, b"later\n")  # the rank goes on writing while the agent drains
+
+        def stream_ended(self, why: str) -> None:
+            pass
+
+    with os.fdopen(read_end, "rb") as stream:
+        lines = _LineSplitter(Rank(), "stdout", stream)
+        os.write(write_end, b"one\ntwo\nthree\n")
+        lines.drain()
+        assert heard == ["one", "two", "three"]
+        lines.end("the test is over")
+    os.close(write_end)

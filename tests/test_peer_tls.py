@@ -466,13 +466,69 @@ def test_links_open_down_the_whole_tree_before_the_first_call_and_the_call_opens
     assert sorted(opened) == sorted(ports[1:])
 
 
-def test_a_peer_may_send_links_route_and_call_frames_only(pool_key):
+@pytest.mark.parametrize("children, says", [
+    ("127.0.0.1", "children"),  # not a tree at all
+    ([{"address": "127.0.0.1", "port": "80", "children": []}], "port"),
+    ([{"address": "127.0.0.1", "port": 1, "children": [{"address": "127.0.0.1", "port": 2}]}], "address, port and children"),
+    ([{"address": "127.0.0.1", "port": 70000, "children": []}], "1-65535"),
+], ids=["not-a-list", "port-as-text", "a-grandchild-without-children", "port-out-of-range"])
+def test_a_peer_that_sends_a_malformed_tree_is_cut_off_saying_what_was_wrong(pool_key, children, says):
     said: list[str] = []
     relay = RelayNode(lambda group, wait: [], broken=said.append)
     port = relay.open(SECRET, "127.0.0.1", tls_of(pool_key))
     w = connect("127.0.0.1", port, SECRET, tls=tls_of(pool_key))
     w.send(message(Op.LINKS, children=[]))  # nothing to open: fine
-    w.send({"op": Op.LINKS, "children": "127.0.0.1"})  # not a tree
+    w.send({"op": Op.LINKS, "children": children})
     assert wait_for(lambda: said)
-    assert "children" in said[0]
+    assert says in said[0], said
     w.close()
+
+
+def test_two_threads_that_need_one_link_make_one_and_a_failure_reaches_both(pool_key, monkeypatch):
+    import skytasks.node.peer_links as peer_links
+    from skytasks.node.peer_links import PeerLinks
+
+    opened: list[int] = []
+    refuse = threading.Event()
+
+    def slow(address, port, *args, **kwargs):
+        opened.append(port)
+        time.sleep(0.3)  # both threads are asking by now
+        if refuse.is_set():
+            raise ChannelClosed("refused for the test")
+        return connect(address, port, *args, **kwargs)
+
+    monkeypatch.setattr(peer_links, "connect", slow)
+    lst = PeerListener("127.0.0.1", SECRET, lambda stream: None, tls_of(pool_key))
+    links = PeerLinks(SECRET, tls_of(pool_key))
+
+    def both() -> list:
+        got: list = []
+
+        def ask() -> None:
+            try:
+                got.append(links.writer("127.0.0.1", lst.port))
+            except ChannelClosed as exc:
+                got.append(exc)
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return got
+
+    try:
+        got = both()
+        assert len(opened) == 1 and got[0] is got[1]  # one connection, kept, for both
+        other = FrameWriter(io.BytesIO())
+        links.forget("127.0.0.1", lst.port, other)  # another link's forgetting leaves this one kept
+        assert links.writer("127.0.0.1", lst.port) is got[0] and len(opened) == 1
+        links.forget("127.0.0.1", lst.port, got[0])
+        refuse.set()
+        got = both()
+        assert len(opened) == 2 and all(isinstance(g, ChannelClosed) for g in got)  # one try, heard by both
+        refuse.clear()
+        assert links.writer("127.0.0.1", lst.port) and len(opened) == 3  # asked again: opened anew
+    finally:
+        lst.close()

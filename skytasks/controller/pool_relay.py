@@ -26,7 +26,8 @@ class PoolRelay:
         self._secret = secrets.token_bytes(32)  # the peer challenge's: only the pool's agents know it
         self._tls: PoolTLS | None = None  # made at the first PEERS (controller/peer_tls.py)
         self._linked: tuple[tuple[str, int], ...] = ()  # the tree whose links the agents were told to open
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tree sent last
+        self._tls_lock = threading.Lock()
 
     def peers_message(self, address: str) -> dict[str, Any]:
         """PEERS for the agent whose node peers reach at `address`: its relay listener opens there,
@@ -40,20 +41,23 @@ class PoolRelay:
         TLS costs: the links then run in the clear)."""
         if not settings().peer_tls:
             return "", ""
-        with self._lock:
+        with self._tls_lock:
             if self._tls is None:
                 self._tls = pool_tls()
             return self._tls.cert, self._tls.key
 
     def open_links(self, nodes: list[NodeChannel]) -> None:
-        """LINKS down the tree of `nodes` (the pool's members, in node order) once every one has a
-        listener, unless it was sent for these members already. A node without a listener (an
-        address not its own, behind NAT): calls go straight, and there is no tree."""
-        if len(nodes) < RELAY_TREE_NODES or not all(n.alive and n.peer_port for n in nodes):
-            return
-        peers = tuple((n.link.address, n.peer_port) for n in nodes)
+        """LINKS down the tree of `nodes` (the session's list of members, in node order) once every
+        one has a listener, unless it was sent for these members already. A node without a
+        listener (an address not its own, behind NAT): calls go straight, and there is no tree.
+        The members are read, and the tree sent, under one lock: an older tree never reaches
+        node 0 after a newer one."""
         with self._lock:
+            members = list(nodes)
+            if len(members) < RELAY_TREE_NODES or not all(n.alive and n.peer_port for n in members):
+                return
+            peers = tuple((n.link.address, n.peer_port) for n in members)
             if peers == self._linked:
                 return
             self._linked = peers
-        nodes[0].send(message(Op.LINKS, children=relay_tree(list(peers))))
+            members[0].send(message(Op.LINKS, children=relay_tree(list(peers))))

@@ -118,7 +118,7 @@ class PoolSession:
 
     def _peer_ready(self) -> None:
         # On the reader's thread: a send may wait behind a large call's, so it goes on its own.
-        threading.Thread(target=lambda: self.relay.open_links(list(self.nodes)), daemon=True,
+        threading.Thread(target=self.relay.open_links, args=(self.nodes,), daemon=True,
                          name="skytasks-links").start()
 
     def prepare(self, observer: CallObserver, *, first_attempt: bool) -> None:

@@ -13,7 +13,8 @@ byte is private and checked:
   HMAC-SHA256(pool secret, nonce), compared in constant time. With SKYTASKS_PEER_TLS=0 (for
   measuring what TLS costs, nothing else) that challenge alone admits a peer, in the clear.
 
-Standard library only (`hashlib` is imported at a peer's first connection).
+Standard library only (`hashlib` and `hmac` are imported when the relay first needs them, as
+`ssl` is: see tls_link.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from skytasks.wire import ChannelClosed, FrameWriter, Readable, read_exact
 NONCE_BYTES = 16
 DIGEST_BYTES = 32
 HANDSHAKE_SECONDS = 10.0
+# How long a call waits for a link another thread is opening: its connect and handshake, each
+# bounded by HANDSHAKE_SECONDS, and a margin.
+OPEN_WAIT_SECONDS = 3 * HANDSHAKE_SECONDS
 
 
 def _proof(secret: bytes, nonce: bytes) -> bytes:
@@ -157,44 +161,60 @@ def connect(address: str, port: int, secret: bytes, timeout: float = HANDSHAKE_S
     return FrameWriter(stream)
 
 
+class _Opening:
+    """A link being opened: done once it is kept, or failed (`error`)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: ChannelClosed | None = None
+
+
 class PeerLinks:
     """The agent's connections to its children in the relay tree, kept across calls."""
 
     def __init__(self, secret: bytes, tls: PeerTLS | None = None):
         self._secret, self._tls = secret, tls
         self._writers: dict[tuple[str, int], FrameWriter] = {}
-        self._opening: dict[tuple[str, int], threading.Event] = {}  # a handshake under way, by peer
+        self._opening: dict[tuple[str, int], _Opening] = {}  # a link being opened, by peer
         self._lock = threading.Lock()
 
     def writer(self, address: str, port: int) -> FrameWriter:
-        """The kept link to a peer, opened now if there is none. One opener at a time per peer: a
-        call that needs a link the LINKS warm-up is opening waits for that handshake rather than
-        making a second (and tries itself if that one failed)."""
+        """The kept link to a peer, opened now if there is none; ChannelClosed if it cannot be.
+        One opener per peer at a time: a call that needs a link the LINKS warm-up is opening
+        waits for that handshake rather than making a second, and hears its failure if it fails
+        (asking again then opens anew)."""
         key = (address, port)
-        waited = False
-        while True:
+        with self._lock:
+            kept = self._writers.get(key)
+            if kept is not None:
+                return kept
+            opening = self._opening.get(key)
+            mine = opening is None
+            if opening is None:
+                opening = self._opening[key] = _Opening()
+        if not mine:
+            if not opening.done.wait(OPEN_WAIT_SECONDS):
+                raise ChannelClosed(f"the link to the peer at {address}:{port} was still opening after "
+                                    f"{OPEN_WAIT_SECONDS:g}s")
             with self._lock:
                 kept = self._writers.get(key)
-                if kept is not None:
-                    return kept
-                opening = self._opening.get(key)
-                if opening is None or waited:
-                    mine = self._opening[key] = threading.Event()
-            if opening is not None and not waited:
-                opening.wait(HANDSHAKE_SECONDS)
-                waited = True
-                continue
-            break
+            if kept is not None:
+                return kept
+            raise opening.error or ChannelClosed(f"the link to the peer at {address}:{port} closed as it opened")
         try:  # not under the lock: open_all opens several side by side
             made = connect(address, port, self._secret, tls=self._tls)
+        except BaseException as exc:
+            opening.error = exc if isinstance(exc, ChannelClosed) else ChannelClosed(
+                f"the link to the peer at {address}:{port} could not be opened: {exc}")
             with self._lock:
-                self._writers[key] = made
-            return made
-        finally:
-            with self._lock:
-                if self._opening.get(key) is mine:
-                    del self._opening[key]
-            mine.set()
+                del self._opening[key]
+            opening.done.set()
+            raise
+        with self._lock:  # only the opener keeps a link for this peer: none is made twice
+            self._writers[key] = made
+            del self._opening[key]
+        opening.done.set()
+        return made
 
     def open_all(self, peers: Sequence[tuple[str, int]]) -> dict[tuple[str, int], ChannelClosed]:
         """Links to those of `peers` that have none yet, opened side by side (each a TLS handshake
@@ -220,8 +240,10 @@ class PeerLinks:
             t.join()
         return failed
 
-    def forget(self, address: str, port: int) -> None:
+    def forget(self, address: str, port: int, writer: FrameWriter) -> None:
+        """Close `writer`, the link to that peer, and keep it no more; a newer link to the same
+        peer (opened since by another thread) stays."""
         with self._lock:
-            w = self._writers.pop((address, port), None)
-        if w is not None:
-            w.close()
+            if self._writers.get((address, port)) is writer:
+                del self._writers[(address, port)]
+        writer.close()

@@ -7,8 +7,10 @@ in the tree over a link of their own (cut-through: no agent holds the frame whol
 TLS, both ends proving the pool's key (peer_links.py, tls_link.py).
 
 Once every node's listener is open the controller sends the tree down it (LINKS), and each agent
-opens the links to its children then, side by side: a pool's first large call waits for no
-handshake. A link that is missing at a call (a node replaced since) is opened then.
+opens the links to its children then, side by side, usually long before the pool's first large
+call. A call that comes sooner waits for the handshakes under way rather than making its own,
+and a link that is missing at a call (a node replaced since, a child that did not answer) is
+opened then.
 
 Standard library only, like the rest of the node side.
 """
@@ -38,6 +40,26 @@ def relay_tree(peers: list[tuple[str, int]], fan_out: int = 2) -> list[dict[str,
                 for c in range(fan_out * j + 1, min(fan_out * j + 1 + fan_out, len(peers)))]
 
     return below(0)
+
+
+MAX_TREE_DEPTH = 64  # a controller's tree of 2 children a node is 7 deep at 128 nodes
+
+
+def check_tree(children: Any, depth: int = 0) -> None:
+    """A relay tree as a peer sent it (the children of its ROUTE or LINKS): each child an
+    address, a port and its own children, nothing else; ValueError naming what is wrong."""
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(f"a relay tree deeper than {MAX_TREE_DEPTH} levels")
+    if type(children) is not list:
+        raise ValueError(f"a relay tree's children are a list, not {type(children).__name__}")
+    for child in children:
+        if type(child) is not dict or set(child) != {"address", "port", "children"}:
+            raise ValueError(f"a relay tree's child is address, port and children, not {str(child)[:80]}")
+        address, port = child["address"], child["port"]
+        if type(address) is not str or type(port) is not int or not 0 < port < 65536:
+            raise ValueError(f"a relay tree's child names an address (text) and a port (1-65535), "
+                             f"not {str(address)[:40]!r} and {str(port)[:10]!r}")
+        check_tree(child["children"], depth + 1)
 
 
 class LocalRank(Protocol):
@@ -110,17 +132,22 @@ class RelayNode:
 
     @staticmethod
     def _open_links(links: PeerLinks, children: list[dict[str, Any]]) -> None:
-        failed = links.open_all([(child["address"], child["port"]) for child in children])
-        for child in children:
-            peer = (child["address"], child["port"])
-            if peer in failed:
-                continue
-            try:
-                writer = links.writer(*peer)  # opened above, or here if it was the only one
-                if child["children"]:
-                    writer.send(message(Op.LINKS, children=child["children"]))
-            except ChannelClosed:
-                links.forget(*peer)
+        try:
+            failed = links.open_all([(child["address"], child["port"]) for child in children])
+            for child in children:
+                peer = (child["address"], child["port"])
+                if peer in failed:
+                    continue
+                writer = None
+                try:
+                    writer = links.writer(*peer)  # opened above, or here if it was the only one
+                    if child["children"]:
+                        writer.send(message(Op.LINKS, children=child["children"]))
+                except ChannelClosed:
+                    if writer is not None:
+                        links.forget(*peer, writer)
+        except Exception as exc:  # noqa: BLE001 - a link not opened now is opened by the call that needs it
+            _say(f"the relay links were not opened ahead: {exc}")
 
     def serve_peer(self, stream: Readable) -> None:
         """Frames from the parent: LINKS, and a ROUTE then the CALL frame it announces. The parent
@@ -144,6 +171,7 @@ class RelayNode:
                 if msg.get("op") not in (Op.ROUTE, Op.LINKS):
                     raise ValueError(f"a peer may send LINKS, ROUTE and CALL frames only, not {msg.get('op')!r}")
                 check(msg)
+                check_tree(msg["children"])
                 if msg["op"] == Op.LINKS:
                     self.open_links(msg["children"])
                 else:
@@ -160,29 +188,32 @@ class RelayNode:
             self._to_ranks(stream, header, self._ranks_of(None, 0.0))
             return
         onward: list[FrameWriter] = []
-        children: list[tuple[str, int]] = []
+        children: list[tuple[tuple[str, int], FrameWriter]] = []
         assert self._links is not None, "a ROUTE before PEERS"
         failed = self._links.open_all([(child["address"], child["port"]) for child in route["children"]])
         for child in route["children"]:
+            peer = (child["address"], child["port"])
             announce = message(Op.ROUTE, group=route["group"], children=child["children"])
             for last_try in (False, True):  # a kept link the child has since cut (a broken frame): once more, anew
+                writer = None
                 try:
-                    if not last_try and (child["address"], child["port"]) in failed:
-                        raise failed[(child["address"], child["port"])]  # that was its first try
-                    writer = self._links.writer(child["address"], child["port"])
+                    if not last_try and peer in failed:
+                        raise failed[peer]  # that was its first try
+                    writer = self._links.writer(*peer)
                     writer.send(announce)
                     onward.append(writer)
-                    children.append((child["address"], child["port"]))
+                    children.append((peer, writer))
                     break
                 except ChannelClosed as exc:  # the controller hears of that node's loss on its own
-                    self._links.forget(child["address"], child["port"])
+                    if writer is not None:
+                        self._links.forget(*peer, writer)
                     if last_try:
                         _say(f"relay to {child['address']}: {exc}")
         try:
             self._to_ranks(stream, header, self._ranks_of(route["group"], SPAWN_WAIT_SECONDS), onward)
         except BaseException:
-            for address, port in children:
-                self._links.forget(address, port)
+            for peer, writer in children:
+                self._links.forget(*peer, writer)
             raise
 
     @staticmethod

@@ -3,9 +3,12 @@ relayed line by line, its exit reported, stopped with SIGTERM then SIGKILL, aske
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
 import signal
 import socket
+import termios
 import threading
 import time
 from typing import Any, NamedTuple, Protocol
@@ -48,14 +51,22 @@ class _LineSplitter:
             self._rank.relay_line(line, self._name)
 
     def drain(self) -> None:
-        while self._fd is not None:
-            try:
-                data = os.read(self._fd, DRAIN_BYTES)
-            except OSError:  # nothing waiting (BlockingIOError), or the stream is going: the reactor hears it
-                return
-            if not data:
-                return
-            self.feed(data)
+        """What the pipe holds now, and no more: a rank that goes on writing is read in the
+        reactor's turn, as every other stream is, not here until it stops."""
+        if self._fd is None:
+            return
+        try:
+            waiting = array.array("i", [0])
+            fcntl.ioctl(self._fd, termios.FIONREAD, waiting, True)
+            left = waiting[0]
+            while left > 0:
+                data = os.read(self._fd, left)
+                if not data:
+                    return
+                left -= len(data)
+                self.feed(data)
+        except OSError:  # nothing waiting after all, or the stream is going: the reactor hears it
+            return
 
     def end(self, why: str) -> None:
         if self._fd is not None:
@@ -114,7 +125,6 @@ def _control_channel() -> tuple[int, int]:
     return ours.detach(), theirs.detach()
 
 
-DRAIN_BYTES = 1 << 16
 # How long a stopped rank gets to exit on SIGTERM before SIGKILL.
 TERM_GRACE_SECONDS = 1.0
 
@@ -147,11 +157,12 @@ class RankProcess:
         for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
             os.set_blocking(stream.fileno(), False)
             self._outputs.append(_LineSplitter(self, name, stream))
+        for stream, lines in zip((self.proc.stdout, self.proc.stderr), self._outputs):
+            reactor.add(stream, lines.feed, lines.end)
+        # Last: its frames drain the two above (_relay_frames), whose adding may feed them here.
         frames = FrameParser()
         reactor.add(os.fdopen(ctrl_read, "rb"), lambda data: self._relay_frames(frames.feed_raw(data)),
                     self.stream_ended)
-        for stream, lines in zip((self.proc.stdout, self.proc.stderr), self._outputs):
-            reactor.add(stream, lines.feed, lines.end)
         # Its end is heard on the same thread as its streams, not in a thread of its own.
         if not reactor.watch_exit(self.proc.pid, self._on_exit):
             threading.Thread(target=self._wait_for_exit, daemon=True).start()

@@ -11,8 +11,9 @@ TLS costs what AES-GCM costs and little more: the receiving end reads TLS throug
 records per system call, each decrypted straight into the frame's buffer), and the sending end
 hands each 1 MB chunk to one SSL_write.
 
-Standard library only, like the rest of the node side (`ssl` is imported at a peer's first
-connection: OpenSSL is milliseconds of every agent's start otherwise).
+Standard library only, like the rest of the node side. `ssl` is imported when the relay first
+needs it (LINKS, or a large call), so an agent whose pool never relays does not load OpenSSL; the
+local agents' fork server imports it once for all of them.
 """
 
 from __future__ import annotations
