@@ -97,6 +97,34 @@ def test_a_two_node_call_from_the_installed_wheel(installed: Path, tmp_path: Pat
     assert all(r[2].startswith(str(installed.parent)) for r in results), results
 
 
+def test_a_large_argument_goes_down_the_relay_tree_from_the_installed_wheel(installed: Path, tmp_path: Path):
+    """Three nodes and a 4 MB argument: node to node over TLS (the pool's key made with the
+    wheel's own dependencies), leaving the controller once."""
+    program = tmp_path / "relay.py"
+    program.write_text(textwrap.dedent("""
+        import hashlib, os
+        from skytasks import GPUPool, distributed_task
+        from skytasks.controller.channel import bytes_sent
+
+        def digest(blob):
+            return hashlib.sha256(blob).hexdigest()
+
+        blob = os.urandom(4 << 20)
+        with GPUPool(provider="local", nodes=3) as pool:
+            task = distributed_task(digest, pool=pool, init_torch=False)
+            task(b"")
+            before = bytes_sent()
+            out = task(blob)
+            print(repr((out == [hashlib.sha256(blob).hexdigest()] * 3, (bytes_sent() - before) / len(blob))))
+    """))
+    done = subprocess.run([str(installed / "python"), str(program)], cwd=tmp_path, env=_clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    same, sent_per_byte = eval(done.stdout.strip().splitlines()[-1])
+    assert same
+    assert 1.0 <= sent_per_byte < 1.5, sent_per_byte  # once, not once per node
+
+
 def test_the_command_line_and_the_block_from_the_installed_wheel(installed: Path, tmp_path: Path):
     helped = subprocess.run([str(installed / "skytasks"), "--help"], cwd=tmp_path, env=_clean_env(tmp_path),
                             capture_output=True, text=True, timeout=120)
