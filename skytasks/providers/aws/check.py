@@ -64,31 +64,15 @@ def run(spec: PoolSpec) -> Iterator[Check]:
 
     def the_type() -> str:
         nonlocal instance_type
-        instance_type = aws.instance_type or aws_plan.default_instance_type(aws.accelerator, aws.accelerators_per_node or 0)
-        try:
-            [info] = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
-        except ClientError as exc:
-            raise PoolConfigError(f"instance_type: {instance_type!r} does not exist in {region} ({_error(exc)})") from None
+        instance_type, info, gpus = aws_plan.find_instance_type(ec2, aws, region)
         found["type"] = info
-        gpus = sum(g.get("Count", 0) for g in info.get("GpuInfo", {}).get("Gpus", []))
-        if aws.accelerator and gpus and gpus < (aws.accelerators_per_node or 1):
-            raise PoolConfigError(f"accelerators_per_node: {instance_type} has {gpus} GPU(s), "
-                                  f"{aws.accelerators_per_node} asked for")
         return f"{info.get('VCpuInfo', {}).get('DefaultVCpus', '?')} vCPUs, {gpus} GPU(s)"
 
     yield ask(f"instance type {aws.instance_type or '(the default for the accelerator)'} exists in {region}", the_type)
 
     def the_image() -> str:
-        info = found.get("type", {})
-        arch = "arm64" if info.get("ProcessorInfo", {}).get("SupportedArchitectures") == ["arm64"] else "x86_64"
-        image_id = aws.image_id or aws_plan.default_image(ssm, aws.accelerator is not None, arch)
-        try:
-            images = ec2.describe_images(ImageIds=[image_id])["Images"]
-        except ClientError as exc:
-            raise PoolConfigError(f"image_id: {image_id!r} ({_error(exc)})") from None
-        if not images:
-            raise PoolConfigError(f"image_id: {image_id!r} does not exist in {region}")
-        return f"{image_id}: {images[0].get('Name', '')}".rstrip(": ")
+        image_id, image = aws_plan.find_image(ec2, ssm, aws, found.get("type", {}), region)
+        return f"{image_id}: {image.get('Name', '')}".rstrip(": ")
 
     yield ask(f"image {aws.image_id or '(the default image)'} exists", the_image)
 

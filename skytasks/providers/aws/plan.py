@@ -86,26 +86,9 @@ def plan_launch(spec: PoolSpec, ec2: Any, ssm: Any, *, public_ip_lookup=None) ->
     from botocore.exceptions import ClientError
 
     region = ec2.meta.region_name
-    instance_type = aws.instance_type or default_instance_type(aws.accelerator, aws.accelerators_per_node or 0)
-    try:
-        [info] = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
-    except ClientError as exc:
-        raise PoolConfigError(f"instance_type: {instance_type!r} does not exist in {region} "
-                              f"({exc.response['Error']['Message']})") from None
-    gpus = sum(g.get("Count", 0) for g in info.get("GpuInfo", {}).get("Gpus", []))
-    if aws.accelerator and gpus and gpus < (aws.accelerators_per_node or 1):
-        raise PoolConfigError(f"accelerators_per_node: {instance_type} has {gpus} GPU(s), "
-                              f"{aws.accelerators_per_node} asked for")
+    instance_type, info, gpus = find_instance_type(ec2, aws, region)
     cuda = aws.accelerator is not None
-    arch = "arm64" if info.get("ProcessorInfo", {}).get("SupportedArchitectures") == ["arm64"] else "x86_64"
-
-    image_id = aws.image_id or default_image(ssm, cuda, arch)
-    try:
-        images = ec2.describe_images(ImageIds=[image_id])["Images"]
-    except ClientError as exc:
-        raise PoolConfigError(f"image_id: {image_id!r} ({exc.response['Error']['Message']})") from None
-    if not images:
-        raise PoolConfigError(f"image_id: {image_id!r} does not exist in {region}")
+    image_id, image = find_image(ec2, ssm, aws, info, region)
 
     subnet = find_subnet(ec2, aws.subnet_id)
     for field, call in (("security_group_ids", lambda: ec2.describe_security_groups(GroupIds=aws.security_group_ids)),
@@ -118,7 +101,7 @@ def plan_launch(spec: PoolSpec, ec2: Any, ssm: Any, *, public_ip_lookup=None) ->
     cidr = aws.ssh_ingress_cidr or f"{(public_ip_lookup or controller_public_ip)()}/32"
     return LaunchPlan(
         region=region, instance_type=instance_type, image_id=image_id,
-        root_device=images[0].get("RootDeviceName") or "/dev/sda1",
+        root_device=image.get("RootDeviceName") or "/dev/sda1",
         login=aws.ssh_user or DEFAULT_LOGIN, subnet_id=subnet["SubnetId"], vpc_id=subnet["VpcId"],
         gpus_per_node=gpus, cuda=cuda, efa=bool(info.get("NetworkInfo", {}).get("EfaSupported")) and cuda,
         # A cluster placement group puts GPU nodes on one network spine: NCCL's all-reduce is
@@ -140,6 +123,40 @@ def default_instance_type(accelerator: str | None, per_node: int) -> str:
             return instance_type
     raise PoolConfigError(f"accelerators_per_node: no {accelerator} instance type has {per_node} GPUs "
                           f"(at most {choices[-1][1]}); set instance_type")
+
+
+def find_instance_type(ec2: Any, aws: AWSSpec, region: str) -> tuple[str, dict, int]:
+    """The pool's instance type (the accelerator's default if unset), as EC2 describes it, and
+    its GPUs per node; PoolConfigError naming the field if EC2 has no such type, or too few GPUs."""
+    from botocore.exceptions import ClientError
+
+    instance_type = aws.instance_type or default_instance_type(aws.accelerator, aws.accelerators_per_node or 0)
+    try:
+        [info] = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
+    except ClientError as exc:
+        raise PoolConfigError(f"instance_type: {instance_type!r} does not exist in {region} "
+                              f"({exc.response['Error']['Message']})") from None
+    gpus = sum(g.get("Count", 0) for g in info.get("GpuInfo", {}).get("Gpus", []))
+    if aws.accelerator and gpus and gpus < (aws.accelerators_per_node or 1):
+        raise PoolConfigError(f"accelerators_per_node: {instance_type} has {gpus} GPU(s), "
+                              f"{aws.accelerators_per_node} asked for")
+    return instance_type, info, gpus
+
+
+def find_image(ec2: Any, ssm: Any, aws: AWSSpec, info: dict, region: str) -> tuple[str, dict]:
+    """The pool's image (the default for the instance type's architecture, CUDA or not, if
+    unset) and EC2's description of it; PoolConfigError naming image_id if there is none."""
+    from botocore.exceptions import ClientError
+
+    arch = "arm64" if info.get("ProcessorInfo", {}).get("SupportedArchitectures") == ["arm64"] else "x86_64"
+    image_id = aws.image_id or default_image(ssm, aws.accelerator is not None, arch)
+    try:
+        images = ec2.describe_images(ImageIds=[image_id])["Images"]
+    except ClientError as exc:
+        raise PoolConfigError(f"image_id: {image_id!r} ({exc.response['Error']['Message']})") from None
+    if not images:
+        raise PoolConfigError(f"image_id: {image_id!r} does not exist in {region}")
+    return image_id, images[0]
 
 
 def default_image(ssm: Any, cuda: bool, arch: str) -> str:
