@@ -17,7 +17,7 @@ from prefect.client.orchestration import get_client
 
 from tests.prefect_api import settled_task_runs
 from skytasks import DistributedTaskError, GPUPool, RankProcessDied, RemoteRankError, distributed_task, rank_info
-from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
+from tests.conftest import running, skytasks_processes, wait_for_no_skytasks_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 FAIL_FAST_SECONDS = 5.0  # the target: from the failure to the caller seeing it
@@ -288,7 +288,7 @@ def test_a_cancelled_flow_run_stops_every_rank(tmp_path):
                 flow_run = run_deployment("sleepy-flow/cancel-me", timeout=0)
             except Exception:  # noqa: BLE001 - the deployment is not registered yet
                 time.sleep(1)
-        while sum("skytasks.node.worker" in " ".join(p.cmdline()) for p in skytasks_processes()) < 2:
+        while len(running("skytasks.node.worker")) < 2:
             assert time.monotonic() < deadline, "ranks never started"
             time.sleep(0.2)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from skytasks import GPUPool, distributed_task
 from skytasks.controller.channel import bytes_sent
-from tests.conftest import skytasks_processes
+from tests.conftest import running
 
 
 def rank_env() -> dict:
@@ -20,7 +20,7 @@ def test_agents_stay_light_and_ranks_keep_their_process_group_across_calls():
     task = distributed_task(rank_env, pool=pool)
     with pool:
         first = task()
-        agents = [p for p in skytasks_processes() if "skytasks.node.agent" in " ".join(p.cmdline())]
+        agents = running("skytasks.node.agent")
         assert len(agents) == 2
         for agent in agents:  # the agent never loads torch: it starts in milliseconds
             maps = open(f"/proc/{agent.pid}/maps").read()
