@@ -84,10 +84,16 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
 
     import psutil
     from prefect import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
-                                                LogFilterTaskRunId)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        LogFilter,
+        LogFilterFlowRunId,
+        LogFilterTaskRunId,
+    )
 
     from flows.ddp_train import pool
+    from tests.conftest import running
 
     monkeypatch.chdir(tmp_path)
     assert (pool.min_nodes, pool.nodes) == (1, 2)
@@ -99,8 +105,8 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
             time.sleep(0.05)
         # The agents start in node order. (A rank's /proc environ would not say: ranks are forked
         # from a template, and /proc shows the environment a process was exec'd with.)
-        agents = sorted((p for p in psutil.Process().children(recursive=True)
-                         if "skytasks.node.agent" in " ".join(p.cmdline())), key=lambda p: p.create_time())
+        mine = {p.pid for p in psutil.Process().children(recursive=True)}
+        agents = sorted((p for p in running("skytasks.node.agent") if p.pid in mine), key=lambda p: p.create_time())
         agent = agents[1]
         sent["at"] = time.time()
         os.kill(agent.pid, signal.SIGUSR2)  # the notice
