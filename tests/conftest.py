@@ -135,7 +135,7 @@ def assert_no_orphaned_sshd() -> None:
     deadline = time.monotonic() + 15  # a dropped client is given up within ClientAliveInterval x 3
     while (sshd := orphaned_test_sshd()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not sshd, f"leaked sshd sessions: {[(p.pid, p.cmdline()) for p in sshd]}"
+    assert not sshd, f"leaked sshd sessions: {[(p.pid, p.info['cmdline']) for p in sshd]}"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -149,9 +149,9 @@ def no_sshd_left_at_the_end():
 def no_leaked_processes():
     yield
     left = wait_for_no_skytasks_processes()
-    assert not left, f"leaked skytasks processes: {[(p.pid, p.cmdline()) for p in left]}"
+    assert not left, f"leaked skytasks processes: {[(p.pid, p.info['cmdline']) for p in left]}"
     servers = orphaned_fork_servers()
-    assert not servers, f"fork servers left behind by their controllers: {[(p.pid, p.cmdline()) for p in servers]}"
+    assert not servers, f"fork servers left behind by their controllers: {[(p.pid, p.info['cmdline']) for p in servers]}"
     assert_no_orphaned_sshd()
 
 
