@@ -68,16 +68,25 @@ def test_a_cpu_rank_has_no_gpu_columns_at_all():
     assert set(usage.columns()) == {"peak RSS MB", "mean RSS MB", "mean CPU %"}
 
 
-def test_sampling_this_process_is_cheap_and_sees_its_memory():
-    import os
+def test_sampling_a_rank_is_cheap_and_sees_its_memory():
+    import subprocess
+    import sys
 
-    sampler = Sampler()
-    sampler.sample({0: (os.getpid(), None)})
-    started, cpu_before = time.perf_counter(), time.process_time()
-    for _ in range(200):
-        figures = sampler.sample({0: (os.getpid(), None)})[0]
-    per_sample = (time.process_time() - cpu_before) / 200
-    assert figures["rss"] > 10 * MB and "cpu" in figures and "gpu_util" not in figures
+    # A rank of its own, holding 64 MB: this test process's own tree holds the session's servers.
+    rank = subprocess.Popen([sys.executable, "-c", "import sys, time; held = b'x' * (64 << 20); "
+                             "print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == b"\n"
+        sampler = Sampler()
+        sampler.sample({0: (rank.pid, None)})
+        started, cpu_before = time.perf_counter(), time.thread_time()  # this thread's CPU only
+        for _ in range(200):
+            figures = sampler.sample({0: (rank.pid, None)})[0]
+        per_sample = (time.thread_time() - cpu_before) / 200
+    finally:
+        rank.kill()
+        rank.wait()
+    assert figures["rss"] > 64 * MB and "cpu" in figures and "gpu_util" not in figures
     # one sample every 5 s: under 1% of a core means under 50 ms a sample; it is far less
     print(f"one sample of one rank: {per_sample * 1e6:.0f} µs of CPU ({time.perf_counter() - started:.3f}s for 200)")
     assert per_sample < 0.005
