@@ -16,8 +16,8 @@ from skytasks.call_options import rank_runs_for
 from skytasks.controller.outcome import RankState
 from skytasks.controller.rank_group import RankOutcome
 from skytasks.errors import RankFailure
-from skytasks.prefect_records.record_queue import RECORDED_AT
 from skytasks.prefect_records.rank_runs import final_state
+from skytasks.prefect_records.record_queue import RECORDED_AT
 from skytasks.prefect_records.run_states import RecordCopies, new_id
 from tests.prefect_api import settled_task_runs
 
@@ -129,6 +129,17 @@ def say_then_fail_on_rank_3() -> int:
     return info.rank
 
 
+def _logs_once_finished(task_run_id, timeout: float = 10.0) -> list[str]:
+    """A run's log once its "Finished in state" line is in: logs are batched apart from the runs'
+    state events, and sent in order, so every line before that one is in too."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = asyncio.run(_logs(task_run_id))
+        if any(m.startswith("Finished in state") for m in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 async def _logs(task_run_id) -> list[str]:
     async with get_client() as client:
         logs = await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
@@ -157,11 +168,7 @@ def test_a_run_per_node_or_the_heads_only_with_the_failed_ranks_lines_in_the_par
     # A node's run: its ranks' lines, prefixed; its state the worst of its ranks'.
     assert runs["by-node[node 1: ranks 2-3/4]"].state.is_failed()
     assert runs["by-node[node 0: ranks 0-1/4]"].state.is_cancelled()
-    deadline = time.monotonic() + 10  # logs are batched apart from the runs' state events
-    while "Finished in state Failed" not in (node1 := asyncio.run(_logs(runs["by-node[node 1: ranks 2-3/4]"].id))):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    node1 = _logs_once_finished(runs["by-node[node 1: ranks 2-3/4]"].id)
     assert {"[rank 2] hello from rank 2", "[rank 3] hello from rank 3"} <= set(node1), node1
     # A node's run says it finished only when that is news: failed here, not when stopped.
     assert "Finished in state Failed" in node1
@@ -169,7 +176,7 @@ def test_a_run_per_node_or_the_heads_only_with_the_failed_ranks_lines_in_the_par
     assert "[rank 0] hello from rank 0" in node0 and not any(m.startswith("Finished") for m in node0), node0
     # Only the head's run; the failed rank's lines and failure reach the parent's log, the others' never.
     assert runs["by-head[rank 0/4]"].state.is_cancelled()
-    parent = asyncio.run(_logs(runs["by-head"].id))
+    parent = _logs_once_finished(runs["by-head"].id)
     assert "[rank 3] hello from rank 3" in parent and any("[rank 3] failed" in m for m in parent), parent
     assert "[rank 1] hello from rank 1" not in parent
 
