@@ -136,15 +136,19 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
     assert 2 <= r["first_epoch"] <= epochs  # resumed after the notice's checkpoint
     assert r["steps"] == (epochs - r["first_epoch"] + 1) * 12  # attempt 2 ran exactly the epochs left
 
-    async def record():
-        async with get_client() as client:
-            flow_run_id = state.state_details.flow_run_id
-            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-            tables = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["train-ranks"])))
-            return [log.message for log in logs], [t for t in tables if t.flow_run_id == flow_run_id]
+    from tests.prefect_api import logs_when, settled_task_runs
 
-    messages, tables = asyncio.run(record())
-    text = "\n".join(messages)
+    flow_run_id = state.state_details.flow_run_id
+
+    async def rank_tables():
+        async with get_client() as client:
+            tables = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["train-ranks"])))
+            return [t for t in tables if t.flow_run_id == flow_run_id]
+
+    logs = logs_when(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                     lambda found: any("goes on with the 1 node left" in log.message for log in found))
+    tables = asyncio.run(rank_tables())
+    text = "\n".join(log.message for log in logs)
     assert "node 1 (127.0.0.1) will be taken away: SIGUSR2 reached the node agent" in text, text
     assert "node 1 (127.0.0.1) was preempted" in text and "goes on with the 1 node left, 1 rank" in text, text
     rows = json.loads(max(tables, key=lambda t: t.created).data)
@@ -152,18 +156,13 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
     assert any(row["attempt"] == 1 and row["outcome"] == "preempted" and "Preempted" in row["summary"] for row in rows), rows
     # The Task Runs tab: the first attempt's ranks end Preempted (Cancelled-type), never Failed;
     # the retry's rank run says its attempt; the head's log says it at WARNING, with no traceback.
-    from tests.prefect_api import settled_task_runs
-
-    runs = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, expect=4)}
+    runs = {r.name: r for r in settled_task_runs(flow_run_id, expect=4)}
     assert {n: (r.state.type.value, r.state.name) for n, r in runs.items() if "[rank" in n} == {
         "train[rank 0/2]": ("CANCELLED", "Preempted"), "train[rank 1/2]": ("CANCELLED", "Preempted"),
         "train[rank 0/1, attempt 2]": ("COMPLETED", "Completed")}, runs
     assert not any(r.state.is_failed() for r in runs.values())
 
-    async def head_log():
-        async with get_client() as client:
-            return await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[runs["train[rank 0/2]"].id])))
-
-    head = asyncio.run(head_log())
+    head = logs_when(LogFilter(task_run_id=LogFilterTaskRunId(any_=[runs["train[rank 0/2]"].id])),
+                     lambda found: any("the attempt ended for a preemption" in log.message for log in found))
     assert any(log.level == 30 and "the attempt ended for a preemption" in log.message for log in head), head
     assert not any(log.level >= 40 or "Traceback" in log.message for log in head), head

@@ -19,7 +19,7 @@ from skytasks.errors import RankFailure
 from skytasks.prefect_records.rank_runs import final_state
 from skytasks.prefect_records.record_queue import RECORDED_AT
 from skytasks.prefect_records.run_states import RecordCopies, new_id
-from tests.prefect_api import settled_task_runs
+from tests.prefect_api import logs_when, settled_task_runs
 
 
 @pytest.mark.parametrize("choice, world, mode", [
@@ -129,15 +129,12 @@ def say_then_fail_on_rank_3() -> int:
     return info.rank
 
 
-def _logs_once_finished(task_run_id, timeout: float = 10.0) -> list[str]:
-    """A run's log once its "Finished in state" line is in: logs are batched apart from the runs'
-    state events, and sent in order, so every line before that one is in too."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = asyncio.run(_logs(task_run_id))
-        if any(m.startswith("Finished in state") for m in found) or time.monotonic() > deadline:
-            return found
-        time.sleep(0.2)
+def _logs_once_finished(task_run_id) -> list[str]:
+    """A run's log once its "Finished in state" line is in: logs are sent in order, so every line
+    before that one is in too."""
+    logs = logs_when(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+                     lambda found: any(log.message.startswith("Finished in state") for log in found))
+    return [log.message for log in logs]
 
 
 async def _logs(task_run_id) -> list[str]:
