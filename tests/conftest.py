@@ -37,6 +37,15 @@ def running(*roles: str) -> list[psutil.Process]:
     return found
 
 
+def gone(process: int | psutil.Process) -> bool:
+    """The process has ended: no such process any more, or a zombie waiting for its parent."""
+    try:
+        p = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def skytasks_processes() -> list[psutil.Process]:
     """Every node agent and rank process on this machine, orphans included."""
     return running(*ROLES)

@@ -10,14 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 
-from tests.prefect_api import settled_task_runs
 from skytasks import DistributedTaskError, GPUPool, RankProcessDied, RemoteRankError, distributed_task, rank_info
-from tests.conftest import running, skytasks_processes, wait_for_no_skytasks_processes
+from tests.conftest import gone, running, skytasks_processes, wait_for_no_skytasks_processes
+from tests.prefect_api import settled_task_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 FAIL_FAST_SECONDS = 5.0  # the target: from the failure to the caller seeing it
@@ -127,7 +126,7 @@ def test_a_call_times_out_and_every_rank_is_stopped(tmp_path):
     assert "ranks [0, 1] were still running" in str(exc)
     assert "timed out" in str(caught.value) and "rank -1" not in str(caught.value)
     for pid_file in tmp_path.iterdir():
-        assert not psutil.pid_exists(int(pid_file.read_text())) or psutil.Process(int(pid_file.read_text())).status() == psutil.STATUS_ZOMBIE
+        assert gone(int(pid_file.read_text()))
 
 
 def fail_on_first_attempt(marker_dir: str) -> dict:

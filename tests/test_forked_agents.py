@@ -17,7 +17,7 @@ import pytest
 
 from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.providers.local import forked_agents
-from tests.conftest import fork_servers
+from tests.conftest import fork_servers, gone
 from tests.test_failures import wait_for_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,9 +124,9 @@ def test_the_server_leaves_with_its_controller(tmp_path, ending):
             proc.send_signal(signal.SIGINT)  # the controller unwinds and exits
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while servers[0].is_running() and servers[0].status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        while not gone(servers[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not servers[0].is_running() or servers[0].status() == psutil.STATUS_ZOMBIE
+        assert gone(servers[0])
     finally:
         proc.kill()
         proc.wait()

@@ -9,7 +9,14 @@ import time
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterTaskRunId,
+)
 
 from skytasks import DistributedTaskError, GPUPool, HangError, distributed_task, rank_info
 from tests.conftest import started_here
@@ -90,7 +97,8 @@ def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast(tmp_path):
             for r in runs:
                 logs = await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[r.id])))
                 out[r.name] = "\n".join(entry.message for entry in logs)
-            artifacts = await client.read_artifacts()
+            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
             return out, [a for a in artifacts if a.key == "hangs-stacks"]
 
     import asyncio
@@ -114,7 +122,7 @@ def test_stacks_reach_the_rank_logs_on_hang_and_on_fail_fast(tmp_path):
 
 def head_returns_the_other_keeps_going() -> int:
     if rank_info().rank == 1:
-        time.sleep(3.5)  # the user's own loop, still running long after rank 0 returned
+        time.sleep(6)  # the user's own loop, still running long after rank 0 returned
     return rank_info().rank
 
 

@@ -39,12 +39,14 @@ async def _runs_of(flow_run_id):
         return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
-async def _logs_of(task_run_id, wait_for: str, timeout: float = 20) -> list:
+async def _logs_of(task_run_id, *wait_for: str, timeout: float = 20) -> list:
+    """The run's logs once each of `wait_for` is in one of them: a rank's stdout, stderr and
+    logging records travel apart, and reach the API in batches."""
     async with get_client() as client:
         deadline = time.monotonic() + timeout
         while True:
             logs = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
-            if any(wait_for in log.message for log in logs) or time.monotonic() > deadline:
+            if all(any(w in log.message for log in logs) for w in wait_for) or time.monotonic() > deadline:
                 return logs
             await asyncio.sleep(0.3)
 
@@ -62,7 +64,8 @@ def test_rank_runs_logs_results_and_artifacts_are_in_the_api():
     assert {"chatty", "chatty[rank 0/2]", "chatty[rank 1/2]"} <= set(runs)
 
     # Each rank's lines are in that rank's run, with levels kept; stdout only from the head.
-    head_logs = asyncio.run(_logs_of(runs["chatty[rank 0/2]"].id, "epoch 3 on rank 0"))
+    head_logs = asyncio.run(_logs_of(runs["chatty[rank 0/2]"].id, "epoch 3 on rank 0", "stderr-line-from-0",
+                                     "logging-record-from-0"))
     other_logs = asyncio.run(_logs_of(runs["chatty[rank 1/2]"].id, "logging-record-from-1"))
     head = {log.message: log.level for log in head_logs}
     other = {log.message: log.level for log in other_logs}
@@ -128,8 +131,10 @@ def test_logs_reach_the_rank_run_while_the_rank_is_still_running(tmp_path):
                     await asyncio.sleep(0.3)
                 return False
 
-        seen_live.append(asyncio.run(watch()))
-        (tmp_path / "release").write_text("go")
+        try:
+            seen_live.append(asyncio.run(watch()))
+        finally:  # whatever the watch met, the ranks are let go: never a hang to the suite's timeout
+            (tmp_path / "release").write_text("go")
 
     import threading
 

@@ -193,7 +193,7 @@ def leave_an_orphan() -> tuple[int, int]:
     if os.fork() == 0:
         orphan = os.fork()
         if orphan == 0:
-            time.sleep(0.5)  # by then its parent is gone and the agent has it
+            time.sleep(3)  # by then its parent is gone and the agent has it; the test sees it first
             os._exit(0)
         os.write(write, str(orphan).encode())
         os._exit(0)
@@ -208,7 +208,7 @@ def test_orphans_that_the_agent_inherits_are_reaped():
         agent_pid, orphan = distributed_task(leave_an_orphan, pool=pool, init_torch=False)()[0]
         agent = psutil.Process(agent_pid)
         assert orphan in [c.pid for c in agent.children()]  # the agent (a subreaper) inherited it
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while orphan in [c.pid for c in agent.children()] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert orphan not in [c.pid for c in agent.children()]  # it ended, and was reaped

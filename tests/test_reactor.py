@@ -61,19 +61,24 @@ def test_a_corrupt_stream_is_an_error_not_an_allocation():
         FrameParser().feed(b"\xff" * 64)
 
 
+def reactor_threads() -> int:
+    """The live reactors' threads: other tests' threads may come and go meanwhile."""
+    return sum(t.name == "skytasks-reactor" for t in threading.enumerate())
+
+
 def test_one_thread_reads_many_pipes_and_says_each_end_once():
     reactor = StreamReactor()
     pipes = [os.pipe() for _ in range(20)]
     got: dict[int, list] = {i: [] for i in range(20)}
     ended: dict[int, list[str]] = {i: [] for i in range(20)}
     all_ended = threading.Event()
-    threads_before = threading.active_count()
+    threads_before = reactor_threads()
     for i, (r, _) in enumerate(pipes):
         parser = FrameParser()
         reactor.add(os.fdopen(r, "rb"), lambda data, i=i, p=parser: got[i].extend(p.feed(data)),
                     lambda why, i=i: (ended[i].append(why), len([e for e in ended.values() if e]) == 20
                                       and all_ended.set()))
-    assert threading.active_count() == threads_before + 1  # one reader, not twenty
+    assert reactor_threads() == threads_before + 1  # one reader, not twenty
     blob = np.arange(200_000, dtype=np.int64).tobytes()  # larger than a pipe: written in parts
     writers = []
     for i, (_, w) in enumerate(pipes):
@@ -249,7 +254,7 @@ def test_the_reader_hears_a_process_end_and_runs_timers_without_a_thread_of_eith
 
     reactor = StreamReactor()
     reactor.call_later(0.0, lambda: None)  # the reader's one thread, started
-    threads_before = threading.active_count()
+    threads_before = reactor_threads()
     ended: list[tuple[str, int | None, str]] = []
     heard = threading.Event()
     procs = [subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({0.3 + 0.2 * i})"]) for i in range(3)]
@@ -260,7 +265,7 @@ def test_the_reader_hears_a_process_end_and_runs_timers_without_a_thread_of_eith
     started = time.monotonic()
     for delay in (0.4, 0.1, 0.25):
         reactor.call_later(delay, lambda: fired.append(round(time.monotonic() - started, 1)))
-    assert threading.active_count() == threads_before  # no thread for any of them
+    assert reactor_threads() == threads_before  # no thread for any of them
     assert heard.wait(10)
     assert [why for why, _, _ in ended] == [ENDED] * 3
     assert {name for _, _, name in ended} == {"skytasks-reactor"}

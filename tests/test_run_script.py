@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 from prefect import flow
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
 from skytasks import DistributedTaskError, GPUPool, distributed_task
 from skytasks.errors import PoolConfigError, ScriptFailed
@@ -143,26 +142,14 @@ def test_run_script_in_a_flow_records_rank_runs_with_their_logs(project, tmp_pat
     state = scripted(return_state=True)
     assert state.result() == [ScriptResult(0, 0), ScriptResult(1, 0)]
 
-    async def runs_and_logs():
-        async with get_client() as client:
-            runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-            by_name = {r.name: r for r in runs}
-            logs = await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(
-                any_=[by_name["train-script[rank 1/2]"].id])))
-            return by_name, [entry.message for entry in logs]
+    from tests.prefect_api import logs_when, settled_task_runs
 
-    import asyncio
-    import time
-
-    deadline = time.monotonic() + 20
-    while True:
-        by_name, messages = asyncio.run(runs_and_logs())
-        if any("rank 1/2 sum=1.0 lr=2.0" in m for m in messages) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    by_name = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, expect=3)}
     assert {"train-script", "train-script[rank 0/2]", "train-script[rank 1/2]"} <= set(by_name)
     assert all(by_name[n].state.is_completed() for n in by_name)
+    logs = logs_when(LogFilter(task_run_id=LogFilterTaskRunId(any_=[by_name["train-script[rank 1/2]"].id])),
+                     lambda found: any("rank 1/2 sum=1.0 lr=2.0" in log.message for log in found))
+    messages = [log.message for log in logs]
     assert any("rank 1/2 sum=1.0 lr=2.0" in m for m in messages), messages
 
 

@@ -163,9 +163,9 @@ def _setup(provider: str, request) -> Setup:
 def _aws_setup(request, creds: dict, common: dict) -> Setup:
     """moto's EC2, with the stand-in for cloud-init; the pool logs in with a key pair of its own
     (key_name), so that the test knows the private key to look for."""
-    import asyncssh
     import base64
 
+    import asyncssh
     from prefect_aws.client_parameters import AwsClientParameters
 
     from tests.test_aws_provider import CloudInitStandIn
@@ -238,7 +238,13 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
         state = run(return_state=True)
     assert state.result() == [True, True, True]  # the secrets did reach every rank
     console = capfd.readouterr()
-    time.sleep(1.5)  # the log and event workers' last batch
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from tests.prefect_api import logs_when
+
+    logs_when(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])),
+              lambda found: sum("has its secrets: True" in log.message for log in found) >= 3)
+    time.sleep(1.5)  # the event worker's last batch
     records = asyncio.run(_records(state.state_details.flow_run_id))
     key_lines = _secret_lines(setup.ssh_key)
     tls_lines = [line for line in tls_key[0].splitlines() if line and "PRIVATE KEY" not in line]

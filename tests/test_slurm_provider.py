@@ -281,10 +281,10 @@ def test_slurm_login_runs_every_command_on_the_login_node_over_ssh(cluster, logi
 
 
 def test_gc_cancels_skytasks_jobs_past_their_expiry_and_nothing_else(cluster):
+    from skytasks.providers.reporting import PoolReporter
     from skytasks.providers.slurm.gc import sweep_jobs
     from skytasks.providers.slurm.shell import SlurmShell
     from skytasks.providers.slurm.spec import SlurmSpec
-    from skytasks.providers.reporting import PoolReporter
 
     expired = cluster.run("sbatch", "--parsable", "--output=/dev/null", "--job-name=skytasks-old", "--comment=skytasks:expires-at=2000-01-01T00:00:00Z",
                           "--wrap", "sleep 300").stdout.strip()
@@ -296,7 +296,7 @@ def test_gc_cancels_skytasks_jobs_past_their_expiry_and_nothing_else(cluster):
         shell = SlurmShell(slurm_pool().spec().own(SlurmSpec), PoolReporter("gc", "slurm"))
         assert sweep_jobs(shell, dry_run=True) == [expired]
         assert sweep_jobs(shell) == [expired]
-        time.sleep(1)
+        cluster.wait_queue_empty_of(expired)  # scancel returns before a running job has left the queue
         ids = [line.split()[0] for line in cluster.queue()]
         assert expired not in ids and fresh in ids and theirs in ids
     finally:
