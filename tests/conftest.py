@@ -51,10 +51,10 @@ def skytasks_processes() -> list[psutil.Process]:
     return running(*ROLES)
 
 
-def started_here() -> list[psutil.Process]:
-    """Node agents and ranks that this test process started and that still run."""
+def started_here(*roles: str) -> list[psutil.Process]:
+    """Node agents and ranks (or those of `roles`) that this test process started and that still run."""
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    return [p for p in skytasks_processes() if p.pid in mine]
+    return [p for p in running(*(roles or ROLES)) if p.pid in mine]
 
 
 def fork_servers() -> list[psutil.Process]:
@@ -69,11 +69,10 @@ def orphaned_fork_servers(timeout: float = 10.0) -> list[psutil.Process]:
         orphans = []
         for p in fork_servers():
             try:
-                cmd = p.cmdline()
-                owner = int(cmd[cmd.index("--controller") + 1])
-                if not psutil.pid_exists(owner) or psutil.Process(owner).status() == psutil.STATUS_ZOMBIE:
+                cmd = p.info["cmdline"]
+                if gone(int(cmd[cmd.index("--controller") + 1])):
                     orphans.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, IndexError):
+            except (psutil.AccessDenied, ValueError, IndexError):
                 pass
         if not orphans or time.monotonic() > deadline:
             return orphans

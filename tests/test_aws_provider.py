@@ -8,7 +8,6 @@ After every test, moto must hold no live instance, security group or key pair of
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import shutil
@@ -514,10 +513,12 @@ def test_a_termination_that_fails_reaches_the_flow_runs_log_an_event_and_the_cal
     from datetime import datetime, timedelta, timezone
 
     from prefect import flow
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
 
     from skytasks import PoolTeardownError
     from skytasks.providers.aws import resources
     from skytasks.providers.aws.provider import AWSProvider
+    from tests.prefect_api import logs_when
     from tests.test_prefect_native import _wait_for_events
 
     monkeypatch.setattr(resources, "POLL_SECONDS", 0.01)  # the group's DependencyViolation retries
@@ -544,27 +545,15 @@ def test_a_termination_that_fails_reaches_the_flow_runs_log_an_event_and_the_cal
                                   seen["flow_run"])
         [event] = [e for e in events if e["event"] == "skytasks.pool.teardown-failed"]
         assert seen["stuck"] in event["payload"]["resources"] and event["payload"]["provider"] == "aws"
-        errors = asyncio.run(_flow_run_errors(seen["flow_run"]))
+        errors = [log.message for log in logs_when(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[seen["flow_run"]]), level=LogFilterLevel(ge_=40)),
+            lambda logs: any("teardown could not confirm" in log.message for log in logs))]
         assert any(seen["stuck"] in line and "teardown could not confirm" in line for line in errors), errors
     finally:  # what a person does after the page: allow termination, and clean up
         for iid in [i["InstanceId"] for i in instances_of_latest_pool(ec2)]:
             ec2.modify_instance_attribute(InstanceId=iid, DisableApiTermination={"Value": False})
         if "provider" in seen:
             seen["provider"].stop()
-
-
-async def _flow_run_errors(flow_run_id: str) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
-
-    deadline = time.monotonic() + 20
-    async with get_client() as client:
-        while True:
-            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]),
-                                                    level=LogFilterLevel(ge_=40)))
-            if logs or time.monotonic() > deadline:
-                return [log.message for log in logs]
-            await asyncio.sleep(0.3)
 
 
 def limit_ec2_capacity(patch, left: dict) -> None:

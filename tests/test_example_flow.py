@@ -82,7 +82,6 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
     import threading
     import time
 
-    import psutil
     from prefect import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -93,7 +92,7 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
     )
 
     from flows.ddp_train import pool
-    from tests.conftest import running
+    from tests.conftest import gone, started_here
 
     monkeypatch.chdir(tmp_path)
     assert (pool.min_nodes, pool.nodes) == (1, 2)
@@ -105,24 +104,17 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
             time.sleep(0.05)
         # The agents start in node order. (A rank's /proc environ would not say: ranks are forked
         # from a template, and /proc shows the environment a process was exec'd with.)
-        mine = {p.pid for p in psutil.Process().children(recursive=True)}
-        agents = sorted((p for p in running("skytasks.node.agent") if p.pid in mine), key=lambda p: p.create_time())
+        agents = sorted(started_here("skytasks.node.agent"), key=lambda p: p.create_time())
         agent = agents[1]
         sent["at"] = time.time()
         os.kill(agent.pid, signal.SIGUSR2)  # the notice
         # The node is taken away after a grace, as a cloud's spot notice (30 s to 2 min) or SLURM's
         # --signal=USR2@N gives one: long enough for the epoch in flight to end on a busy 2-core
         # machine (an epoch here can take over 2 s). The pool normally lets the node go first.
-        def alive() -> bool:
-            try:
-                return agent.status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return False
-
         grace_ends = time.monotonic() + 15.0
-        while time.monotonic() < grace_ends and alive():
+        while time.monotonic() < grace_ends and not gone(agent):
             time.sleep(0.05)
-        if alive():
+        if not gone(agent):
             os.kill(agent.pid, signal.SIGKILL)  # the node is taken away
 
     threading.Thread(target=notice_then_take_node_1_away, daemon=True).start()

@@ -16,7 +16,7 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.settings import PREFECT_API_URL
 from prefect_aws import AwsCredentials
 
-from tests.prefect_api import settled_task_runs
+from tests.prefect_api import logs_when, settled_task_runs
 from skytasks import GPUPool, distributed_task, rank_info, report, stdout
 
 LIVE_MARK = "line-before-the-long-sleep"
@@ -39,16 +39,11 @@ async def _runs_of(flow_run_id):
         return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
-async def _logs_of(task_run_id, *wait_for: str, timeout: float = 20) -> list:
+def _logs_of(task_run_id, *wait_for: str) -> list:
     """The run's logs once each of `wait_for` is in one of them: a rank's stdout, stderr and
-    logging records travel apart, and reach the API in batches."""
-    async with get_client() as client:
-        deadline = time.monotonic() + timeout
-        while True:
-            logs = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
-            if all(any(w in log.message for log in logs) for w in wait_for) or time.monotonic() > deadline:
-                return logs
-            await asyncio.sleep(0.3)
+    logging records travel apart."""
+    return logs_when(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+                     lambda logs: all(any(w in log.message for log in logs) for w in wait_for))
 
 
 def test_rank_runs_logs_results_and_artifacts_are_in_the_api():
@@ -64,9 +59,8 @@ def test_rank_runs_logs_results_and_artifacts_are_in_the_api():
     assert {"chatty", "chatty[rank 0/2]", "chatty[rank 1/2]"} <= set(runs)
 
     # Each rank's lines are in that rank's run, with levels kept; stdout only from the head.
-    head_logs = asyncio.run(_logs_of(runs["chatty[rank 0/2]"].id, "epoch 3 on rank 0", "stderr-line-from-0",
-                                     "logging-record-from-0"))
-    other_logs = asyncio.run(_logs_of(runs["chatty[rank 1/2]"].id, "logging-record-from-1"))
+    head_logs = _logs_of(runs["chatty[rank 0/2]"].id, "epoch 3 on rank 0", "stderr-line-from-0", "logging-record-from-0")
+    other_logs = _logs_of(runs["chatty[rank 1/2]"].id, "logging-record-from-1")
     head = {log.message: log.level for log in head_logs}
     other = {log.message: log.level for log in other_logs}
     assert head["[rank 0] epoch 1 on rank 0"] == logging.INFO

@@ -221,7 +221,7 @@ def report_steps_for(seconds: float) -> str:
 def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(monkeypatch):
     """Live tables are rewritten every 0.2 s here (every 5 s normally), so a 4 s call writes
     them about 20 times each: still one artifact per kind, the newest figures in it."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
     import skytasks.prefect_records.observer as observer
 
@@ -243,8 +243,7 @@ def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(mo
 
     async def read():
         async with get_client() as client:
-            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            arts = await client.read_artifacts(artifact_filter=of_flow_run(state))
             return arts
 
     arts = asyncio.run(read())
