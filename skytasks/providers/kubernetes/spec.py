@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.util
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, Field, field_validator
 
 OWN = ("kubernetes_credentials", "k8s_namespace", "k8s_image", "k8s_service_account", "k8s_image_pull_secrets",
-       "k8s_node_selector", "k8s_tolerations", "k8s_cpu", "k8s_memory", "k8s_shm_size", "k8s_pod_template")
+       "k8s_node_selector", "k8s_tolerations", "k8s_cpu", "k8s_memory", "k8s_shm_size", "k8s_pod_template",
+       "k8s_autoscaler", "k8s_gpu_label", "k8s_pods_per_host", "k8s_queue", "k8s_priority_class")
 READS = OWN + ("remote_python", "ready_timeout_seconds", "idle_minutes", "max_lifetime_minutes")
 EXTRA = 'pip install "skytasks[kubernetes]"'
 
@@ -24,6 +25,7 @@ EXTRA = 'pip install "skytasks[kubernetes]"'
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 
 if TYPE_CHECKING or importlib.util.find_spec("prefect_kubernetes") is not None:
@@ -49,6 +51,18 @@ class KubernetesFields(BaseModel):
     k8s_shm_size: Optional[str] = Field(None, description="kubernetes: the cap of every pod's memory-backed /dev/shm.")
     k8s_pod_template: dict[str, Any] = Field(
         default_factory=dict, description="kubernetes: a partial pod manifest merged into every pod the pool makes.")
+    k8s_autoscaler: Literal["auto", "none", "wait"] = Field(
+        "auto", description="kubernetes: a pod no node can take yet: 'auto' waits while a node autoscaler adds one "
+        "(and fails when it says it will not); 'none': a fixed cluster, fail at once; 'wait': wait to the timeout.")
+    k8s_gpu_label: Optional[str] = Field(
+        None, description="kubernetes: the node label naming the GPU product, when the cluster uses one skytasks "
+        "does not know.")
+    k8s_pods_per_host: Optional[int] = Field(
+        None, ge=1, description="kubernetes: how many of the pool's pods may share a Kubernetes node; None: 1 with "
+        "an accelerator, else no limit.")
+    k8s_queue: Optional[str] = Field(
+        None, description="kubernetes: a Kueue LocalQueue that admits the pool's pods as one group.")
+    k8s_priority_class: Optional[str] = Field(None, description="kubernetes: the pods' priorityClassName.")
 
     @field_validator("k8s_namespace")
     @classmethod
@@ -63,6 +77,20 @@ class KubernetesFields(BaseModel):
     def _account_is_a_name(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and not _DNS_SUBDOMAIN.match(value):
             raise ValueError(f"k8s_service_account: {value!r} is not a Kubernetes object name")
+        return value
+
+    @field_validator("k8s_queue", "k8s_priority_class")
+    @classmethod
+    def _object_name(cls, value: Optional[str], info: Any) -> Optional[str]:
+        if value is not None and not _DNS_SUBDOMAIN.match(value):
+            raise ValueError(f"{info.field_name}: {value!r} is not a Kubernetes object name")
+        return value
+
+    @field_validator("k8s_gpu_label")
+    @classmethod
+    def _label_key(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not _LABEL_KEY.match(value):
+            raise ValueError(f"k8s_gpu_label: {value!r} is not a node label key (such as 'example.com/gpu-type')")
         return value
 
     @field_validator("k8s_image_pull_secrets")
@@ -126,7 +154,18 @@ class KubernetesSpec:
     gpus: int  # nvidia.com/gpu per pod
     ready_timeout_seconds: float
     idle_minutes: float
-    max_lifetime_minutes: float
+    max_lifetime_minutes: Optional[float]
+    autoscaler: str = "auto"  # "auto", "none" or "wait"
+    gpu_label: Optional[str] = None
+    pods_per_host: Optional[int] = None  # None: 1 with an accelerator, else no limit
+    queue: Optional[str] = None
+    priority_class: Optional[str] = None
+    nodes: int = 1  # the pool's start size: a Kueue pod group's total count
+
+    @property
+    def per_host(self) -> Optional[int]:
+        """The most pods of the pool on one Kubernetes node (None: no limit)."""
+        return self.pods_per_host if self.pods_per_host is not None else (1 if self.accelerator else None)
 
 
 def build(fields: Mapping[str, Any]) -> KubernetesSpec:
@@ -145,4 +184,6 @@ def build(fields: Mapping[str, Any]) -> KubernetesSpec:
         remote_python=fields["remote_python"] or "python3", accelerator=accelerator,
         gpus=(fields["accelerators_per_node"] or 1) if accelerator else 0,
         ready_timeout_seconds=fields["ready_timeout_seconds"], idle_minutes=fields["idle_minutes"],
-        max_lifetime_minutes=fields["max_lifetime_minutes"])
+        max_lifetime_minutes=fields["max_lifetime_minutes"], autoscaler=fields["k8s_autoscaler"],
+        gpu_label=fields["k8s_gpu_label"], pods_per_host=fields["k8s_pods_per_host"], queue=fields["k8s_queue"],
+        priority_class=fields["k8s_priority_class"], nodes=fields["nodes"])
