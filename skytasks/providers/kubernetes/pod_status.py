@@ -8,28 +8,68 @@ Pure functions over pods as the API returns them (plain dicts, camelCase), teste
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
+from skytasks.providers.kubernetes.autoscaler_words import AutoscalerWord
+
 # Waiting reasons of a container that no wait will mend: the image, the pod's configuration.
+# (CreateContainerError is not one: it is most often the kubelet timing out on a slow node.)
 _NEVER_BY_WAITING = {
     "InvalidImageName": "k8s_image",
     "ErrImageNeverPull": "k8s_image",
     "CreateContainerConfigError": "k8s_pod_template",
-    "CreateContainerError": "k8s_pod_template",
     "RunContainerError": "remote_python",
     "StartError": "remote_python",
 }
-# ErrImagePull is often passing (a registry's hiccup); these words in it say the image is not there.
+# ErrImagePull is often passing (a registry's hiccup, a DNS blip: "no such host" is one); these
+# words in it say the registry answered that the image is not there, or not for this pod.
 _NO_SUCH_IMAGE = re.compile(r"not found|manifest unknown|does not exist|pull access denied|unauthorized|"
-                            r"repository .* not found|no such host|invalid reference", re.I)
-# The scheduler's reasons that a new node (an autoscaler, a freed GPU) may still answer.
-_CAPACITY = re.compile(r"Insufficient|Too many pods|didn't have free ports|node\(s\) were unschedulable|"
-                       r"had volume node affinity conflict|persistentvolumeclaim", re.I)
-_SCHED_FIELD = (
+                            r"repository .* not found|invalid reference", re.I)
+# Taints a node carries while it boots, drains or recovers: a wait mends them (an autoscaled node
+# is `not-ready` until its kubelet and network are up).
+_PASSING_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable",
+                   "node.kubernetes.io/network-unavailable", "node.kubernetes.io/unschedulable",
+                   "node.kubernetes.io/memory-pressure", "node.kubernetes.io/disk-pressure",
+                   "node.kubernetes.io/pid-pressure", "node.cloudprovider.kubernetes.io/uninitialized",
+                   "ToBeDeletedByClusterAutoscaler", "DeletionCandidateOfClusterAutoscaler", "karpenter.sh/disrupted",
+                   "karpenter.sh/disruption", "karpenter.sh/unregistered")
+# The scheduler's per-node reasons that only another kind of node answers, and the field to fix.
+_MISMATCH = (
     (re.compile(r"didn't match (Pod's )?node (selector|affinity)", re.I), "k8s_node_selector"),
+    (re.compile(r"didn't (match|satisfy) (pod|existing pods'?) (anti-)?affinity", re.I), "k8s_pods_per_host"),
     (re.compile(r"taint", re.I), "k8s_tolerations"),
 )
+# The Ready condition's reasons the kubelet sets itself; any other Ready=False on a running pod is
+# the node controller's word that the pod's node stopped reporting (it sets no reason of its own).
+_KUBELET_READY_REASONS = ("ContainersNotReady", "ReadinessGatesNotReady", "PodCompleted")
+
+
+def _reasons(message: str) -> list[str]:
+    """The scheduler's per-node reasons: "0/5 nodes are available: 2 Insufficient cpu, 3 node(s)
+    had taint {...}, that the pod didn't tolerate." (1.20) and the same with ". preemption: ..."
+    after it (newer releases)."""
+    _, _, rest = message.partition("are available:")
+    rest = re.split(r"\.\s*preemption:", rest, maxsplit=1)[0]
+    return [r.strip(" .") for r in re.split(r",\s+(?=\d+\s)", rest) if r.strip(" .")]
+
+
+def mismatch_field(message: str) -> Optional[str]:
+    """The field to fix when every node the scheduler counts refused the pod for its selector, its
+    affinity or a taint it does not tolerate, none for want of room nor for a passing state (a
+    booting node's taint, a cordon): on a fixed cluster, no wait will ever place it."""
+    reasons = _reasons(message)
+    if not reasons:
+        return None
+    fields = []
+    for reason in reasons:
+        if any(taint in reason for taint in _PASSING_TAINTS) or "were unschedulable" in reason:
+            return None
+        field = next((f for pattern, f in _MISMATCH if pattern.search(reason)), None)
+        if field is None:  # room (Insufficient ..., Too many pods, ports, volumes), or unknown: a wait may mend it
+            return None
+        fields.append(field)
+    return fields[0]
 
 
 @dataclass(frozen=True)
@@ -43,6 +83,10 @@ class PodView:
     never: Optional[tuple[str, str]]  # (field to fix, the cluster's words) when it can never start
     leaving: bool  # deletionTimestamp set: asked to leave (a delete with grace, an eviction, a drain)
     gone: Optional[str]  # why a pod that ran is lost (failed, ended, its node not ready), else None
+    unschedulable: bool = False  # the scheduler found no node for it (yet: an autoscaler may add one)
+    # The field to fix when no node of the cluster as it is matches the pod (see mismatch_field):
+    # fatal on a fixed cluster, the very thing an autoscaler answers on a cloud.
+    mismatch: Optional[str] = None
 
 
 def _conditions(pod: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -54,17 +98,6 @@ def _container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
     return statuses[0] if statuses else {}
 
 
-def never_starts_by_scheduler(message: str) -> Optional[str]:
-    """The field to fix when the scheduler says no node can ever take the pod: every node it
-    counts was refused for the selector, the affinity or a taint, none for want of room."""
-    if not message or _CAPACITY.search(message):
-        return None
-    for pattern, field in _SCHED_FIELD:
-        if pattern.search(message):
-            return field
-    return None
-
-
 def view(pod: Mapping[str, Any]) -> PodView:
     meta, status = pod.get("metadata", {}), pod.get("status", {})
     phase = status.get("phase") or "Pending"
@@ -72,13 +105,12 @@ def view(pod: Mapping[str, Any]) -> PodView:
     state = container.get("state") or {}
     running = phase == "Running" and "running" in state
     conditions = _conditions(pod)
-    waiting, never = "", None
+    waiting, never, unschedulable, mismatch = "", None, False, None
     scheduled = conditions.get("PodScheduled", {})
     if scheduled.get("status") == "False":
         waiting = f"{scheduled.get('reason') or 'Unschedulable'}: {scheduled.get('message') or 'not scheduled yet'}"
-        field = never_starts_by_scheduler(scheduled.get("message") or "")
-        if field:
-            never = (field, scheduled.get("message") or "")
+        unschedulable = True
+        mismatch = mismatch_field(scheduled.get("message") or "")
     elif "waiting" in state:
         reason, message = state["waiting"].get("reason") or "Waiting", state["waiting"].get("message") or ""
         waiting = f"{reason}: {message}" if message else reason
@@ -100,11 +132,42 @@ def view(pod: Mapping[str, Any]) -> PodView:
         if never is None and phase == "Failed" and terminated.get("exitCode") in (126, 127, 2):
             never = ("remote_python", gone)
     elif running and conditions.get("Ready", {}).get("status") == "False" and \
-            conditions["Ready"].get("reason") in ("NodeNotReady", "NodeLost"):
+            conditions["Ready"].get("reason") not in _KUBELET_READY_REASONS:
         gone = f"pod {meta.get('name')}: its node {pod.get('spec', {}).get('nodeName', '')} is not ready"
     return PodView(name=meta.get("name", ""), phase=phase, running=running, ip=status.get("podIP") or "",
                    node=pod.get("spec", {}).get("nodeName") or "", waiting=waiting, never=never,
-                   leaving=bool(meta.get("deletionTimestamp")), gone=gone)
+                   leaving=bool(meta.get("deletionTimestamp")), gone=gone, unschedulable=unschedulable,
+                   mismatch=mismatch)
+
+
+# How long a pod may wait unschedulable, under k8s_autoscaler="auto", before a cluster on which no
+# autoscaler spoke for it is taken as fixed. Cluster Autoscaler looks at unschedulable pods every
+# 10 s (--scan-interval) and Karpenter batches them for 1-10 s: both speak well within this.
+AUTOSCALER_SILENCE_SECONDS = 30.0
+
+
+def as_autoscaled(v: PodView, mode: str, word: Optional[AutoscalerWord], waited: float) -> PodView:
+    """An unschedulable pod read with what the cluster's node autoscaler said of it
+    (`k8s_autoscaler`): "auto" waits while one adds a node and fails on its refusal, and takes a
+    cluster where none spoke within AUTOSCALER_SILENCE_SECONDS as fixed; "none" is a fixed cluster
+    (a selector, affinity or taint no node matches can never start); "wait" always waits."""
+    if not v.unschedulable or mode == "wait":
+        return v
+    if mode == "auto" and word is not None:
+        if word.kind == "adding":
+            return replace(v, waiting=f"waiting for a node the autoscaler is adding: {word.describe()}")
+        field = v.mismatch or "k8s_autoscaler"
+        return replace(v, never=(field, f"the cluster's node autoscaler will not add a node for it: {word.describe()} "
+                                        f"(the scheduler: {v.waiting})"))
+    if v.mismatch and (mode == "none" or waited >= AUTOSCALER_SILENCE_SECONDS):
+        why = "" if mode == "none" else (f"; no node autoscaler spoke for the pod within "
+                                         f"{AUTOSCALER_SILENCE_SECONDS:g}s, so the cluster is taken as fixed "
+                                         "(k8s_autoscaler='wait' waits anyway)")
+        return replace(v, never=(v.mismatch, v.waiting + why))
+    if mode == "auto" and v.mismatch:
+        return replace(v, waiting=f"{v.waiting} (waiting up to {AUTOSCALER_SILENCE_SECONDS:g}s for a node "
+                                  f"autoscaler to answer, {waited:.0f}s so far)")
+    return v
 
 
 @dataclass(frozen=True)
@@ -133,7 +196,7 @@ def start_decision(pods: Sequence[PodView], fewest: int, elapsed: float, timeout
     if len(running) == len(pods):
         return Go(running)
     stuck = [p for p in pods if p.name not in running]
-    if len(running) >= fewest and all(p.never or p.gone or p.waiting.startswith("Unschedulable") for p in stuck):
+    if len(running) >= fewest and all(p.never or p.gone or p.unschedulable for p in stuck):
         return Go(running)
     if never and len(pods) - len(never) < fewest:
         p = never[0]
