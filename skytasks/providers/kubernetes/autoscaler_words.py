@@ -7,11 +7,12 @@ normal (minutes). The autoscalers say so on the pod itself, as core/v1 Events:
   reason `TriggeredScaleUp`, "pod triggered scale-up: [{<group> <from>-><to> (max: <max>)}]",
   while it adds a node for the pod; reason `NotTriggerScaleUp`, "pod didn't trigger scale-up:
   <why per node group>", when it will not (a full node group, no group whose nodes would fit).
-  Read in cluster-autoscaler's `processors/status/eventing_scale_up_processor.go`.
+  Read in cluster-autoscaler 1.36.1's `processors/status/eventing_scale_up_processor.go` (the same on
+  release-1.20 and 1.28).
 - Karpenter, source component `karpenter`: reason `Nominated`, "Pod should schedule on:
   nodeclaim/<name>" (a NodeClaim it is launching) or "... node/<name>" (a node that has room);
   reason `FailedScheduling`, "Failed to schedule pod, <why>", when no NodePool can hold the pod.
-  Read in karpenter's `pkg/controllers/provisioning/scheduling/events.go`.
+  Read in karpenter v1.14.1's `pkg/controllers/provisioning/scheduling/events.go` (v1.0 to v1.5 too).
 
 Pure functions over Events as the API returns them (plain dicts, camelCase).
 """
