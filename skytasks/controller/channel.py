@@ -100,6 +100,10 @@ class NodeChannel:
             if self.on_peer_ready is not None:
                 self.on_peer_ready()
             return
+        if msg["op"] == Op.NOTICE:  # the provider may know better when the node goes
+            deadline = self.link.notice_deadline()
+            if deadline is not None:
+                msg["deadline"] = deadline
         if msg["op"] != Op.HEARTBEAT:
             msg["channel"] = self.serial
             self._events.put((self.link.node_rank, msg))

@@ -9,7 +9,7 @@ it is given (`skytasks.providers.reporting`); the controller asks it, never its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Optional, Protocol, runtime_checkable
 
 from skytasks.settings import settings
 
@@ -44,6 +44,9 @@ class NodeLink:
     # Where the node runs, as a person finds it ("pod P on node K"), shown beside its address in
     # the rank table and a rank's failure; "" when the address says it all.
     where: str = ""
+    # When the node goes, as its provider knows it better than the node itself (epoch seconds;
+    # Kubernetes: the deletion's own grace period), asked when the node gives a preemption notice.
+    notice_deadline: Callable[[], Optional[float]] = lambda: None
 
     def __post_init__(self) -> None:
         if self.node_id < 0:
