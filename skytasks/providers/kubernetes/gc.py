@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from skytasks.providers.kubernetes import pods
-from skytasks.providers.kubernetes.teardown import delete_pool
+from skytasks.providers.kubernetes.teardown import delete_pool, list_pods
 
 
 def _time(text: Optional[str]) -> Optional[datetime]:
@@ -51,8 +51,7 @@ def sweep(core: Any, namespace: str, dry_run: bool = False, now: Optional[dateti
     selector = f"{pods.MANAGED_BY[0]}={pods.MANAGED_BY[1]}"
     owners = json.loads(core.list_namespaced_config_map(namespace, label_selector=selector, _preload_content=False,
                                                         _request_timeout=30).data)["items"]
-    listed = json.loads(core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False,
-                                                 _request_timeout=30).data)["items"]
+    listed = list_pods(core, namespace, selector)
     swept = []
     for owner in owners:
         pool_id = owner["metadata"]["name"]

@@ -10,10 +10,15 @@ from typing import Any
 from skytasks.providers.kubernetes import cluster, pods
 
 
+def list_pods(core: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
+    """The pods a label selector finds, as the API returns them (plain dicts): the one LIST of pods
+    outside a pool's watch (its teardown's last look, and gc's)."""
+    found = core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False, _request_timeout=30)
+    return list(json.loads(found.data)["items"])
+
+
 def pool_pods(core: Any, namespace: str, pool_id: str) -> list[str]:
-    found = core.list_namespaced_pod(namespace, label_selector=f"{pods.POOL_LABEL}={pool_id}", _preload_content=False,
-                                     _request_timeout=30)
-    return [p["metadata"]["name"] for p in json.loads(found.data)["items"]]
+    return [p["metadata"]["name"] for p in list_pods(core, namespace, f"{pods.POOL_LABEL}={pool_id}")]
 
 
 def delete_pool(core: Any, namespace: str, pool_id: str, wait_seconds: float) -> tuple[list[str], str]:
