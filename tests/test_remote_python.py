@@ -37,16 +37,24 @@ def test_the_check_names_each_module_the_python_lacks_in_pythons_own_words():
 
 
 def test_a_python_with_torch_and_cloudpickle_passes():
+    import cloudpickle
+
     found = python_check.parse(check(sys.executable))
     assert found is not None and found.missing == {} and found.executable == sys.executable
+    assert found.python == tuple(sys.version_info[:3]) and found.cloudpickle == cloudpickle.__version__
+    assert python_check.wrong_python("node 0 (h)", sys.executable, found) is None
 
 
 def test_modules_are_looked_up_not_imported_and_a_failed_lookup_is_said_in_its_own_words(tmp_path):
-    # Found, so passed: the check reads no module (importing torch takes a second or more).
+    # Found, so passed: the check reads no module (importing torch takes a second or more), and
+    # cloudpickle's version comes from its metadata, as an installed one has it.
     (tmp_path / "torch.py").write_text("raise SystemExit('imported')\n")
     (tmp_path / "cloudpickle.py").write_text("raise SystemExit('imported')\n")
+    (tmp_path / "cloudpickle-3.1.0.dist-info").mkdir()
+    (tmp_path / "cloudpickle-3.1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: cloudpickle\nVersion: 3.1.0\n")
     found = python_check.parse(check(SYSTEM_PYTHON, env={**os.environ, "PYTHONPATH": str(tmp_path)}))
-    assert found is not None and found.missing == {}
+    assert found is not None and found.missing == {} and found.cloudpickle == "3.1.0"
     # A lookup that raises (a half-imported torch, left without its spec) is said as it was raised.
     (tmp_path / "sitecustomize.py").write_text(
         "import sys, types\nm = types.ModuleType('torch')\nm.__spec__ = None\nsys.modules['torch'] = m\n")

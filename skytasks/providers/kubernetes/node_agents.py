@@ -1,10 +1,11 @@
 """The node agent in a pod, started over an exec stream, and the short commands a call needs
 there (a free port on the head, the workdir).
 
-The stream starts with a few lines of the image's Python: the check that it can import torch and
-cloudpickle (`python_check`), then "have" or "need" for the controller's skytasks (content-addressed
-under /tmp/skytasks in the pod, so a pod gets it once), which the controller then sends on the same
-stream, and the agent in that process. Nothing of it is in the pod's spec or command line.
+The stream starts with a few lines of the image's Python: the check that it is the controller's
+major.minor with a compatible cloudpickle, and can import torch (`python_check`: a mismatch is a
+PoolStartError naming k8s_image and both versions), then "have" or "need" for the controller's
+skytasks (content-addressed under /tmp/skytasks in the pod, so a pod gets it once), which the
+controller then sends on the same stream, and the agent in that process. Nothing of it is in the pod's spec or command line.
 """
 
 from __future__ import annotations
@@ -77,10 +78,14 @@ class PodAgents:
             raise refused(exc, f"exec into pod {pod} (pods/exec)", self._namespace) from exc
         self.streams[pod] = stream
         checked = python_check.parse(read_line(stream.inbound, self._timeout, stream.close))
-        answer = read_line(stream.inbound, self._timeout, stream.close) if checked is not None and not checked.missing else b""
-        if checked is not None and checked.missing:
+        here = python_check.this_controller()
+        # Another Python (or cloudpickle) in the image first, as it is what to fix; then a lack.
+        # Before the package is sent and before any rank.
+        if checked is not None and (python_check.why_not(checked, here) or checked.missing):
             stream.close()
-            raise PoolStartError(python_check.cannot_import(where, self._python, checked))
+            wrong = python_check.wrong_image(where, self._image(pod), self._python, checked, here)
+            raise PoolStartError(wrong or python_check.cannot_import(where, self._python, checked))
+        answer = read_line(stream.inbound, self._timeout, stream.close) if checked is not None else b""
         if answer == b"need\n":
             stream.outbound.write(bundle)
             stream.outbound.flush()
@@ -89,6 +94,20 @@ class PodAgents:
             raise PoolStartError(python_check.did_not_start(where, self._python, stream.last_words() or repr(answer)))
         return NodeLink(node_rank=node_rank, address=address, inbound=stream.inbound, outbound=stream.outbound,
                         machine=pod, close=lambda: self.end(pod))
+
+    def _image(self, pod: str) -> str | None:
+        """The image the pod runs, as the API server has it (k8s_image, or what the pod template
+        made of it); None where it cannot be read. Asked only when the pod's Python is wrong."""
+        from kubernetes import client
+
+        from skytasks.providers.kubernetes import cluster
+
+        try:
+            with cluster.api_client(self._cfg) as api:
+                spec = client.CoreV1Api(api).read_namespaced_pod(pod, self._namespace, _request_timeout=30).spec
+            return next((c.image for c in spec.containers if c.name == CONTAINER), None) if spec else None
+        except Exception:  # noqa: BLE001 - the error names k8s_image without its value then
+            return None
 
     def end(self, pod: str) -> None:
         stream = self.streams.pop(pod, None)

@@ -5,11 +5,11 @@ An agent's step starts with a few lines of Python that first read the pool's `en
 stream (one length-prefixed JSON line, `env_in`, written as the step starts): never on srun's
 command line, which `ps` shows to every user of the login node and the compute node, and which
 SLURM may record with the step. Only PATH (where `remote_python` is looked up) and PYTHONPATH
-stay there. Then they check the node's Python can run ranks (torch and cloudpickle,
-`python_check`: one line on the stream, read before anything else), then make sure the
-controller's skytasks is on the node: it answers "have" or "need" on the stream, the controller
-then sends the package (a tar.gz) only when needed, and the bootstrap unpacks it under
-~/.cache/skytasks/<hash> and execs the agent. One step per node, no second round trip, and
+stay there. Then they check the node's Python can run ranks (the controller's major.minor, torch
+and a compatible cloudpickle, `python_check`: one line on the stream, read before anything else),
+then make sure the controller's skytasks is on the node: it answers "have" or "need" on the
+stream, the controller then sends the package (a tar.gz) only when needed, and the bootstrap
+unpacks it under ~/.cache/skytasks/<hash> and execs the agent. One step per node, no second round trip, and
 nothing to copy on a shared home.
 """
 
@@ -82,9 +82,12 @@ class NodeSteps:
         where = f"node {node_rank} ({name}, job {job_id})"
         first = read_line(step.inbound, timeout, step.close)
         found = python_check.parse(first)
-        if found is not None and found.missing:  # before any rank: the step ends, stop() cancels the job
+        # Another Python (or cloudpickle) first, as it is what to fix; then a lack. Before any rank
+        # and before the package is sent: the step ends, stop() cancels the job.
+        wrong = python_check.wrong_python(where, self._python, found, self._python_default) if found else None
+        if found is not None and (wrong or found.missing):
             step.close()
-            raise PoolStartError(python_check.cannot_import(where, self._python, found, self._python_default))
+            raise PoolStartError(wrong or python_check.cannot_import(where, self._python, found, self._python_default))
         if found is None:
             said = self._said_at_the_end(name) or first.decode(errors="replace")
             step.close()

@@ -2,8 +2,9 @@
 
 Every host at once, each bounded by a short timeout: that it answers SSH with the pool's key and a
 host key known_hosts has (the start's own connection, `nodes.connect`), and that its
-`remote_python` can import torch and cloudpickle (the start's own check, `env_in.PROBE`,
-run alone: no agent starts, nothing is copied, pip installs nothing).
+`remote_python` is the controller's Python major.minor with a compatible cloudpickle and can import
+torch and cloudpickle (the start's own check, `env_in.PROBE`, and its verdict, run alone: no agent
+starts, nothing is copied, pip installs nothing).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
+from dataclasses import replace
 from typing import Any, Iterator
 
 from skytasks.errors import PoolConfigError, PoolStartError
@@ -18,6 +20,7 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers.checks import Check
 from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.nodes import SSHLogin, connect, load_known_hosts
+from skytasks.providers.ssh.python_check import NEEDED
 
 CONNECT_SECONDS = 15.0  # one host's answer to SSH
 PYTHON_SECONDS = 30.0  # its Python's start and the check's lookups
@@ -85,15 +88,22 @@ async def _python(conn: Any, login: SSHLogin, node: int, where: str) -> Check:
         said = (result.stderr or out or b"").decode(errors="replace").strip()[-800:] or "nothing"
         return Check(name, False, f"{python_check.ran(login.python, login.python_default)} did not run (exit "
                                   f"{result.exit_status}); it said: {said}")
-    # What pip_packages names is installed beside it as the pool starts: not missing then.
-    missing = {m: why for m, why in found.missing.items()
-               if not any(re.match(rf"{re.escape(m)}\b", p) for p in login.pip_packages)}
-    if missing:
-        lacking = python_check.Found(found.executable, found.version, missing)
-        return Check(name, False, _after_node(python_check.cannot_import(f"node {node} ({where})", login.python,
-                                                                         lacking, login.python_default)))
-    installed = f"; {', '.join(found.missing)} from pip_packages" if found.missing else ""
-    return Check(name, True, f"{found.executable} (Python {found.version}){installed}")
+    # What pip_packages names is installed beside it as the pool starts: not missing then, and
+    # its version, not the node's own, is the one the start compares.
+    def from_pip(module: str) -> bool:
+        return any(re.match(rf"{re.escape(module)}\b", p) for p in login.pip_packages)
+
+    missing = {m: why for m, why in found.missing.items() if not from_pip(m)}
+    found = replace(found, missing=missing, cloudpickle=None if from_pip("cloudpickle") else found.cloudpickle)
+    # The start's verdict, in its order: another Python (or cloudpickle) first, then a lack.
+    wrong = python_check.wrong_python(f"node {node} ({where})", login.python, found, login.python_default)
+    if wrong or missing:
+        return Check(name, False, _after_node(wrong or python_check.cannot_import(
+            f"node {node} ({where})", login.python, found, login.python_default)))
+    pickler = f" with cloudpickle {found.cloudpickle}" if found.cloudpickle else ""
+    pip = [m for m in NEEDED if from_pip(m)]
+    installed = f"; {', '.join(pip)} from pip_packages" if pip else ""
+    return Check(name, True, f"{found.executable} (Python {found.version}{pickler}){installed}")
 
 
 def _after_node(text: str) -> str:

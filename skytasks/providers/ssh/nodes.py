@@ -1,11 +1,11 @@
 """provider="ssh": machines you already have, reached with asyncssh; host keys always checked.
 
 Each node's agent runs as `remote_python -m skytasks.node.agent` on an SSH channel, behind a check
-that this Python has torch and cloudpickle (`python_check`: a lack fails the start, naming
-remote_python, before any rank starts). The controller's own skytasks is shipped to
-`~/.cache/skytasks/<content hash>` on each node first, so a node always runs the controller's
-version. The channel is bridged to a pair of local pipes, so the shared rank lifecycle reads and
-writes it exactly like a local node's pipes.
+that this Python is the controller's major.minor and has torch and a compatible cloudpickle
+(`python_check`: a mismatch or a lack fails the start, naming remote_python, before any rank
+starts). The controller's own skytasks is shipped to `~/.cache/skytasks/<content hash>` on each
+node first, so a node always runs the controller's version. The channel is bridged to a pair of
+local pipes, so the shared rank lifecycle reads and writes it exactly like a local node's pipes.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ class SSHNodes:
                         machine=host, close=lambda: _close_quietly(outbound))
 
     async def _check_python(self, proc: Any, where: str) -> None:
-        """The check's line from the node's Python, or PoolStartError naming remote_python."""
+        """The check's line from the node's Python, or PoolStartError naming remote_python: a Python
+        other than the controller's major.minor, a cloudpickle of another major, or a lack."""
         import asyncssh
 
         login = self._login
@@ -171,11 +172,13 @@ class SSHNodes:
         except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
             line = f"{type(exc).__name__}: {exc}".encode()
         found = python_check.parse(line)
-        if found is not None and not found.missing:
-            return
         if found is not None:
+            # Another Python first: it is what to fix (torch and cloudpickle go into the right one).
+            wrong = python_check.wrong_python(where, login.python, found, login.python_default)
+            if wrong is None and not found.missing:
+                return
             proc.close()
-            raise PoolStartError(python_check.cannot_import(where, login.python, found, login.python_default))
+            raise PoolStartError(wrong or python_check.cannot_import(where, login.python, found, login.python_default))
         try:  # why it never got to the check: the shell's or Python's own words
             said = await asyncio.wait_for(proc.stderr.read(), 5)
         except (OSError, asyncssh.Error, asyncio.TimeoutError):
