@@ -1,9 +1,13 @@
-"""The kubernetes provider's rules, without a cluster: the pod it makes, the template's merge, the
-GPU label chosen from the nodes' labels, a pod's status read, when a pool may start, what gc
-deletes, and that the RBAC file grants exactly what the provider uses."""
+"""The kubernetes provider's manifests, without a cluster: the pod it makes (identity, GPU product,
+placement, Kueue group, lifetime), the template's merge (it narrows where pods go, never widens),
+the pod's keeper run as a real process, what gc deletes, and that the RBAC file grants exactly what
+the provider uses. A pod's status read and the start decision are in test_k8s_start_rules.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -11,21 +15,27 @@ import pytest
 import yaml
 
 from skytasks import GPUPool, PoolConfigError
-from skytasks.providers.kubernetes import gc, pod_status, pods
+from skytasks.providers.kubernetes import gc, gpu_types, pods
 from skytasks.providers.kubernetes.check import NEEDED
 from skytasks.providers.kubernetes.spec import KubernetesSpec
 
-OWNER = {"apiVersion": "v1", "kind": "ConfigMap", "name": "skytasks-abc", "uid": "u-1"}
+OWNER = {"apiVersion": "v1", "kind": "ConfigMap", "name": "skytasks-abc", "uid": "u-1", "controller": True}
+H100_NODE = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 
 
-def manifest(**fields):
+def manifest(node_id=3, node_labels=None, **fields):
     pool = GPUPool(provider="kubernetes", k8s_image="reg/train:1", **fields)
     spec = pool.spec()
-    return pods.pod_manifest(spec, spec.own(KubernetesSpec), "skytasks-abc", 3, OWNER)
+    return pods.pod_manifest(spec, spec.own(KubernetesSpec), "skytasks-abc", node_id, OWNER, node_labels)
+
+
+def required_terms(pod):
+    return pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
 
 
 def test_a_pod_holds_its_identity_shm_and_no_secret():
-    pod = manifest(env={"TOKEN": "s3cret"}, aws_credentials={"aws_access_key_id": "AKIA", "aws_secret_access_key": "zz9"})
+    pod = manifest(env={"TOKEN": "s3cret"}, aws_credentials={"aws_access_key_id": "AKIA", "aws_secret_access_key": "zz9"},
+                   max_lifetime_minutes=720)
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "skytasks-abc-3"
     assert meta["labels"][pods.POOL_LABEL] == "skytasks-abc" and meta["labels"][pods.NODE_LABEL] == "3"
@@ -34,10 +44,41 @@ def test_a_pod_holds_its_identity_shm_and_no_secret():
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
     (container,) = spec["containers"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    assert container["command"][:2] == ["python3", "-c"] and container["command"][-2:] == ["900", "30"]
+    # argv: idle 15 min, grace 30 s, start window = ready_timeout_seconds (900) + idle (900)
+    assert container["command"][:2] == ["python3", "-c"] and container["command"][-3:] == ["900", "30", "1800"]
     assert spec["automountServiceAccountToken"] is False
+    assert "affinity" not in spec and "priorityClassName" not in spec  # a CPU pool: no product, no host limit
+    assert not any(k.startswith("kueue.x-k8s.io/") for k in {**meta["labels"], **meta["annotations"]})
     for secret in ("s3cret", "zz9", "AKIA"):
         assert secret not in repr(pod)
+
+
+def test_without_a_lifetime_a_pod_has_no_deadline_and_the_owner_no_expiry():
+    pool = GPUPool(provider="kubernetes", k8s_image="x", max_lifetime_minutes=None)
+    spec = pool.spec()
+    k8s = spec.own(KubernetesSpec)
+    assert "activeDeadlineSeconds" not in pods.pod_manifest(spec, k8s, "p", 0, OWNER)["spec"]
+    owner = pods.owner_manifest("p", "mine", k8s)
+    assert pods.EXPIRES_ANNOTATION not in owner["metadata"]["annotations"]
+    assert owner["metadata"]["annotations"][pods.NAME_ANNOTATION] == "mine"
+    # gc then goes by the pods: none since long ago, or every one ended.
+    now = datetime(2026, 11, 27, 12, tzinfo=timezone.utc)
+    owner["metadata"]["creationTimestamp"] = "2026-11-27T11:00:00Z"
+    assert gc.why_stale(owner, [{"status": {"phase": "Running"}}], now + timedelta(days=30), timedelta(minutes=15)) is None
+    assert "no pod" in gc.why_stale(owner, [], now, timedelta(minutes=15))
+    timed = GPUPool(provider="kubernetes", k8s_image="x", max_lifetime_minutes=90).spec()
+    at = datetime(2026, 11, 27, 12, tzinfo=timezone.utc)
+    assert pods.owner_manifest("p", "mine", timed.own(KubernetesSpec), at)["metadata"]["annotations"][
+        pods.EXPIRES_ANNOTATION] == "2026-11-27T13:30:00Z"
+
+
+def test_the_pods_declare_their_owner_as_their_controller():
+    ref = pods.owner_reference({"metadata": {"name": "skytasks-abc", "uid": "u-1"}})
+    assert ref == {"apiVersion": "v1", "kind": "ConfigMap", "name": "skytasks-abc", "uid": "u-1", "controller": True}
+    # blockOwnerDeletion needs update on the owner's finalizers, which rbac.yaml does not grant.
+    docs = list(yaml.safe_load_all((Path(__file__).parent.parent / "deployments/kubernetes/rbac.yaml").read_text()))
+    granted = {res for d in docs if d["kind"] == "Role" for rule in d["rules"] for res in rule["resources"]}
+    assert "configmaps/finalizers" not in granted and "blockOwnerDeletion" not in ref
 
 
 def test_gpus_resources_selector_and_tolerations():
@@ -57,16 +98,19 @@ def test_gpus_resources_selector_and_tolerations():
 
 
 def test_the_template_merges_but_never_replaces_the_pods_identity():
-    template = {"metadata": {"name": "mine", "labels": {"team": "nlp"}, "annotations": {"a": "b"}},
-                "spec": {"priorityClassName": "high", "restartPolicy": "Always",
+    template = {"metadata": {"name": "mine", "labels": {"team": "nlp", pods.POOL_LABEL: "other"},
+                             "annotations": {"a": "b"}},
+                "spec": {"priorityClassName": "high", "restartPolicy": "Always", "activeDeadlineSeconds": 5,
                          "volumes": [{"name": "data", "hostPath": {"path": "/data"}}],
                          "containers": [{"volumeMounts": [{"name": "data", "mountPath": "/data"}],
                                          "env": [{"name": "HF_HOME", "value": "/data/hf"}], "command": ["sleep"]},
                                         {"name": "sidecar", "image": "busybox"}]}}
-    pod = manifest(k8s_pod_template=template)
+    pod = manifest(k8s_pod_template=template, max_lifetime_minutes=60)
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "skytasks-abc-3" and meta["labels"]["team"] == "nlp" and meta["annotations"]["a"] == "b"
+    assert meta["labels"][pods.POOL_LABEL] == "skytasks-abc"
     assert spec["priorityClassName"] == "high" and spec["restartPolicy"] == "Never"
+    assert spec["activeDeadlineSeconds"] == 3600
     assert [v["name"] for v in spec["volumes"]] == ["dshm", "data"]
     own, sidecar = spec["containers"]
     assert own["name"] == "node" and own["image"] == "reg/train:1" and sidecar["name"] == "sidecar"
@@ -75,25 +119,180 @@ def test_the_template_merges_but_never_replaces_the_pods_identity():
     assert own["command"][1] == "-c"  # the keeper, whatever the template said
 
 
-@pytest.mark.parametrize("labels, want", [
-    ([{"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}],
-     ("nvidia.com/gpu.product", ["NVIDIA-H100-80GB-HBM3"])),
-    ([{"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}, {"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"}],
-     ("cloud.google.com/gke-accelerator", ["nvidia-h100-80gb", "nvidia-h100-mega-80gb"])),
-    ([{"karpenter.k8s.aws/instance-gpu-name": "h100"}], ("karpenter.k8s.aws/instance-gpu-name", ["h100"])),
-    ([{"nvidia.com/gpu.product": "Tesla-T4"}], None),
-    ([{}], None),
-])
-def test_the_gpu_product_label_comes_from_the_nodes(labels, want):
-    assert pods.gpu_product_affinity("H100", labels) == want
+def test_a_gpu_pool_requires_the_product_even_with_no_node_to_read():
+    for node_labels in (None, [], [{"kubernetes.io/hostname": "cpu-1"}]):
+        terms = required_terms(manifest(accelerator="H100", node_labels=node_labels))
+        assert {t["matchExpressions"][0]["key"] for t in terms} == {
+            "nvidia.com/gpu.product", "cloud.google.com/gke-accelerator", "karpenter.k8s.aws/instance-gpu-name"}
+        assert gpu_types.node_matches(terms, H100_NODE)
+        assert not gpu_types.node_matches(terms, {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"})
+        assert not gpu_types.node_matches(terms, {})
 
 
-def test_an_affinity_becomes_a_required_node_affinity():
-    pool = GPUPool(provider="kubernetes", k8s_image="x", accelerator="H100")
-    spec = pool.spec()
-    pod = pods.pod_manifest(spec, spec.own(KubernetesSpec), "p", 0, OWNER, ("nvidia.com/gpu.product", ["A", "B"]))
-    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["A", "B"]}]}]
+def test_the_nodes_values_and_the_clusters_own_label_reach_the_pod():
+    nodes = [{"nvidia.com/gpu.product": "NVIDIA-H100-SXM5-94GB"}, {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}]
+    terms = required_terms(manifest(accelerator="H100", node_labels=nodes))
+    assert gpu_types.node_matches(terms, nodes[0]) and not gpu_types.node_matches(terms, nodes[1])
+    own = required_terms(manifest(accelerator="H100", k8s_gpu_label="example.com/gpu",
+                                  node_labels=[{"example.com/gpu": "h100-sxm"}, {"example.com/gpu": "a100"}]))
+    assert own == [{"matchExpressions": [{"key": "example.com/gpu", "operator": "In", "values": ["H100", "h100-sxm"]}]}]
+
+
+ZONES = ("a", "b", "c")
+PRODUCTS = ({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+            {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}, {"karpenter.k8s.aws/instance-gpu-name": "h100"},
+            {"karpenter.k8s.aws/instance-gpu-name": "a100"}, {})
+NODES = [{**p, "topology.kubernetes.io/zone": z, "tier": t} for p in PRODUCTS for z in ZONES for t in ("spot", "ondemand")]
+
+
+def test_a_templates_node_affinity_narrows_never_widens():
+    template_terms = [{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}]},
+                      {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["spot"]},
+                                            {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["b"]}]}]
+    template = {"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": template_terms}}}}}
+    pool_terms = required_terms(manifest(accelerator="H100"))
+    terms = required_terms(manifest(accelerator="H100", k8s_pod_template=template))
+    assert len(terms) == len(pool_terms) * len(template_terms)
+    for node in NODES:
+        both = gpu_types.node_matches(pool_terms, node) and gpu_types.node_matches(template_terms, node)
+        assert gpu_types.node_matches(terms, node) is both, node
+    may = [n for n in NODES if gpu_types.node_matches(terms, n)]
+    assert may and all(n.get("topology.kubernetes.io/zone") in ("a", "b") for n in may)
+    assert all(n.get("nvidia.com/gpu.product", "NVIDIA-H100").startswith("NVIDIA-H100") for n in may)
+    # Without a product to require, the template's terms are the pods' own.
+    assert required_terms(manifest(k8s_pod_template=template)) == template_terms
+    # A term that matches no node adds none; with nothing left, the pods may go nowhere, as written.
+    nowhere = {"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{}]}}}}}
+    assert not any(gpu_types.node_matches(required_terms(manifest(accelerator="H100", k8s_pod_template=nowhere)), n)
+                   for n in NODES)
+
+
+def test_a_templates_selector_merges_key_by_key_and_a_null_erases_nothing():
+    template = {"spec": {"nodeSelector": {"disk": "ssd"}, "affinity": None}}
+    spec = manifest(accelerator="H100", k8s_node_selector={"pool": "gpu"}, k8s_pod_template=template)["spec"]
+    assert spec["nodeSelector"] == {"pool": "gpu", "disk": "ssd"}
+    assert gpu_types.node_matches(spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"], H100_NODE)
+    assert spec["affinity"]["podAntiAffinity"]
+
+
+def anti_affinity(pod):
+    return pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+
+
+def shuns(a, b):
+    """Whether pod `a`'s required anti-affinity keeps it off a node where pod `b` runs."""
+    return any(term["topologyKey"] == "kubernetes.io/hostname" and
+               term["labelSelector"]["matchLabels"].items() <= b["metadata"]["labels"].items()
+               for term in anti_affinity(a))
+
+
+def most_on_one_node(pool_pods):
+    """The largest set of the pool's pods that may share one node (no pod shuns another there)."""
+    best = 0
+    for mask in range(1, 1 << len(pool_pods)):
+        chosen = [p for i, p in enumerate(pool_pods) if mask >> i & 1]
+        if all(not shuns(a, b) for a in chosen for b in chosen if a is not b):
+            best = max(best, len(chosen))
+    return best
+
+
+def test_a_gpu_pools_pods_go_to_distinct_nodes():
+    pool_pods = [manifest(node_id=i, accelerator="H100") for i in range(4)]
+    assert anti_affinity(pool_pods[0]) == [{"labelSelector": {"matchLabels": {pods.POOL_LABEL: "skytasks-abc"}},
+                                            "topologyKey": "kubernetes.io/hostname"}]
+    assert pods.SLOT_LABEL not in pool_pods[0]["metadata"]["labels"]
+    assert most_on_one_node(pool_pods) == 1
+    assert "affinity" not in manifest()["spec"]  # a CPU pool: no limit
+    assert most_on_one_node([manifest(node_id=i, k8s_pods_per_host=1) for i in range(3)]) == 1
+
+
+def test_pods_per_host_lets_that_many_share_a_node():
+    pool_pods = [manifest(node_id=i, accelerator="H100", k8s_pods_per_host=3) for i in range(8)]
+    assert [p["metadata"]["labels"][pods.SLOT_LABEL] for p in pool_pods] == ["0", "1", "2", "0", "1", "2", "0", "1"]
+    assert anti_affinity(pool_pods[4])[0]["labelSelector"]["matchLabels"] == {pods.POOL_LABEL: "skytasks-abc",
+                                                                               pods.SLOT_LABEL: "1"}
+    assert most_on_one_node(pool_pods) == 3
+    # A replacement may take its lost pod's slot.
+    spec = GPUPool(provider="kubernetes", k8s_image="x", accelerator="H100", k8s_pods_per_host=3).spec()
+    again = pods.pod_manifest(spec, spec.own(KubernetesSpec), "p", 9, OWNER, slot=1)
+    assert again["metadata"]["labels"][pods.SLOT_LABEL] == "1"
+    # A template's own anti-affinity is added to the pool's (required terms are ANDed).
+    mine = {"labelSelector": {"matchLabels": {"app": "db"}}, "topologyKey": "kubernetes.io/hostname"}
+    template = {"spec": {"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [mine]}}}}
+    terms = anti_affinity(manifest(accelerator="H100", k8s_pod_template=template))
+    assert len(terms) == 2 and mine in terms
+
+
+def test_a_queued_pool_is_one_kueue_pod_group():
+    fields = dict(nodes=4, accelerator="H100", k8s_pods_per_host=2, k8s_queue="team-a", k8s_priority_class="train-high")
+    first, replacement = manifest(node_id=0, **fields), manifest(node_id=7, node_labels=[H100_NODE], **fields)
+    for pod in (first, replacement):
+        labels, notes = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert labels["kueue.x-k8s.io/pod-group-name"] == "skytasks-abc"
+        assert notes["kueue.x-k8s.io/pod-group-total-count"] == "4"
+        assert notes["kueue.x-k8s.io/retriable-in-group"] == "false"
+        assert pod["spec"]["priorityClassName"] == "train-high"
+    # One role for every pod of the pool, though their slots' anti-affinity differs.
+    assert first["spec"]["affinity"] != replacement["spec"]["affinity"]
+    assert first["metadata"]["annotations"]["kueue.x-k8s.io/role-hash"] == \
+        replacement["metadata"]["annotations"]["kueue.x-k8s.io/role-hash"] == "node"
+    # The template cannot move a pod to another group or queue.
+    template = {"metadata": {"labels": {"kueue.x-k8s.io/pod-group-name": "x"},
+                             "annotations": {"kueue.x-k8s.io/pod-group-total-count": "1"}}}
+    pod = manifest(k8s_pod_template=template, **fields)
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "skytasks-abc"
+    assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "4"
+
+
+def keeper(tmp_path, idle, grace, window):
+    """The pod's keeper, run here as the pod runs it, with its heartbeat and notice files in tmp_path."""
+    beat, notice = tmp_path / "beat", tmp_path / "notice"
+    code = pods.KEEPER.replace(repr(pods.HEARTBEAT_FILE), repr(str(beat))).replace(repr(pods.NOTICE_FILE),
+                                                                                   repr(str(notice)))
+    assert str(beat) in code and str(notice) in code
+    proc = subprocess.Popen([sys.executable, "-c", code, str(idle), str(grace), str(window)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, beat
+
+
+def ended_within(proc, seconds):
+    deadline = time.monotonic() + seconds
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc.poll() is not None
+
+
+def test_the_idle_clock_starts_at_the_first_heartbeat(tmp_path):
+    proc, beat = keeper(tmp_path, idle=1, grace=30, window=60)
+    try:
+        assert not ended_within(proc, 2.5)  # past the idle limit, but no controller has come yet
+        beat.touch()
+        touched = time.monotonic()
+        assert ended_within(proc, 10)
+        took = time.monotonic() - touched
+        assert 0.9 <= took < 6, took
+        out = proc.stdout.read()
+        assert "the controller is here" in out and "silent" in out and proc.returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_pod_no_controller_reaches_ends_at_the_start_window(tmp_path):
+    started = time.monotonic()
+    proc, _ = keeper(tmp_path, idle=0.5, grace=30, window=2)
+    try:
+        assert ended_within(proc, 15)
+        assert time.monotonic() - started >= 2
+        out = proc.stdout.read()
+        assert "no controller reached this pod within 2s" in out and "ready_timeout_seconds + idle" in out
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -111,60 +310,6 @@ def test_bad_fields_are_refused_by_name(fields, field):
 def test_the_image_is_required():
     with pytest.raises(PoolConfigError, match="^k8s_image"):
         GPUPool(provider="kubernetes")
-
-
-def pod(phase="Pending", scheduled=None, waiting=None, running=False, terminated=None, ready=None, deleting=False,
-        name="p-0"):
-    conditions = []
-    if scheduled:
-        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": scheduled})
-    if ready:
-        conditions.append({"type": "Ready", "status": "False", "reason": ready})
-    state = {"running": {}} if running else {"waiting": waiting} if waiting else {"terminated": terminated} \
-        if terminated else {}
-    return {"metadata": {"name": name, **({"deletionTimestamp": "now"} if deleting else {})},
-            "spec": {"nodeName": "n1"},
-            "status": {"phase": phase, "podIP": "10.0.0.5", "conditions": conditions,
-                       "containerStatuses": [{"state": state}] if state else []}}
-
-
-def test_why_a_pod_waits_in_the_clusters_words():
-    v = pod_status.view(pod(scheduled="0/3 nodes are available: 3 Insufficient nvidia.com/gpu."))
-    assert v.waiting == "Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu." and v.never is None
-    v = pod_status.view(pod(scheduled="0/1 nodes are available: 1 node(s) didn't match node selector."))
-    assert v.never == ("k8s_node_selector", "0/1 nodes are available: 1 node(s) didn't match node selector.")
-    v = pod_status.view(pod(scheduled="0/2 nodes are available: 1 Insufficient cpu, 1 node(s) didn't match node selector."))
-    assert v.never is None
-    v = pod_status.view(pod(scheduled="0/1 nodes are available: 1 node(s) had taint {gpu: yes}, that the pod didn't "
-                                      "tolerate."))
-    assert v.never and v.never[0] == "k8s_tolerations"
-    v = pod_status.view(pod(waiting={"reason": "ErrImagePull", "message": 'rpc error: "reg/nope:1": not found'}))
-    assert v.never and v.never[0] == "k8s_image" and "ErrImagePull" in v.waiting
-    v = pod_status.view(pod(waiting={"reason": "ErrImagePull", "message": "i/o timeout"}))
-    assert v.never is None
-    v = pod_status.view(pod(phase="Running", running=True))
-    assert v.running and not v.waiting and v.gone is None and v.ip == "10.0.0.5"
-
-
-def test_when_a_running_pod_is_lost():
-    assert "failed" in pod_status.view(pod(phase="Failed", terminated={"exitCode": 137, "reason": "OOMKilled"})).gone
-    assert "not ready" in pod_status.view(pod(phase="Running", running=True, ready="NodeNotReady")).gone
-    assert pod_status.view(pod(phase="Running", running=True, deleting=True)).leaving
-
-
-def test_when_a_pool_may_start():
-    up = pod_status.view(pod(phase="Running", running=True, name="a"))
-    room = pod_status.view(pod(scheduled="0/1 nodes are available: 1 Insufficient cpu.", name="b"))
-    never = pod_status.view(pod(waiting={"reason": "InvalidImageName", "message": "bad"}, name="c"))
-    decide = pod_status.start_decision
-    assert decide([up, up], 2, 0, 10) == pod_status.Go(("a", "a"))
-    assert isinstance(decide([up, room], 2, 1, 10), pod_status.Wait)
-    assert "Insufficient cpu" in decide([up, room], 2, 1, 10).detail
-    assert decide([up, room], 1, 1, 10) == pod_status.Go(("a",))  # elastic: the other waits for room
-    failed = decide([up, never], 2, 0, 10)
-    assert isinstance(failed, pod_status.Fail) and failed.field == "k8s_image"
-    late = decide([up, room], 2, 11, 10)
-    assert isinstance(late, pod_status.Fail) and late.field == "ready_timeout_seconds"
 
 
 def test_what_gc_deletes():

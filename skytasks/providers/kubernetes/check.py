@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.checks import Check
-from skytasks.providers.kubernetes import cluster, pods
+from skytasks.providers.kubernetes import cluster, gpu_types, pods
 from skytasks.providers.kubernetes.spec import KubernetesSpec
 
 # Every (verb, resource, subresource) the provider uses in the pool's namespace.
@@ -93,7 +93,8 @@ def _capacity(core: Any, spec: PoolSpec, k8s: KubernetesSpec) -> Check:
         nodes = core.list_node(_request_timeout=30).items
     except Exception as exc:  # noqa: BLE001 - nodes are cluster-wide: a pool need not read them
         return Check(want, None, f"cannot read nodes: {cluster.api_message(exc)[:200]}")
-    affinity = pods.gpu_product_affinity(k8s.accelerator, [n.metadata.labels or {} for n in nodes]) \
+    # The same node affinity the pods get: the product's known values and those seen on these nodes.
+    terms = gpu_types.node_terms(k8s.accelerator, [n.metadata.labels or {} for n in nodes], k8s.gpu_label) \
         if k8s.accelerator else None
     asks = {"cpu": k8s.cpu, "memory": k8s.memory, pods.GPU_RESOURCE: k8s.gpus or None}
     fit = []
@@ -101,13 +102,13 @@ def _capacity(core: Any, spec: PoolSpec, k8s: KubernetesSpec) -> Check:
         labels = n.metadata.labels or {}
         if any(labels.get(k) != v for k, v in k8s.node_selector):
             continue
-        if affinity and labels.get(affinity[0]) not in affinity[1]:
+        if terms is not None and not gpu_types.node_matches(terms, labels):
             continue
         room = n.status.allocatable or {}
         if all(v is None or _quantity(room.get(k, 0)) >= _quantity(v) for k, v in asks.items()):
             fit.append(n.metadata.name)
     asked = ", ".join(f"{k}={v}" for k, v in asks.items() if v) or "no resources"
-    label = f" and {affinity[0]} in {affinity[1]}" if affinity else ""
+    product = f" and carry a label naming {k8s.accelerator!r}" if terms is not None else ""
     return Check(want, len(fit) >= spec.fewest,
-                 f"{len(fit)} of {len(nodes)} nodes match the selector{label} and can hold {asked} "
+                 f"{len(fit)} of {len(nodes)} nodes match the selector{product} and can hold {asked} "
                  f"(allocatable, before other pods){': ' + ', '.join(fit[:8]) if fit else ''}")

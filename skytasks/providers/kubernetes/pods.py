@@ -1,7 +1,8 @@
 """The objects a kubernetes pool makes, as manifests: the pool's owner object and one pod per node.
 
 Pure functions: nothing here talks to a cluster, so every rule (the template's merge, the GPU
-label chosen from the nodes' labels, what a pod carries and never carries) is tested without one.
+product the pods require, their placement and Kueue group, what a pod carries and never carries)
+is tested without one.
 
 A pod holds no secret and no code: its command is the keeper below, a few lines of the image's
 own Python. The node agent, skytasks itself and the pool's secret arrive later over an exec
@@ -11,16 +12,17 @@ stream through the API server, which authenticates the controller.
 from __future__ import annotations
 
 import copy
-import re
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping, Optional
 
 from skytasks.pool_spec import PoolSpec
+from skytasks.providers.kubernetes import gpu_types
 from skytasks.providers.kubernetes.spec import KubernetesSpec
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "skytasks")
 POOL_LABEL = "skytasks.io/pool"
 NODE_LABEL = "skytasks.io/node"
+SLOT_LABEL = "skytasks.io/slot"
 EXPIRES_ANNOTATION = "skytasks.io/expires-at"
 NAME_ANNOTATION = "skytasks.io/pool-name"
 CONTAINER = "node"
@@ -29,15 +31,26 @@ NOTICE_FILE = "/tmp/skytasks.notice"
 DEFAULT_GRACE_SECONDS = 30  # Kubernetes' own default terminationGracePeriodSeconds
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 GPU_RESOURCE = "nvidia.com/gpu"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+# Kueue's plain-pod group (kueue v0.20 pkg/controller/jobs/pod/constants, docs tasks/run/plain_pods).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_ROLE_ANNOTATION = "kueue.x-k8s.io/role-hash"
+KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
+KUEUE_ROLE = "node"
 
 # The pod's own process. It ends the pod when the controller has been silent for the idle limit
 # (its agent touches the heartbeat whenever it hears the controller), and turns Kubernetes' SIGTERM
 # (a delete with a grace period, an eviction, a drain, a node shutting down) into the node's
 # preemption notice, with the grace period as its deadline; the agent relays it to every rank.
-# argv: idle seconds, grace seconds. Standard library only: it is the image's Python.
+# The idle clock starts at the first heartbeat, never with the container: a pod that runs early
+# waits for its siblings. A pod no controller ever reaches (it died during the start) ends at the
+# pool's start window. argv: idle seconds, grace seconds, start window seconds. Standard library
+# only: it is the image's Python.
 KEEPER = r"""
 import json, os, signal, sys, time
-idle, grace = float(sys.argv[1]), float(sys.argv[2])
+idle, grace, window = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 beat, notice, start = %(beat)r, %(notice)r, time.time()
 def asked_to_leave(signum, frame):
     tmp = notice + ".tmp"
@@ -47,24 +60,28 @@ def asked_to_leave(signum, frame):
     os.rename(tmp, notice)
     print("skytasks: SIGTERM: preemption notice given, %%gs to leave" %% grace, flush=True)
 signal.signal(signal.SIGTERM, asked_to_leave)
-print("skytasks: pod up; it ends after %%gs without its controller" %% idle, flush=True)
+print("skytasks: pod up; waiting for the pool's controller (at most %%gs)" %% window, flush=True)
+heard = False
 while True:
     try:
-        last = max(start, os.stat(beat).st_mtime)
+        last = os.stat(beat).st_mtime
     except OSError:
-        last = start
-    if time.time() - last >= idle:
-        print("skytasks: the controller was silent for %%ds (idle limit %%ds); ending the pod" %% (time.time() - last, idle),
-              flush=True)
-        sys.exit(0)
+        last = None
+    if last is None:
+        if time.time() - start >= window:
+            print("skytasks: no controller reached this pod within %%ds of its start (the pool's start window: "
+                  "ready_timeout_seconds + idle); ending the pod" %% window, flush=True)
+            sys.exit(0)
+    else:
+        if not heard:
+            heard = True
+            print("skytasks: the controller is here; the pod ends after %%gs without it" %% idle, flush=True)
+        if time.time() - last >= idle:
+            print("skytasks: the controller was silent for %%ds (idle limit %%ds); ending the pod"
+                  %% (time.time() - last, idle), flush=True)
+            sys.exit(0)
     time.sleep(max(0.5, min(5.0, idle / 4)))
 """ % {"beat": HEARTBEAT_FILE, "notice": NOTICE_FILE}
-
-# Node labels that name a node's GPU product, most specific first: NVIDIA GPU Feature Discovery
-# (and the GPU operator), GKE, Karpenter on AWS, CoreWeave, and the generic ones some clusters set.
-GPU_PRODUCT_LABELS = ("nvidia.com/gpu.product", "cloud.google.com/gke-accelerator",
-                      "karpenter.k8s.aws/instance-gpu-name", "gpu.nvidia.com/class", "nvidia.com/gpu.family",
-                      "accelerator")
 
 
 def pod_name(pool_id: str, node_id: int) -> str:
@@ -78,39 +95,40 @@ def expires_at(max_lifetime_minutes: float, now: Optional[datetime] = None) -> s
 
 def owner_manifest(pool_id: str, pool_name: str, k8s: KubernetesSpec, now: Optional[datetime] = None) -> dict[str, Any]:
     """The pool's owner object, a ConfigMap: every pod names it as its owner, so deleting it (the
-    pool's end, `skytasks gc --kubernetes`, or a person) has Kubernetes' garbage collector delete them."""
+    pool's end, `skytasks gc --kubernetes`, or a person) has Kubernetes' garbage collector delete them.
+    Without `max_lifetime_minutes` it carries no expiry: gc then goes by its pods (none left, or
+    every one ended)."""
+    annotations = {NAME_ANNOTATION: pool_name}
+    if k8s.max_lifetime_minutes is not None:
+        annotations[EXPIRES_ANNOTATION] = expires_at(k8s.max_lifetime_minutes, now)
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": pool_id, "labels": {MANAGED_BY[0]: MANAGED_BY[1], POOL_LABEL: pool_id},
-                         "annotations": {EXPIRES_ANNOTATION: expires_at(k8s.max_lifetime_minutes, now),
-                                         NAME_ANNOTATION: pool_name}},
+                         "annotations": annotations},
             "data": {"pool": pool_name, "idle-minutes": f"{k8s.idle_minutes:g}"}}
 
 
 def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"]}
-
-
-def _norm(text: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", text.lower())
+    """The pods' reference to the owner, as their controller: `kubectl drain` then evicts them
+    without `--force`. No `blockOwnerDeletion`: setting it needs `update` on the owner's
+    finalizers, which deployments/kubernetes/rbac.yaml does not grant (the pods' deletion never
+    waits on it anyway)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
+            "controller": True}
 
 
 def gpu_product_affinity(accelerator: str, node_labels: Iterable[Mapping[str, str]]) -> Optional[tuple[str, list[str]]]:
-    """The label the cluster's nodes carry that names `accelerator`, and every value of it that
-    does ("H100" matches GFD's "NVIDIA-H100-80GB-HBM3" and GKE's "nvidia-h100-80gb"). The most
-    specific label that any node carries wins; None when no node names the product."""
-    want = _norm(accelerator)
-    labels = [dict(n) for n in node_labels]
-    for key in GPU_PRODUCT_LABELS:
-        values = sorted({n[key] for n in labels if key in n and want and want in _norm(n[key])})
-        if values:
-            return key, values
-    return None
+    """The first product label the cluster's nodes carry that names `accelerator`, and its values
+    that do (None: no node does). For the pool's log; the pods' requirement is `gpu_types.node_terms`."""
+    found = gpu_types.seen_products(accelerator, node_labels)
+    return next(iter(found.items()), None)
 
 
 def merge(base: Any, overlay: Any) -> Any:
     """`overlay` merged into `base`: mappings key by key, lists of named mappings by name
-    (`containers`, `volumes`, `env`, `volumeMounts`), other lists appended (without repeats),
-    anything else replaced by the overlay's."""
+    (`containers`, `volumes`, `env`, `volumeMounts`), other lists appended (without repeats), a
+    null never erases a mapping or list of the base, anything else replaced by the overlay's."""
+    if overlay is None and isinstance(base, (dict, list)):
+        return copy.deepcopy(base)
     if isinstance(base, dict) and isinstance(overlay, dict):
         out = dict(base)
         for key, value in overlay.items():
@@ -130,14 +148,53 @@ def merge(base: Any, overlay: Any) -> Any:
     return copy.deepcopy(overlay)
 
 
+_REQUIRED_TERMS = ("spec", "affinity", "nodeAffinity", "requiredDuringSchedulingIgnoredDuringExecution", "nodeSelectorTerms")
+
+
+def _pop_path(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path[:-1]:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree.pop(path[-1], None) if isinstance(tree, dict) else None
+
+
+def narrow_terms(pool_terms: list[dict[str, Any]], template_terms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Required nodeSelectorTerms that hold where both the pool's and the template's hold: the
+    terms are ORed, so every template term is ANDed with every pool term (their matchExpressions
+    and matchFields together). An empty term matches no node, and so adds none."""
+    if not pool_terms or not template_terms:
+        return copy.deepcopy(pool_terms or template_terms)
+    narrowed = []
+    for mine in template_terms:
+        for pools in pool_terms:
+            if not any(mine.get(p) for p in ("matchExpressions", "matchFields")) or \
+                    not any(pools.get(p) for p in ("matchExpressions", "matchFields")):
+                continue
+            term = {part: copy.deepcopy((mine.get(part) or []) + (pools.get(part) or []))
+                    for part in ("matchExpressions", "matchFields") if mine.get(part) or pools.get(part)}
+            narrowed.append(term)
+    return narrowed or [{"matchExpressions": []}]  # no pair can hold: a term that matches no node, as written
+
+
 def merge_template(pod: dict[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
     """The user's partial pod manifest merged into the pool's pod. A container entry without a
-    name is the pool's own container."""
+    name is the pool's own container. Where the pods may go only narrows: the template's required
+    node affinity terms are crossed with the pool's (see `narrow_terms`), its nodeSelector merges
+    key by key, and its pod (anti-)affinity terms are added to the pool's (they are ANDed)."""
     template = copy.deepcopy(dict(template))
-    containers = template.get("spec", {}).get("containers")
+    containers = (template.get("spec") or {}).get("containers")
     if containers:
         template["spec"]["containers"] = [c if c.get("name") else {**c, "name": CONTAINER} for c in containers]
-    return merge(pod, template)
+    template_terms = _pop_path(template, _REQUIRED_TERMS)
+    merged = merge(pod, template)
+    if template_terms:
+        pool_terms = _pop_path(merged, _REQUIRED_TERMS) or []
+        at = merged
+        for key in _REQUIRED_TERMS[:-1]:
+            if not isinstance(at.get(key), dict):
+                at[key] = {}
+            at = at[key]
+        at[_REQUIRED_TERMS[-1]] = narrow_terms(pool_terms, template_terms)
+    return merged
 
 
 def grace_seconds(pod: Mapping[str, Any]) -> int:
@@ -145,10 +202,34 @@ def grace_seconds(pod: Mapping[str, Any]) -> int:
     return DEFAULT_GRACE_SECONDS if value is None else int(value)
 
 
+def _placement(k8s: KubernetesSpec, pool_id: str, node_id: int, node_labels: Optional[Iterable[Mapping[str, str]]],
+               slot: Optional[int]) -> tuple[dict[str, Any], Optional[str]]:
+    """The pod's affinity (the GPU product's nodes; at most `per_host` pods of the pool on one
+    node) and its slot label's value. With `per_host` N > 1 each pod has a slot (node % N) and
+    shuns only its own slot's pods, so at most N of the pool share a node."""
+    affinity: dict[str, Any] = {}
+    if k8s.accelerator:
+        terms = gpu_types.node_terms(k8s.accelerator, node_labels, k8s.gpu_label)
+        affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
+    per_host, slot_value = k8s.per_host, None
+    if per_host is not None:
+        selector = {POOL_LABEL: pool_id}
+        if per_host > 1:
+            slot_value = str((node_id if slot is None else slot) % per_host)
+            selector[SLOT_LABEL] = slot_value
+        affinity["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": selector}, "topologyKey": HOSTNAME_TOPOLOGY}]}
+    return affinity, slot_value
+
+
 def pod_manifest(spec: PoolSpec, k8s: KubernetesSpec, pool_id: str, node_id: int, owner_ref: Mapping[str, Any],
-                 gpu_affinity: Optional[tuple[str, list[str]]] = None) -> dict[str, Any]:
-    """One node's pod. The user's template fills in everything else, but never the pod's identity:
-    its name, the labels and owner that let the pool (and the garbage collector) find it, its
+                 node_labels: Optional[Iterable[Mapping[str, str]]] = None, slot: Optional[int] = None) -> dict[str, Any]:
+    """One node's pod. `node_labels`: the labels of the cluster's nodes, when the pool could read
+    them (values there that name the accelerator join the known ones). `slot`: the placement slot
+    with `k8s_pods_per_host` > 1 (default: node % per_host; a replacement may take its lost pod's).
+
+    The user's template fills in everything else, but never the pod's identity: its name, the
+    labels and owner that let the pool (and the garbage collector) find it, its Kueue group, its
     keeper, and `restartPolicy: Never` (a node that ended is replaced by the pool, not restarted)."""
     resources: dict[str, dict[str, Any]] = {}
     for key, value in (("cpu", k8s.cpu), ("memory", k8s.memory)):
@@ -181,22 +262,42 @@ def pod_manifest(spec: PoolSpec, k8s: KubernetesSpec, pool_id: str, node_id: int
         body["nodeSelector"] = dict(k8s.node_selector)
     if tolerations:
         body["tolerations"] = tolerations
-    if gpu_affinity:
-        key, values = gpu_affinity
-        body["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [{"key": key, "operator": "In", "values": values}]}]}}}
+    affinity, slot_value = _placement(k8s, pool_id, node_id, node_labels, slot)
+    if affinity:
+        body["affinity"] = affinity
     pod = merge_template(pod, k8s.pod_template)
     meta, body = pod["metadata"], pod["spec"]
     meta["name"] = pod_name(pool_id, node_id)
     meta.pop("generateName", None)
-    meta["labels"].update({MANAGED_BY[0]: MANAGED_BY[1], POOL_LABEL: pool_id, NODE_LABEL: str(node_id)})
+    labels = meta.setdefault("labels", {})
+    labels.update({MANAGED_BY[0]: MANAGED_BY[1], POOL_LABEL: pool_id, NODE_LABEL: str(node_id)})
+    if slot_value is not None:
+        labels[SLOT_LABEL] = slot_value
+    if k8s.queue:
+        _join_kueue_group(meta, k8s, pool_id)
     meta["ownerReferences"] = [dict(owner_ref)]
     body["restartPolicy"] = "Never"
-    body["activeDeadlineSeconds"] = max(1, round(k8s.max_lifetime_minutes * 60))
+    if k8s.priority_class:
+        body["priorityClassName"] = k8s.priority_class
+    if k8s.max_lifetime_minutes is not None:
+        body["activeDeadlineSeconds"] = max(1, round(k8s.max_lifetime_minutes * 60))
     own = next(c for c in body["containers"] if c["name"] == CONTAINER)
-    own["command"] = [k8s.remote_python, "-c", KEEPER, f"{k8s.idle_minutes * 60:g}", str(grace_seconds(pod))]
+    idle = k8s.idle_minutes * 60
+    own["command"] = [k8s.remote_python, "-c", KEEPER, f"{idle:g}", str(grace_seconds(pod)),
+                      f"{k8s.ready_timeout_seconds + idle:g}"]
     own.pop("args", None)
     return pod
+
+
+def _join_kueue_group(meta: dict[str, Any], k8s: KubernetesSpec, pool_id: str) -> None:
+    """Kueue admits the pool whole: one plain-pod group per pool, of the start size; a replacement
+    pod joins it with the same count. Every pod is one role (a pinned role hash: pods that differ
+    only in their slot's anti-affinity, or a replacement made after new nodes appeared, would
+    otherwise be new roles, which evicts the group), and not retriable in the group, so the group
+    ends, and Kueue lets the pods go, once every pod of the pool has ended."""
+    meta["labels"].update({KUEUE_QUEUE_LABEL: str(k8s.queue), KUEUE_GROUP_LABEL: pool_id})
+    meta.setdefault("annotations", {}).update({KUEUE_TOTAL_ANNOTATION: str(k8s.nodes), KUEUE_ROLE_ANNOTATION: KUEUE_ROLE,
+                                               KUEUE_RETRIABLE_ANNOTATION: "false"})
 
 
 def secret_free(pod: Mapping[str, Any], secrets: Iterable[str]) -> bool:
