@@ -74,7 +74,7 @@ class PoolWatch:
         self.requests: Counter[str] = Counter()  # "LIST pods", "WATCH events", ...: each HTTP request made
         self.version = 0  # goes up at each change (and at `wake()`)
         self.last_error = ""  # the latest failure, in the API's words, for diagnostics
-        self.refusal: Optional[Exception] = None  # a 401/403 the API gives now, as cluster.refused words it
+        self._refusals: dict[str, Exception] = {}  # kind -> the 401/403 its requests get now
         self._healthy = {k: False for k in KINDS}
         self._cond = threading.Condition()
         self._pods: dict[str, dict[str, Any]] = {}
@@ -93,12 +93,18 @@ class PoolWatch:
         """List the pods and events, open both watches, and return. A 401/403 is raised as
         `cluster.refused` words it ("may not list pods ..."); a 429, a 5xx or no answer is asked
         again with backoff until `timeout` (seconds; None: until `stop()`), then raised."""
+        import urllib3
         from kubernetes import client
 
         deadline = None if timeout is None else time.monotonic() + timeout
         for kind in KINDS:
             # Each stream its own client: the official client's objects are not safe to share.
-            self._apis[kind] = client.CoreV1Api(cluster.api_client(self.cfg))
+            api_client = cluster.api_client(self.cfg)
+            # urllib3 itself would retry a 429/503 that has a Retry-After, sleeping it out unseen
+            # and unstoppable: every retry here is this module's, counted and ended by stop().
+            api_client.rest_client.pool_manager.connection_pool_kw["retries"] = urllib3.Retry(
+                0, redirect=0, respect_retry_after_header=False, raise_on_status=False)
+            self._apis[kind] = client.CoreV1Api(api_client)
         for kind in KINDS:
             def list_it(k: str = kind) -> None:
                 self._list(k)
@@ -118,8 +124,8 @@ class PoolWatch:
             t.start()
         for kind in KINDS:
             self._first[kind].wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if self.refusal is not None:
-            refusal = self.refusal
+        refusal = self.refusal
+        if refusal is not None:
             self.stop()
             raise refusal
         return self
@@ -143,6 +149,12 @@ class PoolWatch:
         """The events about `pod`, oldest first (`event_time`)."""
         with self._cond:
             return sorted((self._events.get(pod) or {}).values(), key=event_time)
+
+    @property
+    def refusal(self) -> Optional[Exception]:
+        """The 401/403 the API server gives the watch now (pods' first), as `cluster.refused` words
+        it ("may not watch pods ..."): for the caller to raise. None once a request works again."""
+        return next((self._refusals[k] for k in KINDS if k in self._refusals), None)
 
     @property
     def healthy(self) -> bool:
@@ -272,14 +284,11 @@ class PoolWatch:
                     raise _StreamError(obj)
                 rv = (obj.get("metadata") or {}).get("resourceVersion")
                 with self._cond:
-                    if kind_of != "BOOKMARK":
-                        if kind == "pods":
-                            self._keep_pod(kind_of, obj)
-                        else:
-                            self._keep_event(kind_of, obj)
+                    ours = kind_of != "BOOKMARK" and (self._keep_pod(kind_of, obj) if kind == "pods"
+                                                      else self._keep_event(kind_of, obj))
                     self._rv[kind] = rv or self._rv[kind]
-                if kind_of != "BOOKMARK":
-                    brought += 1
+                brought += kind_of != "BOOKMARK"
+                if ours:
                     self._changed()
         finally:
             with self._cond:
@@ -287,23 +296,27 @@ class PoolWatch:
             _cut(resp)
         return brought
 
-    def _keep_pod(self, kind_of: str, pod: dict[str, Any]) -> None:
+    def _keep_pod(self, kind_of: str, pod: dict[str, Any]) -> bool:
         name = pod["metadata"]["name"]
         if kind_of == "DELETED":
             self._pods.pop(name, None)
             self._gone[name] = pod
         else:
             self._pods[name] = pod
+        return True
 
-    def _keep_event(self, kind_of: str, event: dict[str, Any]) -> None:
+    def _keep_event(self, kind_of: str, event: dict[str, Any]) -> bool:
+        """Keep an event about one of the pool's pods; whether it was one (the rest of the
+        namespace's Pod events are dropped, and wake nobody)."""
         pod = (event.get("involvedObject") or {}).get("name") or ""
         if not pod.startswith(f"{self.pool_id}-"):
-            return
+            return False
         name = event["metadata"]["name"]
         if kind_of == "DELETED":  # expired (the API server keeps events an hour)
             (self._events.get(pod) or {}).pop(name, None)
         else:
             self._events.setdefault(pod, {})[name] = event
+        return True
 
     # -- health --------------------------------------------------------------------------------
 
@@ -320,16 +333,16 @@ class PoolWatch:
     def _ok(self, kind: str) -> None:
         self._healthy[kind] = True
         self._first[kind].set()
-        if self.refusal is not None and all(self._healthy.values()):
-            self.refusal = None
+        self._refusals.pop(kind, None)
 
     def _failed(self, doing: str, exc: BaseException) -> None:
-        self._healthy[doing.split()[-1]] = False
+        kind = doing.split()[-1]
+        self._healthy[kind] = False
         status = api_retry.status_of(exc)
         self.last_error = (f"{time.strftime('%H:%M:%S')} {doing}: "
                            f"{'HTTP %s: ' % status if status else ''}{cluster.api_message(exc)[:300]}")
         if api_retry.refused(exc):
-            self.refusal = cluster.refused(exc, doing, self.namespace)
+            self._refusals[kind] = cluster.refused(exc, doing, self.namespace)
             self._changed()
 
 
