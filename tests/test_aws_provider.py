@@ -90,6 +90,9 @@ def test_the_accelerator_chooses_the_instance_type_and_the_default_image_comes_f
     plan = plan_launch(aws_pool(moto, instance_type=None).spec(), ec2, ssm)
     assert (plan.instance_type, plan.cuda, plan.placement_group) == ("m6i.xlarge", False, False)
     assert "2 x m6i.xlarge in us-east-1: about $0.38/hour" in plan.cost_line(2, 12, spot=False)
+    assert "at most $4.61 if it lives to max_lifetime_minutes" in plan.cost_line(2, 12, spot=False)
+    uncapped = plan.cost_line(2, None, spot=False)  # no max_lifetime_minutes: the hourly cost, and no bound
+    assert "about $0.38/hour" in uncapped and "no lifetime cap" in uncapped and "at most" not in uncapped
     # moto holds no Ubuntu parameter: the error names the field and the public parameter.
     with pytest.raises(PoolConfigError, match=r"image_id: unset.*/aws/service/canonical/ubuntu"):
         plan_launch(aws_pool(moto, image_id=None).spec(), ec2, ssm)
@@ -246,6 +249,8 @@ def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_t
     spot = yaml.safe_load(render_user_data(GPUPool(provider="aws", spot=True).spec(), False, "k", "ssh-ed25519 A h"))
     spot_unit = {f["path"]: f["content"] for f in spot["write_files"]}["/etc/systemd/system/skytasks-watchdog.service"]
     assert "--notice-file /var/lib/skytasks/preemption-notice" in spot_unit  # what the node agent reads
+    # No max_lifetime_minutes (the default): no lifetime flag, so the watchdog ends the node for idleness only.
+    assert "--idle-seconds 900 --notice-file" in spot_unit and "--max-lifetime-seconds" not in spot_unit
     assert "def verdict(" in files["/opt/skytasks/watchdog.py"]
     # The watchdog starts before the bootstrap, so a controller lost during installs still ends the node.
     assert config["runcmd"].index(["systemctl", "enable", "--now", "skytasks-watchdog.service"]) < \
@@ -257,10 +262,26 @@ def test_user_data_pins_the_host_key_starts_the_watchdog_and_installs_what_the_t
     assert "torchvision" not in script and "cu128" not in script
 
 
+def test_with_no_lifetime_cap_the_watchdogs_verdict_ends_a_node_for_idleness_only():
+    from skytasks.providers.aws.watchdog import verdict
+
+    booted, idle = 1_700_000_000.0, 900.0
+    for age in (3600.0, 13 * 3600.0, 400 * 86400.0):  # an hour, past the old 12-hour default, a year on
+        now = booted + age
+        assert verdict(now, booted, now - 5, idle, None) is None  # a live controller: wanted at any age
+        assert "controller silent for 901s" in verdict(now, booted, now - 901, idle, None)
+    assert "controller silent" in verdict(booted + 901, booted, None, idle, None)  # never heard: counted from boot
+    assert verdict(booted + 899, booted, None, idle, None) is None
+    # With a cap, the age still ends a node whose controller is alive.
+    assert "reached max lifetime (3600s)" in verdict(booted + 3600, booted, booted + 3599, idle, 3600.0)
+    assert verdict(booted + 3599, booted, booted + 3598, idle, 3600.0) is None
+
+
 def test_the_watchdog_shuts_down_only_once_its_heartbeat_is_stale(tmp_path):
     heartbeat, shutdown = tmp_path / "heartbeat", tmp_path / "shutdown-called"
+    # No --max-lifetime-seconds: a pool with no lifetime cap (the default).
     proc = subprocess.Popen([sys.executable, str(ROOT / "skytasks/providers/aws/watchdog.py"), "--heartbeat-file", str(heartbeat),
-                             "--idle-seconds", "2", "--max-lifetime-seconds", "600", "--check-every", "0.1",
+                             "--idle-seconds", "2", "--check-every", "0.1",
                              "--started-at", str(time.time()), "--shutdown-command", f"touch {shutdown}"])
     try:
         for _ in range(30):  # 3 s of a live controller: longer than the idle limit
@@ -298,6 +319,7 @@ def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(
         return provider
 
     expired, live, orphan = leak(0.01, True), leak(600, True), leak(600, False)
+    expired._lease.stop()  # its controller died: nobody renews its lease
     a_minute_on = (datetime.now(timezone.utc) + timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
     cli = Path(sys.executable).parent / "skytasks"  # the console script the package installs
     out = subprocess.run([str(cli), "gc", "--region", REGION, "--endpoint-url",
@@ -405,6 +427,66 @@ def launch_progress(flow_run_id: str) -> tuple:
     return (found[0].key, float(found[0].data)) if found else None
 
 
+def test_the_lease_runs_out_idle_minutes_after_the_last_renewal_and_never_past_a_cap():
+    from skytasks.providers.remote_fields import lease_expiry, renew_every_seconds
+
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = start + timedelta(days=30)  # a month-long run, renewed just now
+    assert renew_every_seconds(15) == 300 and renew_every_seconds(0.05) == 5
+    assert lease_expiry(now, start, 15, None) == now + timedelta(minutes=25)  # idle_minutes and two renewals
+    assert lease_expiry(now, start, 15, 720) == start + timedelta(hours=12)  # a cap still bounds it
+    assert lease_expiry(start, start, 15, 720) == start + timedelta(minutes=25)
+
+
+def _instance_leases(ec2, pool_id: str) -> list[datetime]:
+    from skytasks.providers.aws.resources import EXPIRES_TAG, parse_time
+
+    found = ec2.describe_instances(Filters=[{"Name": "tag:skytasks:pool", "Values": [pool_id]},
+                                            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    tags = [{t["Key"]: t["Value"] for t in i["Tags"]} for r in found["Reservations"] for i in r["Instances"]]
+    return [when for t in tags if (when := parse_time(t.get(EXPIRES_TAG)))]
+
+
+def test_an_uncapped_pool_keeps_its_lease_while_its_controller_lives_and_gc_sweeps_it_once_nobody_renews_it(moto):
+    from skytasks.providers.aws.gc import sweep
+    from skytasks.providers.aws.provider import AWSProvider
+
+    ec2 = moto["ec2"]
+    default = AWSProvider(aws_pool(moto).spec())  # no max_lifetime_minutes; idle_minutes=15
+    default.launch()
+    try:
+        leases = _instance_leases(ec2, default.pool_id)
+        soon = datetime.now(timezone.utc) + timedelta(minutes=25, seconds=5)
+        assert len(leases) == 2 and all(lease <= soon for lease in leases)  # a lease, not a lifetime
+    finally:
+        default.stop()
+    # A 3-second idle limit: renewed every 5 s, a lease of 13 s.
+    live, dead = (AWSProvider(aws_pool(moto, idle_minutes=0.05).spec()) for _ in range(2))
+    live.launch()
+    dead.launch()
+    dead._lease.stop()  # its controller died (SIGKILL): nobody renews its lease
+    try:
+        first = min(_instance_leases(ec2, live.pool_id))
+        deadline = time.monotonic() + 60
+        while True:  # until the dead pool's lease runs out
+            swept = sweep(ec2, grace_minutes=0, dry_run=True)
+            assert live.pool_id not in swept
+            if dead.pool_id in swept:
+                break
+            assert time.monotonic() < deadline, "the dead pool's lease never ran out"
+            time.sleep(0.5)
+        assert min(_instance_leases(ec2, live.pool_id)) > first  # renewed, on every instance
+        # Its security group and key pair still carry the lease they were made with, run out by
+        # now: the instances' lease is the pool's.
+        assert sweep(ec2, grace_minutes=0) == [dead.pool_id]
+        an_hour_on = datetime.now(timezone.utc) + timedelta(hours=1)
+        assert live.pool_id in sweep(ec2, now=an_hour_on, dry_run=True)  # were its controller gone too
+    finally:
+        live.stop()
+        dead.stop()
+    assert leftovers(ec2) == {"instances": [], "security_groups": [], "key_pairs": []}
+
+
 def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
     from flows.gc_sweep import skytasks_gc
     from skytasks.providers.aws.provider import AWSProvider
@@ -412,6 +494,7 @@ def test_the_gc_flow_sweeps_with_a_saved_credentials_block(moto):
     moto["creds"].save("skytasks-test-moto", overwrite=True)
     provider = AWSProvider(aws_pool(moto, max_lifetime_minutes=0.01).spec())
     provider.launch()
+    provider._lease.stop()  # its controller died: nobody renews its lease
     an_hour_on = datetime.now(timezone.utc) + timedelta(hours=1)  # long past its 0.6 s lifetime
     assert skytasks_gc(aws_credentials_block="skytasks-test-moto", now=an_hour_on) == [provider.pool_id]
 

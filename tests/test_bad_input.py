@@ -23,6 +23,7 @@ from tests.conftest import skytasks_processes
         ({"ready_timeout_seconds": -1}, "ready_timeout_seconds"),
         ({"idle_minutes": 0}, "idle_minutes"),
         ({"max_lifetime_minutes": -5}, "max_lifetime_minutes"),
+        ({"max_lifetime_minutes": 0}, "max_lifetime_minutes"),
         ({"accelerators_per_node": 0}, "accelerators_per_node"),
         ({"root_volume_gb": 1}, "root_volume_gb"),
         ({"provider": "aws", "ssh_ingress_cidr": "my laptop"}, "ssh_ingress_cidr"),
@@ -44,6 +45,12 @@ def test_invalid_pool_fields_are_a_pool_config_error_naming_the_field(fields, na
 
 def test_valid_pools_fill_in_defaults():
     assert GPUPool(accelerator="A100").accelerators_per_node == 1
+    # No lifetime cap by default, on every provider: idle_minutes is what ends an orphaned node.
+    assert GPUPool().max_lifetime_minutes is None and GPUPool(provider="aws").max_lifetime_minutes is None
+    assert GPUPool(provider="slurm", max_lifetime_minutes=None).max_lifetime_minutes is None
+    from skytasks.providers.aws.spec import AWSSpec
+
+    assert GPUPool(provider="aws", max_lifetime_minutes=240).spec().own(AWSSpec).max_lifetime_minutes == 240
     assert GPUPool(provider="ssh", nodes=2, hosts=["me@10.0.0.1:2222", "[::1]"]).hosts[0] == "me@10.0.0.1:2222"
 
 

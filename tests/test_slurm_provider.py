@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,56 @@ def test_slurm_login_runs_every_command_on_the_login_node_over_ssh(cluster, logi
 
     with pytest.raises(PoolStartError, match="host key"):
         refused()
+
+
+def test_the_sbatch_time_limit_comes_from_max_lifetime_minutes_and_is_left_out_without_one():
+    def args(**fields) -> list[str]:
+        return slurm_job.sbatch_args(slurm_pool(**fields).spec(), "skytasks-x", 2)
+
+    uncapped = args()  # the default: no max_lifetime_minutes
+    assert not [a for a in uncapped if a.startswith(("--time", "-t"))]  # the partition's limit applies
+    assert "--signal=USR2@120" in uncapped  # the notice still comes before the partition's limit
+    [comment] = [a for a in uncapped if a.startswith("--comment=")]
+    lease = slurm_job.parse_expiry(comment)
+    soon = datetime.now(timezone.utc) + timedelta(minutes=25, seconds=5)
+    assert lease is not None and lease <= soon  # a lease (idle_minutes and two renewals), not a lifetime
+    capped = args(max_lifetime_minutes=90.5)
+    assert "--time=91" in capped and "--signal=USR2@120" in capped
+    short = args(max_lifetime_minutes=0.5, idle_minutes=15)
+    assert "--time=1" in short and "--signal=USR2@10" in short
+    [comment] = [a for a in short if a.startswith("--comment=")]
+    assert slurm_job.parse_expiry(comment) <= datetime.now(timezone.utc) + timedelta(seconds=31)  # never past the cap
+
+
+def test_an_uncapped_pool_asks_for_no_time_and_renews_its_lease_so_gc_spares_it_until_nobody_does(cluster):
+    from skytasks.providers.reporting import PoolReporter
+    from skytasks.providers.slurm.gc import sweep_jobs
+    from skytasks.providers.slurm.shell import SlurmShell
+    from skytasks.providers.slurm.spec import SlurmSpec
+
+    def lease_and_limit(job_id: str) -> tuple[datetime | None, str]:
+        done = cluster.run("squeue", "-h", "-j", job_id, "-o", "%k|%l").stdout.strip()
+        comment, _, limit = done.rpartition("|")
+        return slurm_job.parse_expiry(comment), limit
+
+    pool = slurm_pool(nodes=1, procs_per_node=1, idle_minutes=0.1)  # a lease of 16 s, renewed every 5 s
+    shell = SlurmShell(pool.spec().own(SlurmSpec), PoolReporter("gc", "slurm"))
+    with pool:
+        [job_id] = pool.runtime().session.provider.jobs
+        first, limit = lease_and_limit(job_id)
+        assert limit == "UNLIMITED"  # no --time: the partition's limit, none on the test cluster
+        assert first is not None and first <= datetime.now(timezone.utc) + timedelta(seconds=17)
+        deadline = time.monotonic() + 60
+        while datetime.now(timezone.utc) <= first + timedelta(seconds=1):  # until its first lease has run out
+            assert job_id not in sweep_jobs(shell, dry_run=True)  # renewed in time, every time
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        renewed, _ = lease_and_limit(job_id)
+        assert renewed is not None and renewed > first
+        assert sweep_jobs(shell) == []
+        an_hour_on = datetime.now(timezone.utc) + timedelta(hours=1)
+        assert sweep_jobs(shell, dry_run=True, now=an_hour_on) == [job_id]  # were its controller gone
+        assert distributed_task(lambda: rank_info().world_size, pool=pool)() == [1]  # still up and working
 
 
 def test_gc_cancels_skytasks_jobs_past_their_expiry_and_nothing_else(cluster):

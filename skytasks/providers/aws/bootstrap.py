@@ -98,12 +98,14 @@ _Dumper.add_representer(_Literal, lambda d, s: d.represent_scalar("tag:yaml.org,
 def render_user_data(spec: PoolSpec, cuda: bool, host_key_private: str, host_key_public: str,
                      python_version: str | None = None) -> str:
     aws = spec.own(AWSSpec)
-    idle, lifetime = aws.idle_minutes * 60, aws.max_lifetime_minutes * 60
+    idle = aws.idle_minutes * 60
+    # No max_lifetime_minutes: no lifetime flag, and the watchdog ends the node for idleness only.
+    lifetime = "" if aws.max_lifetime_minutes is None else f" --max-lifetime-seconds {aws.max_lifetime_minutes * 60:g}"
     watchdog_unit = "\n".join([
         "[Unit]", "Description=skytasks watchdog: terminate this node when its controller is gone", "",
         "[Service]",
         f"ExecStart=/usr/bin/python3 /opt/skytasks/watchdog.py --heartbeat-file {HEARTBEAT_FILE} "
-        f"--idle-seconds {idle:g} --max-lifetime-seconds {lifetime:g}"
+        f"--idle-seconds {idle:g}{lifetime}"
         + (f" --notice-file {NOTICE_FILE}" if aws.spot else ""),
         "Restart=always", "", "[Install]", "WantedBy=multi-user.target", "",
     ])

@@ -11,6 +11,7 @@ placement group are made only as it starts, so the DryRun asks without them.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
 from skytasks.errors import PoolConfigError
@@ -127,6 +128,7 @@ def _dry_run(spec: PoolSpec, ec2: Any, ssm: Any, cidr: str, name: str) -> Check:
 
     from skytasks.providers.aws.provider import launch_request
     from skytasks.providers.aws.resources import pool_tags
+    from skytasks.providers.remote_fields import lease_expiry
     from skytasks.providers.reporting import flow_run_id
 
     aws = spec.own(AWSSpec)
@@ -136,7 +138,9 @@ def _dry_run(spec: PoolSpec, ec2: Any, ssm: Any, cidr: str, name: str) -> Check:
         return Check(name, False, str(exc))
 
     def tags(resource_type: str) -> list[dict]:
-        found = pool_tags("skytasks-check", aws.max_lifetime_minutes, aws.tags, flow_run_id())
+        now = datetime.now(timezone.utc)
+        found = pool_tags("skytasks-check", lease_expiry(now, now, aws.idle_minutes, aws.max_lifetime_minutes),
+                          aws.tags, flow_run_id())
         return [{"ResourceType": resource_type, "Tags": [{"Key": k, "Value": v} for k, v in found.items()]}]
 
     request = launch_request(spec, plan, asyncssh.generate_private_key("ssh-ed25519"), tags,

@@ -6,6 +6,13 @@ carries `skytasks:pool` and `skytasks:expires-at` tags, so a pool whose time is 
 whose instances are all gone while its security group or key pair remain (orphaned), is found by
 tags alone and deleted in dependency order. Run it by hand, or deploy `flows/gc_sweep.py` on a
 schedule.
+
+`skytasks:expires-at` is a lease, not a lifetime: the controller renews it on the pool's instances
+while it lives (`remote_fields.lease_expiry`), so it runs out `idle_minutes` and a little more after
+the controller is gone, or at `max_lifetime_minutes` when the pool has a cap. A pool with no cap
+(the default) thus still expires once nobody holds it, even when its nodes' watchdogs failed to end
+them. The instances' latest lease is the pool's: the other resources keep the one they were made
+with, and a pool without instances is swept as orphaned anyway.
 """
 
 from __future__ import annotations
@@ -25,23 +32,26 @@ class FoundPool:
     expires_at: datetime | None = None
     created_at: datetime | None = None
 
-    def note_tags(self, tags: list[dict] | None) -> None:
+    def note_tags(self, tags: list[dict] | None, instance: bool = False) -> None:
+        """The earliest creation of anything of the pool, and the latest lease of its instances."""
         values = {t["Key"]: t["Value"] for t in tags or []}
-        for attr, key in (("expires_at", EXPIRES_TAG), ("created_at", CREATED_TAG)):
-            when = parse_time(values.get(key))
-            if when and (getattr(self, attr) is None or when < getattr(self, attr)):
-                setattr(self, attr, when)
+        created = parse_time(values.get(CREATED_TAG))
+        if created and (self.created_at is None or created < self.created_at):
+            self.created_at = created
+        expires = parse_time(values.get(EXPIRES_TAG)) if instance else None
+        if expires and (self.expires_at is None or expires > self.expires_at):
+            self.expires_at = expires
 
 
 def find_pools(ec2: Any, log: Callable[[str], None] = lambda line: None) -> dict[str, FoundPool]:
     pools: dict[str, FoundPool] = {}
 
-    def pool_of(tags: list[dict] | None) -> FoundPool | None:
+    def pool_of(tags: list[dict] | None, instance: bool = False) -> FoundPool | None:
         pool_id = next((t["Value"] for t in tags or [] if t["Key"] == POOL_TAG), None)
         if pool_id is None:
             return None
         found = pools.setdefault(pool_id, FoundPool(PoolResources(ec2, pool_id)))
-        found.note_tags(tags)
+        found.note_tags(tags, instance)
         return found
 
     tagged = [{"Name": "tag-key", "Values": [POOL_TAG]}]
@@ -49,7 +59,7 @@ def find_pools(ec2: Any, log: Callable[[str], None] = lambda line: None) -> dict
             Filters=tagged + [{"Name": "instance-state-name", "Values": LIVE_STATES}]):
         for reservation in page["Reservations"]:
             for instance in reservation["Instances"]:
-                if found := pool_of(instance.get("Tags")):
+                if found := pool_of(instance.get("Tags"), instance=True):
                     found.resources.instance_ids.append(instance["InstanceId"])
     for sg in ec2.describe_security_groups(Filters=tagged)["SecurityGroups"]:
         if found := pool_of(sg.get("Tags")):

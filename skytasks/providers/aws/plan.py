@@ -70,14 +70,17 @@ class LaunchPlan:
     ssh_ingress_cidr: str
     price_per_hour: float | None
 
-    def cost_line(self, nodes: int, max_hours: float, spot: bool) -> str:
+    def cost_line(self, nodes: int, max_hours: float | None, spot: bool) -> str:
+        """What the launch costs, as the progress says it; `max_hours` None: the pool has no lifetime cap."""
         what = f"{nodes} x {self.instance_type} in {self.region}"
         if self.price_per_hour is None:
             return f"provisioning {what}; no price known for {self.instance_type}"
         hourly = self.price_per_hour * nodes
         kind = "spot, billed below this on-demand estimate" if spot else "on-demand"
-        return (f"provisioning {what}: about ${hourly:,.2f}/hour ({kind}, ${self.price_per_hour:,.3f} per node); "
-                f"at most ${hourly * max_hours:,.2f} if it lives to max_lifetime_minutes")
+        line = f"provisioning {what}: about ${hourly:,.2f}/hour ({kind}, ${self.price_per_hour:,.3f} per node); "
+        if max_hours is None:
+            return line + "no lifetime cap: it runs as long as the work does (set max_lifetime_minutes to bound it)"
+        return line + f"at most ${hourly * max_hours:,.2f} if it lives to max_lifetime_minutes"
 
 
 def plan_launch(spec: PoolSpec, ec2: Any, ssm: Any, *, public_ip_lookup=None) -> LaunchPlan:

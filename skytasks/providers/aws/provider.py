@@ -8,13 +8,15 @@ hand the addresses to the shared SSH layer, which starts the node agents.
 Stop, on every path: terminate the instances, wait until they are gone, then delete the security
 group, key pair and placement group. What survives a controller that cannot run this (SIGKILL,
 power loss) is ended by the node's own watchdog, and anything left behind is found by its tags
-(`skytasks:pool`, `skytasks:expires-at`) and deleted by `skytasks gc`.
+(`skytasks:pool`, `skytasks:expires-at`) and deleted by `skytasks gc`. The expiry is a lease the
+pool renews on its instances while the controller lives (`remote_fields.lease_expiry`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import logging
 import threading
 import time
 import uuid
@@ -22,6 +24,7 @@ from typing import Any, Callable
 
 from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink, NodeProvider
+from skytasks.providers.remote_fields import Lease
 from skytasks.providers.reporting import PoolReporter, flow_run_id
 from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.aws.capacity import launch_what_can_be_had, refused
@@ -54,6 +57,7 @@ class AWSProvider(NodeProvider):
         self._nodes: SSHNodes | None = None
         self._teardown_lock = threading.Lock()
         self._aborted = threading.Event()
+        self._lease = Lease(self._aws.idle_minutes, self._aws.max_lifetime_minutes)
 
     def abort(self) -> None:
         """Cut a launch in progress short (from another thread): start() tears down and raises."""
@@ -90,7 +94,8 @@ class AWSProvider(NodeProvider):
         login key and the host key the nodes were given."""
         spec = self._spec
         plan = plan_launch(spec, self._ec2, self._ssm)
-        hours = self._aws.max_lifetime_minutes / 60
+        cap = self._aws.max_lifetime_minutes
+        hours = None if cap is None else cap / 60
         self._progress(0, spec.nodes, plan.cost_line(spec.nodes, hours, self._aws.spot))
         login_key, host_key = self._make_keys()
         short = self._launch(plan, host_key)
@@ -100,7 +105,15 @@ class AWSProvider(NodeProvider):
                                  f"{plan.cost_line(launched, hours, self._aws.spot)}")
         self._plan, self._login_key, self._host_key = plan, login_key, host_key  # for replace()
         self._node_ids = dict(enumerate(self.owned.instance_ids))  # node id -> its instance
+        self._lease.keep(lambda until: self.owned.renew_expiry(list(self._node_ids.values()), until),
+                         lambda line: self.reporter.note(f"{self.pool_id}: {line}", level=logging.WARNING),
+                         name=f"skytasks-lease-{self.pool_id}")
         return plan, login_key, host_key
+
+    def _fresh_request(self) -> dict[str, Any]:
+        """The launch request again, with tags made now: a replacement must not start with the
+        lease its pool had at its start, long run out."""
+        return {**self._request, "TagSpecifications": self._tags("instance") + self._tags("volume")}
 
     def tags(self, resource_type: str) -> list[dict]:
         """The TagSpecifications every resource of this pool carries (skytasks gc finds them by it)."""
@@ -117,7 +130,7 @@ class AWSProvider(NodeProvider):
 
         self._ec2.terminate_instances(InstanceIds=[self._node_ids.pop(node_id)])
         try:
-            [new], _ = launch_what_can_be_had(self._ec2, self._request, 1, 1)
+            [new], _ = launch_what_can_be_had(self._ec2, self._fresh_request(), 1, 1)
         except PoolStartError as exc:
             raise PoolStartError(f"node {node_id} was lost and no replacement could be had: {exc}") from exc.__cause__
         try:
@@ -130,7 +143,7 @@ class AWSProvider(NodeProvider):
     def grow(self, count: int) -> list[NodeLink]:
         """Up to `count` more instances launched alike, when EC2 has the capacity now."""
         try:
-            instances, short = launch_what_can_be_had(self._ec2, self._request, 1, count)
+            instances, short = launch_what_can_be_had(self._ec2, self._fresh_request(), 1, count)
         except PoolStartError as exc:
             self.reporter.note(f"{self.pool_id}: could not grow: {exc}")
             return []
@@ -169,7 +182,7 @@ class AWSProvider(NodeProvider):
         return self._aws.remote_python or VENV_PYTHON
 
     def _tags(self, resource_type: str) -> list[dict]:
-        tags = pool_tags(self.pool_id, self._aws.max_lifetime_minutes, self._aws.tags, flow_run_id())
+        tags = pool_tags(self.pool_id, self._lease.expiry(), self._aws.tags, flow_run_id())
         return [{"ResourceType": resource_type, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
 
     def _make_keys(self) -> tuple[Any, Any]:
@@ -278,6 +291,7 @@ class AWSProvider(NodeProvider):
 
     def _teardown(self) -> BaseException | None:
         with self._teardown_lock:
+            self._lease.stop()  # no renewal tags an instance being terminated
             if self._nodes is not None:
                 self._nodes.stop()
                 self._nodes = None

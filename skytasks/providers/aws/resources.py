@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
 from skytasks.errors import PoolTeardownError
@@ -17,10 +17,13 @@ POLL_SECONDS = 2.0
 TERMINATE_WAIT_SECONDS = 600.0
 
 
-def pool_tags(pool_id: str, lifetime_minutes: float, extra: Mapping[str, str], flow_run_id: str | None) -> dict[str, str]:
+def pool_tags(pool_id: str, expires_at: datetime, extra: Mapping[str, str], flow_run_id: str | None) -> dict[str, str]:
+    """The tags on everything a pool makes. `expires_at` is its lease (`remote_fields.lease_expiry`):
+    the provider renews it on the pool's instances while the controller lives, and `skytasks gc`
+    reads it there."""
     now = datetime.now(timezone.utc)
     tags = {**extra, "Name": pool_id, POOL_TAG: pool_id, CREATED_TAG: now.strftime(TIME_FORMAT),
-            EXPIRES_TAG: (now + timedelta(minutes=lifetime_minutes)).strftime(TIME_FORMAT)}
+            EXPIRES_TAG: expires_at.strftime(TIME_FORMAT)}
     if flow_run_id:
         tags[FLOW_RUN_TAG] = flow_run_id
     return tags
@@ -41,6 +44,12 @@ class PoolResources:
     security_group_id: str | None = None
     key_name: str | None = None  # only a key pair the pool made; never the user's own
     placement_group: str | None = None
+
+    def renew_expiry(self, instance_ids: list[str], expires_at: datetime) -> None:
+        """Move the lease on these (live) instances forward: `skytasks gc` reads it there."""
+        if instance_ids:
+            self.ec2.create_tags(Resources=instance_ids, Tags=[{"Key": EXPIRES_TAG,
+                                                                "Value": expires_at.strftime(TIME_FORMAT)}])
 
     def describe_instances(self) -> list[dict]:
         if not self.instance_ids:

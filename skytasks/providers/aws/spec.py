@@ -70,7 +70,7 @@ class AWSSpec:
     torchaudio: Optional[str]
     ready_timeout_seconds: float
     idle_minutes: float
-    max_lifetime_minutes: float
+    max_lifetime_minutes: Optional[float]  # None: no cap
 
 
 def build(fields: Mapping[str, Any]) -> AWSSpec:

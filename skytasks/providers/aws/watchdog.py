@@ -8,6 +8,8 @@ shutdown behaviour "terminate") is gone. Two rules:
 - idle: the node agent writes the heartbeat file whenever the controller is heard. When it is
   older than `--idle-seconds` (or was never written, counting from boot) the node is unwanted.
 - lifetime: past `--max-lifetime-seconds` from boot the node goes, whatever else is happening.
+  Without the flag (the pool's `max_lifetime_minutes` is None) there is no lifetime rule: a node
+  with a live controller runs as long as the work does, and idleness alone ends it.
 
 It also watches for a spot interruption: with `--notice-file`, it asks the instance metadata
 service (IMDSv2: a session token first) for `spot/instance-action` every `--notice-every` seconds,
@@ -35,9 +37,10 @@ def node_started_at() -> float:
         return time.time()
 
 
-def verdict(now: float, started_at: float, heartbeat_at: float | None, idle: float, max_lifetime: float) -> str | None:
-    """Why the node should end now, or None while it is wanted."""
-    if now - started_at >= max_lifetime:
+def verdict(now: float, started_at: float, heartbeat_at: float | None, idle: float,
+            max_lifetime: float | None) -> str | None:
+    """Why the node should end now, or None while it is wanted. `max_lifetime` None: no cap."""
+    if max_lifetime is not None and now - started_at >= max_lifetime:
         return f"reached max lifetime ({max_lifetime:.0f}s)"
     last = max(started_at, heartbeat_at or 0.0)
     if now - last >= idle:
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="skytasks-watchdog")
     parser.add_argument("--heartbeat-file", required=True)
     parser.add_argument("--idle-seconds", type=float, required=True)
-    parser.add_argument("--max-lifetime-seconds", type=float, required=True)
+    parser.add_argument("--max-lifetime-seconds", type=float, default=None, help="default: no lifetime cap")
     parser.add_argument("--check-every", type=float, default=30.0)
     parser.add_argument("--started-at", type=float, default=None, help="epoch seconds; default: boot time")
     parser.add_argument("--shutdown-command", default="shutdown -h now")

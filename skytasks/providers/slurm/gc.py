@@ -1,9 +1,12 @@
 """`skytasks gc --slurm`: cancel skytasks jobs past their expiry.
 
 Every allocation a pool submits is named `skytasks-<id>` and carries `skytasks:expires-at=<time>`
-in its comment. A pool cancels its jobs on every path its controller lives through, and an
-orphaned job ends itself after `idle_minutes` of silence and at `--time` anyway; this sweep is the
-third line, for clusters where the batch job could not run its own watch.
+in its comment: a lease the pool renews while its controller lives (`slurm/lease.py`), so it runs
+out `idle_minutes` and a little more after the controller is gone, or at `max_lifetime_minutes`
+when the pool has a cap. A pool cancels its jobs on every path its controller lives through, and
+an orphaned job ends itself after `idle_minutes` of silence (and at `--time`, or the partition's
+limit, anyway); this sweep is the third line, for clusters where the batch job could not run its
+own watch. A pool with no cap and a partition with no limit is thus still swept once orphaned.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 from skytasks.pool_spec import PoolSpec
+from skytasks.providers.remote_fields import lease_expiry
 from skytasks.providers.slurm.spec import SlurmSpec
 
 JOB_PREFIX = "skytasks-"
@@ -27,7 +28,8 @@ def heartbeat_file(job_id: str) -> str:
 
 # The batch job's own process: it holds the allocation, and ends it when the controller has been
 # silent for the idle limit (the agents touch the heartbeat whenever they hear the controller).
-# `--time` bounds it in any case. `sleep & wait` lets SLURM's SIGTERM end it at once.
+# `--time` (with max_lifetime_minutes; else the partition's limit) bounds it too. `sleep & wait`
+# lets SLURM's SIGTERM end it at once.
 BATCH_SCRIPT = """#!/bin/bash
 beat=/tmp/skytasks-slurm-${SLURM_JOB_ID}.beat
 idle=%(idle)d
@@ -50,9 +52,10 @@ def batch_script(idle_minutes: float) -> str:
     return BATCH_SCRIPT % {"idle": idle, "every": min(30.0, max(1.0, idle / 4))}
 
 
-def expiry_comment(max_lifetime_minutes: float, now: datetime | None = None) -> str:
-    now = now or datetime.now(timezone.utc)
-    return EXPIRES_KEY + (now + timedelta(minutes=max_lifetime_minutes)).strftime(TIME_FORMAT)
+def expiry_comment(expires_at: datetime) -> str:
+    """The job's comment: its lease (`remote_fields.lease_expiry`), which the provider renews while
+    the controller lives and `skytasks gc --slurm` reads."""
+    return EXPIRES_KEY + expires_at.strftime(TIME_FORMAT)
 
 
 def parse_expiry(comment: str) -> datetime | None:
@@ -63,25 +66,41 @@ def parse_expiry(comment: str) -> datetime | None:
         return None
 
 
-def notice_seconds(max_lifetime_minutes: float) -> int:
+def notice_seconds(max_lifetime_minutes: float | None) -> int:
     """How long before the time limit SLURM sends the notice: two minutes, as EC2 gives a spot
-    node, or a fifth of a short job's life."""
+    node, or a fifth of a short job's life. With no cap the partition's own limit (if any) ends the
+    job, and the notice comes two minutes before it."""
+    if max_lifetime_minutes is None:
+        return 120
     return int(min(120, max(10, max_lifetime_minutes * 60 / 5)))
 
 
+def time_limit(max_lifetime_minutes: float | None) -> list[str]:
+    """`--time` in whole minutes; none without a cap: the partition's default (or its maximum)
+    applies, and the batch script's idle watch still ends an allocation nobody holds."""
+    if max_lifetime_minutes is None:
+        return []
+    return [f"--time={max(1, math.ceil(max_lifetime_minutes))}"]
+
+
 def sbatch_args(spec: PoolSpec, pool_id: str, nodes: int, exclude: tuple[str, ...] = (),
-                fewest: int | None = None) -> list[str]:
+                fewest: int | None = None, expires_at: datetime | None = None) -> list[str]:
     """The allocation for `nodes` nodes of this pool (SLURM's own `--nodes=MIN-MAX` when it may
-    have `fewest`): one batch job for its whole life."""
+    have `fewest`): one batch job for its whole life. `expires_at`: the pool's lease now (default:
+    that of a pool starting now)."""
     s = spec.own(SlurmSpec)
+    if expires_at is None:
+        now = datetime.now(timezone.utc)
+        expires_at = lease_expiry(now, now, s.idle_minutes, s.max_lifetime_minutes)
     count = f"{fewest}-{nodes}" if fewest is not None and fewest < nodes else str(nodes)
-    args = ["sbatch", "--parsable", f"--job-name={pool_id}", f"--comment={expiry_comment(s.max_lifetime_minutes)}",
+    args = ["sbatch", "--parsable", f"--job-name={pool_id}", f"--comment={expiry_comment(expires_at)}",
             f"--nodes={count}", f"--ntasks-per-node={spec.procs_per_node}",
-            f"--time={max(1, math.ceil(s.max_lifetime_minutes))}", "--output=/dev/null",
+            *time_limit(s.max_lifetime_minutes), "--output=/dev/null",
             # A failed node does not end the others' allocation: it is replaced on its own.
             "--no-kill", "--no-requeue",
             # The preemption notice: USR2 to every process of the job's steps (agents and ranks)
-            # before the time limit, and at once on a preemption with PreemptParameters=send_user_signal.
+            # before the time limit (ours or the partition's), and at once on a preemption with
+            # PreemptParameters=send_user_signal.
             f"--signal=USR2@{notice_seconds(s.max_lifetime_minutes)}"]
     for flag, value in (("--partition", s.partition), ("--account", s.account), ("--qos", s.qos),
                         ("--constraint", s.constraint), ("--gres", s.gres)):

@@ -10,25 +10,28 @@ stream on first use (content-addressed under ~/.cache/skytasks, so a shared home
 A lost node is replaced by a one-node allocation of its own that excludes every node lost so far.
 Stop, on every path: end the steps, `scancel` every job, and wait until none is left in the
 queue. Without the controller, the batch job ends itself after `idle_minutes` of silence, and
-`--time` (from `max_lifetime_minutes`) bounds it in any case; `skytasks gc --slurm` cancels
-skytasks jobs past their expiry.
+`--time` (from `max_lifetime_minutes`; without it, the partition's limit) bounds it; `skytasks gc
+--slurm` cancels skytasks jobs past their expiry, a lease renewed while the controller lives.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import subprocess
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
+from skytasks.providers.remote_fields import Lease
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.teardown import uninterruptible
-from skytasks.providers.slurm import job as slurm_job
+from skytasks.providers.slurm import job as slurm_job, lease as slurm_lease
 from skytasks.providers.slurm.node_steps import NodeSteps
 from skytasks.providers.slurm.shell import SlurmShell
 from skytasks.providers.slurm.spec import SlurmSpec
@@ -63,6 +66,8 @@ class SlurmProvider(NodeProvider):
         self._steps = NodeSteps(self.shell, spec, self.reporter)
         self._aborted = threading.Event()
         self._stop_lock = threading.Lock()
+        self._lease = Lease(self._slurm.idle_minutes, self._slurm.max_lifetime_minutes)
+        self._ended: set[str] = set()  # jobs gone from the queue: their lease is not renewed
 
     def abort(self) -> None:
         self._aborted.set()
@@ -72,6 +77,8 @@ class SlurmProvider(NodeProvider):
     def start(self) -> list[NodeLink]:
         spec = self._spec
         self._check_request()  # SLURM's refusal, before anything is queued
+        self._lease.keep(self._renew_lease, lambda line: self.reporter.note(f"{self.pool_id}: {line}", logging.WARNING),
+                         name=f"skytasks-lease-{self.pool_id}")
         try:
             job_id = self._submit(spec.nodes, fewest=spec.min_nodes)
             names = self._wait_running(job_id, spec.nodes)
@@ -87,6 +94,9 @@ class SlurmProvider(NodeProvider):
         except BaseException:
             self.stop()
             raise
+
+    def _renew_lease(self, until: datetime) -> None:
+        self._ended.update(slurm_lease.renew(self.shell, [j for j in self.jobs if j not in self._ended], until))
 
     def _check_request(self) -> str:
         """SLURM's answer to `sbatch --test-only` ("Job N to start at ..."), or PoolConfigError
@@ -120,7 +130,8 @@ class SlurmProvider(NodeProvider):
         return "the partition's other nodes: " + ", ".join(o.replace("|", " is ") for o in others)
 
     def _submit(self, nodes: int, exclude: tuple[str, ...] = (), fewest: int | None = None) -> str:
-        args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=exclude, fewest=fewest)
+        args = slurm_job.sbatch_args(self._spec, self.pool_id, nodes, exclude=exclude, fewest=fewest,
+                                     expires_at=self._lease.expiry())
         done = self.shell.run(args, input=slurm_job.batch_script(self._slurm.idle_minutes).encode())
         if done.returncode != 0:
             said = slurm_job.slurm_message(done.stderr)
@@ -259,6 +270,7 @@ class SlurmProvider(NodeProvider):
 
     def _teardown(self) -> BaseException | None:
         with self._stop_lock:
+            self._lease.stop()  # before the shell closes: no renewal runs after it
             self._steps.end_all()
             jobs = list(self.jobs)
             left: list[str] = []

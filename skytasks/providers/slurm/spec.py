@@ -59,7 +59,7 @@ class SlurmSpec:
     extra_args: tuple[str, ...]
     ready_timeout_seconds: float
     idle_minutes: float
-    max_lifetime_minutes: float
+    max_lifetime_minutes: Optional[float]  # None: no --time, the partition's limit applies
 
 
 def build(fields: Mapping[str, Any]) -> SlurmSpec:
