@@ -58,6 +58,12 @@ class PoolStartError(RuntimeError):
     """The pool's nodes could not be brought up; the message names the provider's node."""
 
 
+class NodeGone(Exception):
+    """A provider's answer to `reattach`: the node itself is gone (its instance terminated, its pod
+    deleted, its job ended), so there is no agent to reach again and it is a lost node at once.
+    The message says why, in the provider's words."""
+
+
 class PoolTeardownError(RuntimeError):
     """Something the pool launched could not be confirmed gone; the message names it."""
 

@@ -53,6 +53,37 @@ class NodeLost(Event):
 
 
 @dataclass(frozen=True)
+class NodeReconnecting(Event):
+    """A node's stream broke (or fell silent) while the node may still run: the controller opens
+    a new stream to the same agent, for up to `seconds`, before the node counts as lost."""
+
+    LEVEL = logging.WARNING
+    node: int
+    address: str
+    reason: str
+    seconds: float  # reattach_seconds
+
+    def text(self) -> str:
+        return (f"node {self.node} ({self.address}): its stream broke ({self.reason}); re-attaching for up to "
+                f"{self.seconds:g}s")
+
+
+@dataclass(frozen=True)
+class NodeReconnected(Event):
+    """A node whose stream broke was reached again: its ranks ran on, nothing was lost, and the
+    call goes on with no retry or node recovery spent."""
+
+    PREFECT_EVENT = "skytasks.node.reconnected"
+    node: int
+    address: str
+    down_seconds: float  # from the break being noticed to the new stream carrying the old one's bytes
+
+    def text(self) -> str:
+        return (f"node {self.node} ({self.address}) was out of reach for {self.down_seconds:.1f}s; re-attached, "
+                f"the call goes on")
+
+
+@dataclass(frozen=True)
 class NodePreempted(Event):
     """A preemption notice: the node runs, but will be taken away (at `deadline`, when known)."""
 

@@ -27,12 +27,17 @@ class PoolSpec:
     # The fewest nodes the pool runs on (elastic when below `nodes`): it starts with what it can
     # get between the two, a retry goes on with what is left, and it grows back between calls.
     min_nodes: Optional[int] = None
+    # How long a node whose stream broke may take to be reached again (on a provider that can open
+    # a new stream to a running agent) before it is a lost node; 0: a broken stream is a lost node.
+    reattach_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.min_nodes is None:
             object.__setattr__(self, "min_nodes", self.nodes)
         if not 1 <= self.fewest <= self.nodes:
             raise ValueError(f"min_nodes: must be between 1 and nodes={self.nodes}, got {self.min_nodes}")
+        if not self.reattach_seconds >= 0:
+            raise ValueError(f"reattach_seconds: must be 0 or more, got {self.reattach_seconds!r}")
 
     def own(self, kind: type[Part]) -> Part:
         """The provider's own part, as the type it expects: a pool built for another provider is
