@@ -1,8 +1,10 @@
 """provider="kubernetes": one pod per node, made and deleted by the pool, no operator needed.
 
-Start: make the pool's owner object (a ConfigMap every pod names as its owner), then one pod per
-node; wait until every pod runs (an elastic pool: at least `min_nodes`, the rest waiting for
-room), saying why the others wait in the scheduler's and kubelet's words; a pod that can never
+Start: make the pool's owner object (a ConfigMap every pod names as its owner), open the pool's
+watch of its pods and their events (`pool_watch`: the API server is read by watching, never by
+polling each pod), then one pod per node; wait until every pod runs (an elastic pool: at least
+`min_nodes`, the rest waiting for room), saying why the others wait in the scheduler's, the
+kubelet's and a node autoscaler's words (`pod_status`, `autoscaler_words`); a pod that can never
 start fails the start at once. Then one exec stream per pod through the API server carries the
 node's agent (`node_agents`). A pod that fails, is deleted, or whose node stops being ready is a
 lost node, replaced by a new pod; one asked to leave gives its ranks a preemption notice (its
@@ -23,15 +25,17 @@ from typing import Any, Optional
 from skytasks.errors import PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
-from skytasks.providers.kubernetes import cluster, pod_status, pods
+from skytasks.providers.kubernetes import cluster, pod_status, pod_views, pods
 from skytasks.providers.kubernetes.node_agents import PodAgents
+from skytasks.providers.kubernetes.pool_watch import PoolWatch
 from skytasks.providers.kubernetes.spec import KubernetesSpec
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.teardown import uninterruptible
 from skytasks.settings import settings
 
-POLL_SECONDS = 0.5
-WATCH_SECONDS = 1.0
+# A start re-reads its pods at every change the watch hears, and at least this often (for the
+# autoscaler's silence and the ready timeout, which no change announces).
+TICK_SECONDS = 1.0
 GROW_WAIT_SECONDS = 20.0
 
 
@@ -49,7 +53,8 @@ class KubernetesProvider(NodeProvider):
         self._cfg: Any = None
         self._core: Any = None
         self._owner_ref: Optional[dict[str, Any]] = None
-        self._affinity: Optional[tuple[str, list[str]]] = None
+        self._node_labels: Optional[list[dict[str, str]]] = None  # the nodes' labels, when the pool may read them
+        self._pods: Optional[PoolWatch] = None
         self._agents: Optional[PodAgents] = None
         self.nodes: dict[int, str] = {}  # node id -> its pod
         self.placed: dict[str, str] = {}  # pod -> the Kubernetes node it runs on
@@ -58,12 +63,14 @@ class KubernetesProvider(NodeProvider):
         self._aborted = threading.Event()
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
-        self._watch: Optional[threading.Thread] = None
+        self._watcher: Optional[threading.Thread] = None
         self._ips: dict[str, str] = {}  # pod -> its IP, where its peers reach it
         self._made_owner = False  # until then the pool made nothing (every pod names the owner)
 
     def abort(self) -> None:
         self._aborted.set()
+        if self._pods is not None:
+            self._pods.wake()
 
     # -- start ------------------------------------------------------------------------------
 
@@ -79,9 +86,9 @@ class KubernetesProvider(NodeProvider):
             self.reporter.progress(0, len(ready), f"{len(ready)} pods running; starting node agents")
             links = self._start_agents(ready, first=0)
             self.reporter.progress(len(links), len(ready), "every node agent is up")
-            self._watch = threading.Thread(target=self._watch_pods, name=f"skytasks-k8s-watch-{self.pool_id}",
-                                           daemon=True)
-            self._watch.start()
+            self._watcher = threading.Thread(target=self._watch_pods, name=f"skytasks-k8s-lost-{self.pool_id}",
+                                             daemon=True)
+            self._watcher.start()
             return links
         except BaseException:
             self.stop()
@@ -97,8 +104,10 @@ class KubernetesProvider(NodeProvider):
         made = self._api(lambda: self._core.create_namespaced_config_map(self.namespace, owner), "create configmaps")
         self._owner_ref = pods.owner_reference({"metadata": {"name": made.metadata.name, "uid": made.metadata.uid}})
         self._made_owner = True
+        # Watching before the first pod is made: every change to the pool's pods is heard.
+        self._pods = PoolWatch(self._cfg, self.namespace, self.pool_id).start(self._k8s.ready_timeout_seconds)
         if self._k8s.accelerator:
-            self._affinity = self._gpu_affinity(self._k8s.accelerator)
+            self._node_labels = self._read_node_labels(self._k8s.accelerator)
 
     def _api(self, call: Any, doing: str) -> Any:
         import urllib3
@@ -109,28 +118,27 @@ class KubernetesProvider(NodeProvider):
         except (ApiException, urllib3.exceptions.HTTPError) as exc:
             raise cluster.refused(exc, doing, self.namespace) from exc
 
-    def _gpu_affinity(self, accelerator: str) -> Optional[tuple[str, list[str]]]:
-        """The GPU product label the cluster's nodes carry, when the pool may read nodes."""
+    def _read_node_labels(self, accelerator: str) -> Optional[list[dict[str, str]]]:
+        """The labels of the cluster's nodes, when the pool may read nodes: the GPU product values
+        they carry join those the pods require. Without them (reading nodes is cluster-wide, and
+        rbac.yaml does not grant it) the pods still require the product, by the labels the
+        clouds' autoscalers build GPU nodes from."""
         try:
             nodes = self._core.list_node(_request_timeout=30).items
-        except Exception as exc:  # noqa: BLE001 - reading nodes is cluster-wide: a pool need not be allowed
+        except Exception as exc:  # noqa: BLE001 - a pool need not be allowed to read nodes
             self.reporter.note(f"{self.pool_id}: cannot read the cluster's nodes ({cluster.api_message(exc)[:200]}); "
-                               f"the pods ask for {pods.GPU_RESOURCE} only, not the {accelerator} product label")
+                               f"the pods require {accelerator!r} by the GPU product labels autoscaled node pools "
+                               "carry (k8s_gpu_label names another)")
             return None
-        found = pods.gpu_product_affinity(accelerator, [n.metadata.labels or {} for n in nodes])
-        if found is None:
-            self.reporter.note(f"{self.pool_id}: no node carries a GPU product label naming {accelerator!r} "
-                               f"({', '.join(pods.GPU_PRODUCT_LABELS[:3])}, ...); the pods ask for "
-                               f"{pods.GPU_RESOURCE} only")
-        return found
+        return [dict(n.metadata.labels or {}) for n in nodes]
 
-    def _create_pods(self, count: int) -> list[str]:
+    def _create_pods(self, count: int, slot: Optional[int] = None) -> list[str]:
         names = []
         secrets = [v for k, v in self._spec.env.items() if k in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
         for _ in range(count):
             assert self._owner_ref is not None
             manifest = pods.pod_manifest(self._spec, self._k8s, self.pool_id, self._made, self._owner_ref,
-                                         self._affinity)
+                                         node_labels=self._node_labels, slot=slot)
             if not pods.secret_free(manifest, secrets):
                 raise PoolStartError("k8s_pod_template: a secret value of the pool appears in the pod's manifest; "
                                      "secrets reach the nodes over the controller's stream, never in a pod spec")
@@ -139,43 +147,14 @@ class KubernetesProvider(NodeProvider):
             names.append(manifest["metadata"]["name"])
         return names
 
-    def _list_pods(self) -> dict[str, dict[str, Any]]:
-        found = self._api(lambda: self._core.list_namespaced_pod(
-            self.namespace, label_selector=f"{pods.POOL_LABEL}={self.pool_id}", _preload_content=False,
-            _request_timeout=30), "list pods")
-        import json
-
-        return {p["metadata"]["name"]: p for p in json.loads(found.data)["items"]}
-
-    def _events_of(self, pod: str) -> str:
-        """The newest warning the cluster gave about a pod (a mount, a sandbox), when its status says nothing."""
-        try:
-            events = self._core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={pod}",
-                                                      _request_timeout=10).items
-        except Exception:  # noqa: BLE001 - events are a courtesy
-            return ""
-        # The scheduler's word is in the pod's own condition while it waits for a node, and stale after.
-        warnings = sorted((e for e in events if e.type == "Warning" and e.reason != "FailedScheduling"),
-                          key=lambda e: str(e.last_timestamp or ""))
-        return f"{warnings[-1].reason}: {warnings[-1].message}" if warnings else ""
-
     def _wait_running(self, names: list[str], fewest: int, timeout: float) -> list[str]:
-        """Until the pods may start (`pod_status.start_decision`): the names of those that run."""
-        started = time.monotonic()
+        """Until the pods may start (`pod_status.start_decision`): the names of those that run.
+        Woken by the watch at each change to them, never asking the API server itself."""
+        assert self._pods is not None
+        started, seen = time.monotonic(), self._pods.version
+        since: dict[str, float] = {}  # pod -> when it was first seen unschedulable
         while True:
-            listed = self._list_pods()
-            views = []
-            for name in names:
-                pod = listed.get(name)
-                if pod is None:
-                    views.append(pod_status.PodView(name, "Deleted", False, "", "", "", None, False,
-                                                    f"pod {name} was deleted"))
-                    continue
-                v = pod_status.view(pod)
-                if v.waiting.startswith("ContainerCreating") or v.waiting.startswith("Pending: being"):
-                    why = self._events_of(name)
-                    v = pod_status.PodView(**{**v.__dict__, "waiting": f"{v.waiting} ({why})" if why else v.waiting})
-                views.append(v)
+            views = pod_views.starting(self._pods, names, self._k8s.autoscaler, since)
             decision = pod_status.start_decision(views, fewest, time.monotonic() - started, timeout)
             if isinstance(decision, pod_status.Go):
                 for v in views:
@@ -186,7 +165,8 @@ class KubernetesProvider(NodeProvider):
                 raise PoolStartError(f"{decision.field + ': ' if decision.field else ''}{decision.reason}; "
                                      "every pod was deleted")
             self.reporter.progress(sum(v.running for v in views), len(views), decision.detail)
-            if self._aborted.wait(POLL_SECONDS):
+            seen = self._pods.wait_for_change(seen, TICK_SECONDS)
+            if self._aborted.is_set():
                 raise InterruptedError(f"the start of {self.pool_id} was cancelled")
 
     def _start_agents(self, names: list[str], first: int) -> list[NodeLink]:
@@ -204,15 +184,13 @@ class KubernetesProvider(NodeProvider):
         link.where = f"pod {name} on node {self.placed.get(name) or '?'}"
         link.loss_detail = lambda: self._loss_detail(name)
         link.close_lost = lambda: self._agents.end(name) if self._agents else None
+        link.notice_deadline = lambda: pod_views.leaving_at(self._pods.last_state(name) if self._pods else None)
         return link
 
     def _loss_detail(self, name: str) -> str:
         if name in self._lost:
             return self._lost[name]
-        try:
-            pod = self._list_pods().get(name)
-        except Exception:  # noqa: BLE001
-            return ""
+        pod = self._pods.pods().get(name) if self._pods else None
         if pod is None:
             return f"Kubernetes: pod {name} was deleted"
         v = pod_status.view(pod)
@@ -221,19 +199,18 @@ class KubernetesProvider(NodeProvider):
 
     def _watch_pods(self) -> None:
         """A pod that failed, ended, was deleted, or whose node is not ready: its stream is ended,
-        so the session finds the node lost at once (rather than after the heartbeat's silence)."""
-        while not self._stopped.wait(WATCH_SECONDS):
-            try:
-                listed = self._list_pods()
-            except Exception:  # noqa: BLE001 - the API server may blink; the streams say the rest
-                continue
-            for node_id, name in list(self.nodes.items()):
-                pod = listed.get(name)
-                gone = f"Kubernetes: pod {name} was deleted" if pod is None else pod_status.view(pod).gone
+        so the session finds the node lost at once (rather than after the heartbeat's silence).
+        Woken by the watch at each change, asking the API server nothing itself."""
+        assert self._pods is not None
+        seen = self._pods.version
+        while not self._stopped.is_set():
+            for name in list(self.nodes.values()):
+                gone = pod_views.lost(self._pods, name)
                 if gone and name not in self._lost:
-                    self._lost[name] = gone if gone.startswith("Kubernetes") else f"Kubernetes: {gone}"
+                    self._lost[name] = gone
                     if self._agents:
                         self._agents.end(name)
+            seen = self._pods.wait_for_change(seen, 5.0)
 
     # -- the calls' needs -------------------------------------------------------------------
 
@@ -249,7 +226,8 @@ class KubernetesProvider(NodeProvider):
         old = self.nodes.get(node_id, "?")
         self.release(node_id)
         try:
-            [name] = self._create_pods(1)
+            # In the lost pod's placement slot: it fits where the lost one did (k8s_pods_per_host).
+            [name] = self._create_pods(1, slot=int(old.rsplit("-", 1)[1]) if old != "?" else None)
             self._wait_running([name], 1, self._k8s.ready_timeout_seconds)
         except Exception as exc:
             raise PoolStartError(f"node {node_id} (pod {old}) was lost and no new pod could be had: {exc}") from exc
@@ -302,6 +280,8 @@ class KubernetesProvider(NodeProvider):
         """End the streams, delete every pod and the owner, and wait until none is left. Runs in
         a thread of its own and is waited for through Ctrl-C and SIGTERM."""
         self._stopped.set()
+        if self._pods is not None:
+            self._pods.wake()
         uninterruptible(self._teardown, lambda: self.reporter.note("still deleting the pool's pods; please wait"),
                         name="skytasks-k8s-teardown")
 
@@ -309,6 +289,8 @@ class KubernetesProvider(NodeProvider):
         from skytasks.providers.kubernetes.teardown import delete_pool
 
         with self._stop_lock:
+            if self._pods is not None:
+                self._pods.stop()
             if self._agents:
                 self._agents.end_all()
             if self._core is None or not self._made_owner:
