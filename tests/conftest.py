@@ -214,15 +214,16 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def k8s_cluster(tmp_path_factory):
-    """The Kubernetes test cluster (v1.20.2: control plane on loopback, one namespaced node):
-    one for the session. Skips only where it cannot run at all (not root; `make system-deps`
-    installs and builds the rest)."""
+    """The Kubernetes test cluster (v1.20.2: control plane on loopback, two nodes in namespaces
+    of their own, `k8s_cluster.nodes`): one for the session. Skips only where it cannot run at
+    all (not root; `make system-deps` installs and builds the rest). A test that kills a node
+    (`kill_node`) restarts it (`restart_node`) before it ends."""
     from tests.k8s_cluster import K8sCluster, available
 
     why = available()
     if why:
         pytest.skip(why)
-    c = K8sCluster(tmp_path_factory.mktemp("k8s")).start()
+    c = K8sCluster(tmp_path_factory.mktemp("k8s"), nodes=2).start()
     try:
         yield c
     finally:
