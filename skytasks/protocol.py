@@ -32,9 +32,26 @@ Controller -> agent:
                                                 known (every node's PEER_READY), so the first large
                                                 call waits for no TLS handshake (from the controller
                                                 to the first node, then node to node)
-  HEARTBEAT                                     both ways; never reaches the event queue
+  HEARTBEAT got?                                both ways; never reaches the event queue. `got`: the
+                                                bytes of the other side's stream read so far (an ack:
+                                                the sender may drop what it keeps for a re-attach)
+  LEASE   key, reattach_seconds, keep_warm_seconds, holder
+                                                the agent now outlives a break of this stream: it keeps
+                                                its ranks and what they send, and admits a new stream
+                                                through its door (HELLO `door`) from a controller that
+                                                proves `key` (the pool's, hex) for `reattach_seconds`
+  END                                           stop the ranks and exit (teardown: a break is no goodbye
+                                                once a LEASE came)
+  RELEASE                                       the holder lets go, the node stays warm (phase 2)
+Door handshake (on a new stream through the agent's door; not counted in the resumed byte streams):
+  CHALLENGE nonce, instance        agent -> controller, first
+  ATTACH  proof, nonce, holder, mode, got, who   controller -> agent: proves the pool's key (resume.py)
+  ATTACHED proof, got, state       agent -> controller: proves it too; each side then resends what it
+                                   sent from the other's `got` on, and the stream goes on
+  REFUSED reason, holder?, since?  agent -> controller, then the door closes
 Agent -> controller:
-  HELLO   pid, python, gpus                     once, first: the node is ready, with its GPUs
+  HELLO   pid, python, gpus, door?, instance?   once, first: the node is ready, with its GPUs; `door`:
+                                                its attach socket, `instance`: random per agent process
   PEER_READY port                               the relay listener is open on this port (0: none);
                                                 read by the channel, never reaches the event queue
   OUTPUT  group, rank, stream, line             a line a rank printed (its stdout/stderr pipe)
@@ -64,6 +81,8 @@ Agent -> rank, on its control channel:
                                                 names it by `token` in the frame (wire.BY_REF)
 Made on the controller, never sent:
   LOST    reason                                a stream closed or fell silent
+  RECONNECTING reason, seconds                  a node's stream broke; re-attaching for up to `seconds`
+  RECONNECTED down_seconds                      the node's stream was re-attached; nothing was lost
 """
 
 
@@ -102,6 +121,15 @@ class Op(StrEnum):
     FAILED = "failed"
     LOST = "lost"
     SHARED = "shared"
+    LEASE = "lease"
+    END = "end"
+    RELEASE = "release"
+    CHALLENGE = "challenge"
+    ATTACH = "attach"
+    ATTACHED = "attached"
+    REFUSED = "refused"
+    RECONNECTING = "reconnecting"
+    RECONNECTED = "reconnected"
 
 
 # What shows a call is not hung (with hang_timeout_seconds): a rank starting, writing or finishing.
@@ -155,7 +183,7 @@ class Preemption(TypedDict):
 
 
 class Heartbeat(TypedDict):
-    pass
+    got: NotRequired[int]  # bytes of the other side's stream read so far (resume.py); none before a LEASE
 
 
 class Peers(TypedDict):
@@ -185,6 +213,58 @@ class Hello(TypedDict):
     pid: int
     python: str
     gpus: list[str]
+    door: NotRequired[str]  # the agent's attach socket (AF_UNIX path), for node/attach.py's CLIENT
+    instance: NotRequired[str]  # random per agent process: a re-attach must reach this very agent
+
+
+class Lease(TypedDict):
+    key: str  # the pool's key (hex): only a controller that proves it may attach (resume.py)
+    reattach_seconds: float  # how long the agent waits for a new stream after a break; 0: no waiting
+    keep_warm_seconds: float  # phase 2 (warm pools); 0: none
+    holder: str  # random per controller session: who holds the node
+
+
+class End(TypedDict):
+    pass
+
+
+class Release(TypedDict):
+    pass
+
+
+class Challenge(TypedDict):
+    nonce: str  # hex, fresh per handshake
+    instance: str
+
+
+class Attach(TypedDict):
+    proof: str  # hex, resume.controller_proof
+    nonce: str  # the controller's own, hex
+    holder: str
+    mode: str  # "resume" (phase 1) | "hold" | "probe" (phase 2)
+    got: int  # bytes of the agent's stream the controller read so far
+    who: str  # the holder in words, for whoever waits
+
+
+class Attached(TypedDict):
+    proof: str  # hex, resume.agent_proof
+    got: int  # bytes of the controller's stream the agent read so far
+    state: dict[str, Any]  # pid, python, gpus, peer_port, ...
+
+
+class Refused(TypedDict):
+    reason: str
+    holder: NotRequired[str]  # who holds the node (only said to a controller that proved the key)
+    since: NotRequired[float]
+
+
+class Reconnecting(TypedDict):
+    reason: str
+    seconds: float
+
+
+class Reconnected(TypedDict):
+    down_seconds: float
 
 
 class _Relayed(TypedDict):
@@ -286,6 +366,8 @@ MESSAGES: dict[Op, type] = {
     Op.RESOURCES: Resources, Op.JOINING: Joining, Op.READY: Ready, Op.LOG: Log,
     Op.REPORT: Report, Op.RESULT: Result, Op.FAILED: Failed, Op.LOST: Lost,
     Op.PEERS: Peers, Op.ROUTE: Route, Op.LINKS: Links, Op.PEER_READY: PeerReady, Op.SHARED: Shared,
+    Op.LEASE: Lease, Op.END: End, Op.RELEASE: Release, Op.CHALLENGE: Challenge, Op.ATTACH: Attach,
+    Op.ATTACHED: Attached, Op.REFUSED: Refused, Op.RECONNECTING: Reconnecting, Op.RECONNECTED: Reconnected,
 }
 _ADDED_ON_THE_WAY = frozenset({"channel"})
 Fits = Callable[[Any], bool]
