@@ -7,11 +7,13 @@ across calls and always tears them down.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import threading
+from typing import TYPE_CHECKING, Any, Optional, get_args
 
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
 from skytasks.errors import PoolConfigError
@@ -19,7 +21,7 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers import SHAPE_FIELDS
 from skytasks.providers.aws.spec import AWSFields
 from skytasks.providers.kubernetes.spec import KubernetesFields
-from skytasks.providers.registry import ProviderName, plugin, readers_of_fields
+from skytasks.providers.registry import ProviderName, block_fields, imported, plugin, readers_of_fields
 from skytasks.providers.remote_fields import RemoteFields
 from skytasks.providers.slurm.spec import SlurmFields
 from skytasks.providers.ssh.spec import SSHFields
@@ -77,6 +79,20 @@ def train(epochs: int = 3) -> dict:
         except ValidationError as exc:
             raise PoolConfigError(pool_field_errors(exc)) from None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nested_blocks_by_their_field(cls, data: Any) -> Any:
+        # A saved pool's nested blocks come back with their block type's slug, by which Prefect
+        # would look their class up among every installed Prefect collection, importing them all
+        # (prefect-kubernetes for a local pool): the field's type already names the class.
+        if not isinstance(data, dict):
+            return data
+        for name, info in cls.model_fields.items():
+            value, block = data.get(name), _block_class(info.annotation)
+            if isinstance(value, dict) and block is not None and value.get("block_type_slug") == block.get_block_type_slug():
+                data = {**data, name: {k: v for k, v in value.items() if k != "block_type_slug"}}
+        return data
+
     @model_validator(mode="after")
     def _fields_agree(self) -> GPUPool:
         if self.accelerator is not None and self.accelerators_per_node is None:
@@ -90,6 +106,34 @@ def train(epochs: int = 3) -> dict:
                                  "(a field of another provider is never ignored silently)")
         self.spec()  # the provider's own checks, naming the field
         return self
+
+    # -- Prefect's view of the block: nested blocks get their real types for a schema -------
+
+    @classmethod
+    def __dispatch_key__(cls) -> str:
+        # Prefect's own reads this slug off a whole schema, made twice as the class is defined; the
+        # slug alone makes none, so defining the block imports no provider's block type.
+        return cls.get_block_type_slug()
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        _type_block_fields(cls)
+        return super().model_json_schema(*args, **kwargs)
+
+    @classmethod
+    def register_type_and_schema(cls, *args: Any, **kwargs: Any) -> Any:
+        _type_block_fields(cls)  # Prefect registers the nested block types it finds on the fields' types
+        return super().register_type_and_schema(*args, **kwargs)
+
+    @classmethod
+    async def aregister_type_and_schema(cls, *args: Any, **kwargs: Any) -> None:
+        _type_block_fields(cls)
+        await super().aregister_type_and_schema(*args, **kwargs)
+
+    def __repr_args__(self) -> Any:
+        # Prefect's makes the whole schema to learn the field names (and so would import every
+        # provider's block type to print a local pool): the fields are known without one.
+        return [(k, v) for k, v in BaseModel.__repr_args__(self) if k is None or k in type(self).model_fields]
 
     # -- what it is, frozen ---------------------------------------------------------------
 
@@ -150,6 +194,42 @@ def train(epochs: int = 3) -> dict:
         await self.runtime().aexit()
 
 
+_TYPING = threading.RLock()
+_TYPED: set[type] = set()
+
+
+def _type_block_fields(cls: type[GPUPool]) -> None:
+    """Each block field whose type a provider names lazily (`ProviderPlugin.block_fields`) given
+    its block class where that is installed, the model rebuilt once: Prefect reads nested blocks
+    off the fields' types (a schema's references and secret fields, the block types it registers
+    with the pool's), so the schema is the one the real type gives. Done when a schema is first
+    made or the block registered, never as the class is defined: until then a pool imports no
+    provider's package (a field's own validator imports it when a value is given)."""
+    with _TYPING:
+        if cls in _TYPED:
+            return
+        _TYPED.add(cls)
+        typed = False
+        for name, target in block_fields().items():
+            try:
+                block = imported(target)
+            except ImportError:
+                continue  # without the extra the field keeps its lazy type; its provider's pools are refused
+            annotation: Any = Optional[block]  # the class itself, not wrapped: Prefect finds nested blocks only so
+            cls.__pydantic_fields__[name] = FieldInfo.from_annotated_attribute(annotation, cls.model_fields[name])
+            typed = True
+        if typed:
+            cls.model_rebuild(force=True)
+
+
+def _block_class(annotation: Any) -> type[Block] | None:
+    """The Prefect block class a field holds (its type, or the type in its Optional), if any."""
+    for candidate in (annotation, *get_args(annotation)):
+        if Block.is_block_class(candidate):
+            return candidate
+    return None
+
+
 def _default(field: str) -> Any:
     info = GPUPool.model_fields[field]
     return info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
@@ -166,7 +246,7 @@ def pool_field_errors(exc: ValidationError) -> str:
     for e in exc.errors():
         field = ".".join(str(part) for part in e["loc"])
         text = e["msg"].removeprefix("Value error, ")
-        if field and not text.startswith(field + ":"):
+        if field and not text.startswith((field + ":", field + ".")):  # a nested block's error names its part
             got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
             text = f"{field}: {text}{got}"
         lines.append(text)

@@ -8,6 +8,7 @@ it is given (`skytasks.providers.reporting`); the controller asks it, never its 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Optional, Protocol, runtime_checkable
 
@@ -128,20 +129,34 @@ class ProviderClass(Protocol):
 
 @dataclass(frozen=True)
 class ProviderPlugin:
-    """What a provider's folder declares in its `__init__` (kept light: no cloud SDK is imported
-    until a pool of that provider starts). The registry (`skytasks.providers.registry`) lists them."""
+    """What a provider's folder declares in its `__init__` (kept light: no cloud SDK, client or
+    Prefect integration is imported until a pool of that provider is made or loaded, and not even
+    its fields until a pool is checked). The registry (`skytasks.providers.registry`) lists them."""
 
     name: str  # the block's `provider` value
     provider: str  # "module:Class" of its NodeProvider, imported on first use
-    # The block fields it reads beyond the pool's shape (`SHAPE_FIELDS`): its own and the shared
-    # login fields. A field no provider but others reads, set on its pool, is a PoolConfigError.
-    reads: tuple[str, ...] = ()
-    # Its part of the PoolSpec from those fields (and the shape), validated: a ValueError whose
-    # text starts with the field's name ("hosts: ..."). None: it needs no part of its own.
-    build: Callable[[Mapping[str, Any]], object | None] = lambda fields: None
+    # The module of its block fields (its `spec.py`), imported on first use: its `READS` and
+    # `build` (below). None: it reads no field beyond the pool's shape and needs no part of its own.
+    spec: str | None = None
     # "module:function" of its pre-flight checks (`skytasks check`, skytasks.providers.checks):
     # given the pool's spec, it yields a Check per question. None: it has none.
     check: str | None = None
+    # Its Optional fields that hold a Prefect block of a package it alone needs, each with the
+    # "module:Class" of that block: the field's own type names it lazily (imported when a value is
+    # given), and the block's schema is made with the real class (blocks/gpu_pool.py), so a saved
+    # pool refers to a saved block. Until then no pool of another provider imports the package.
+    block_fields: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The block fields it reads beyond the pool's shape (`SHAPE_FIELDS`): its own and the shared
+        login fields. A field no provider but others reads, set on its pool, is a PoolConfigError."""
+        return () if self.spec is None else importlib.import_module(self.spec).READS
+
+    def build(self, fields: Mapping[str, Any]) -> object | None:
+        """Its part of the PoolSpec from those fields (and the shape), validated: a ValueError whose
+        text starts with the field's name ("hosts: ..."). None: it needs no part of its own."""
+        return None if self.spec is None else importlib.import_module(self.spec).build(fields)
 
 
 # The fields every provider takes: how many nodes and ranks, their accelerators and environment

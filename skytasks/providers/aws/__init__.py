@@ -5,7 +5,6 @@
 self-termination), `gc.py` (the sweep of anything left behind), `check.py` (`skytasks check`)."""
 
 from skytasks.providers import ProviderPlugin
-from skytasks.providers.aws import spec
 
-PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider", reads=spec.READS, build=spec.build,
+PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider", spec="skytasks.providers.aws.spec",
                         check="skytasks.providers.aws.check:run")

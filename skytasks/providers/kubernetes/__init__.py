@@ -3,10 +3,14 @@ spec), `provider.py` (pods up, agents started, lost pods replaced, everything de
 `pods.py` (the manifests), `pod_status.py` (a pod's status read), `cluster.py` (credentials and the
 API's refusals), `exec_stream.py` (a node's stream through the API server), `node_agents.py` (the
 agent and commands in a pod), `teardown.py` and `gc.py` (`skytasks gc --kubernetes`),
-`check.py` (`skytasks check`). The client is the `kubernetes` extra: `pip install "skytasks[kubernetes]"`."""
+`check.py` (`skytasks check`). The client is the `kubernetes` extra: `pip install "skytasks[kubernetes]"`,
+imported when a kubernetes pool is made or loaded: this `__init__` and `spec.py` import neither."""
 
 from skytasks.providers import ProviderPlugin
-from skytasks.providers.kubernetes import spec
 
-PLUGIN = ProviderPlugin("kubernetes", "skytasks.providers.kubernetes.provider:KubernetesProvider", reads=spec.READS,
-                        build=spec.build, check="skytasks.providers.kubernetes.check:run")
+# The credentials field's block type (spec.py's field names it lazily), imported on first use.
+CREDENTIALS_BLOCK = "prefect_kubernetes.credentials:KubernetesCredentials"
+
+PLUGIN = ProviderPlugin("kubernetes", "skytasks.providers.kubernetes.provider:KubernetesProvider",
+                        spec="skytasks.providers.kubernetes.spec", check="skytasks.providers.kubernetes.check:run",
+                        block_fields={"kubernetes_credentials": CREDENTIALS_BLOCK})

@@ -1,19 +1,25 @@
 """provider="kubernetes": its block fields (the pods' image, namespace, scheduling and resources,
 the cluster's credentials), their validation, and its frozen part of the spec.
 
-The credentials field is prefect-kubernetes' `KubernetesCredentials` block when that package is
-installed (`pip install "skytasks[kubernetes]"`), so a saved pool refers to a saved credentials
-block as Prefect's own blocks do; without the extra, a kubernetes pool is refused naming it.
+The credentials field holds prefect-kubernetes' `KubernetesCredentials` block (`pip install
+"skytasks[kubernetes]"`), so a saved pool refers to a saved credentials block as Prefect's own blocks
+do. Its type names the block lazily: prefect-kubernetes (with its worker and both Kubernetes
+clients, over a thousand modules) is imported when credentials are given, a kubernetes pool is
+made, or the block's schema is made, never by a pool of another provider. Without the extra, a
+kubernetes pool is refused naming it.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, field_validator
+
+# (the block's own schema is given the real class: blocks/gpu_pool.py, from the plugin's `block_fields`)
+from skytasks.providers.kubernetes import CREDENTIALS_BLOCK
 
 OWN = ("kubernetes_credentials", "k8s_namespace", "k8s_image", "k8s_service_account", "k8s_image_pull_secrets",
        "k8s_node_selector", "k8s_tolerations", "k8s_cpu", "k8s_memory", "k8s_shm_size", "k8s_pod_template",
@@ -28,14 +34,46 @@ _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 
-if TYPE_CHECKING or importlib.util.find_spec("prefect_kubernetes") is not None:
-    from prefect_kubernetes.credentials import KubernetesCredentials
-else:  # without the extra the field still exists (and a kubernetes pool says what to install)
-    KubernetesCredentials = Any
+def credentials_block_class() -> Any:
+    """prefect-kubernetes' KubernetesCredentials block class, imported now; None without the extra."""
+    module, _, name = CREDENTIALS_BLOCK.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
+
+
+def _as_credentials_block(value: Any) -> Any:
+    """A KubernetesCredentials block from what was given: a block, or its fields (as a saved pool's
+    document holds them). Without the extra, the value as given: the field is another provider's
+    then, or a kubernetes pool is refused naming the extra."""
+    block = None if value is None else credentials_block_class()
+    if block is None:
+        return value
+    if isinstance(value, dict) and value.get("block_type_slug") == block.get_block_type_slug():
+        # (a saved pool's: by its slug Prefect would look the class up, importing every collection)
+        value = {k: v for k, v in value.items() if k != "block_type_slug"}
+    try:
+        return block.model_validate(value)
+    except ValidationError as exc:  # said as the block's own errors are said where its type is known
+        raise ValueError("; ".join(_said(e) for e in exc.errors())) from None
+
+
+def _said(error: Any) -> str:
+    """One error of the credentials block as `kubernetes_credentials.PART: what (got value)`."""
+    where = ".".join(("kubernetes_credentials", *map(str, error["loc"])))
+    got = f" (got {error['input']!r})" if error["type"] != "missing" and not isinstance(error["input"], dict) else ""
+    return f"{where}: {error['msg']}{got}"
+
+
+if TYPE_CHECKING:
+    from prefect_kubernetes.credentials import KubernetesCredentials as CredentialsBlock
+else:
+    CredentialsBlock = Annotated[Any, BeforeValidator(_as_credentials_block)]
 
 
 class KubernetesFields(BaseModel):
-    kubernetes_credentials: Optional[KubernetesCredentials] = Field(
+    kubernetes_credentials: Optional[CredentialsBlock] = Field(
         None, description="kubernetes: a KubernetesCredentials block; None: in-cluster config or the default kubeconfig.")
     k8s_namespace: str = Field("default", description="kubernetes: the namespace of the pool's pods.")
     k8s_image: Optional[str] = Field(
@@ -169,7 +207,11 @@ class KubernetesSpec:
 
 
 def build(fields: Mapping[str, Any]) -> KubernetesSpec:
-    if importlib.util.find_spec("kubernetes") is None or importlib.util.find_spec("prefect_kubernetes") is None:
+    try:  # the client and the credentials block: a kubernetes pool is the one that needs them
+        import kubernetes  # noqa: F401
+    except ImportError:
+        raise ValueError(f"provider: provider='kubernetes' needs its extra: {EXTRA}") from None
+    if credentials_block_class() is None:
         raise ValueError(f"provider: provider='kubernetes' needs its extra: {EXTRA}")
     if not fields["k8s_image"]:
         raise ValueError("k8s_image: provider='kubernetes' needs the image every pod runs (Python with torch and "

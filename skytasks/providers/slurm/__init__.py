@@ -4,7 +4,6 @@ answers read), `shell.py` (where SLURM's commands run: here or on a login node o
 (`skytasks gc --slurm`), `check.py` (`skytasks check`)."""
 
 from skytasks.providers import ProviderPlugin
-from skytasks.providers.slurm import spec
 
-PLUGIN = ProviderPlugin("slurm", "skytasks.providers.slurm.provider:SlurmProvider", reads=spec.READS, build=spec.build,
+PLUGIN = ProviderPlugin("slurm", "skytasks.providers.slurm.provider:SlurmProvider", spec="skytasks.providers.slurm.spec",
                         check="skytasks.providers.slurm.check:run")

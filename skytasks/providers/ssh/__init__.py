@@ -5,7 +5,6 @@ SSH transport that aws and slurm login nodes share: `nodes.py` (agents on SSH ch
 `workdir.py`."""
 
 from skytasks.providers import ProviderPlugin
-from skytasks.providers.ssh import spec
 
-PLUGIN = ProviderPlugin("ssh", "skytasks.providers.ssh.provider:SSHProvider", reads=spec.READS, build=spec.build,
+PLUGIN = ProviderPlugin("ssh", "skytasks.providers.ssh.provider:SSHProvider", spec="skytasks.providers.ssh.spec",
                         check="skytasks.providers.ssh.check:run")
