@@ -41,6 +41,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@# The lowest cloudpickle pyproject.toml allows, beside the newest: tests/test_user_frames.py
 	@# runs a user's script on each (PYTHONPATH puts this one first).
 	$(UV_INSTALL) --no-deps --target $(VENV)/cloudpickle-lowest "cloudpickle==$$(sed -n 's/.*"cloudpickle>=\([0-9.]*\)".*/\1/p' pyproject.toml)"
+	@# A cloudpickle of another major version, for the test that a node with it is refused by name.
+	$(UV_INSTALL) --no-deps --target $(VENV)/cloudpickle-2 "cloudpickle==2.2.1"
 	touch $@
 
 run: setup
