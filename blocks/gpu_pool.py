@@ -43,6 +43,9 @@ class PoolShape(BaseModel):
     accelerator: Optional[str] = Field(None, description='GPU model, e.g. "A100", "H100", "L4". None means CPU.')
     accelerators_per_node: Optional[int] = Field(None, ge=1, description="GPUs per node; 1 when accelerator is set.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every rank.")
+    reattach_seconds: float = Field(
+        60, ge=0, description="How long a node whose stream to the controller broke may take to be reached again "
+        "before it is a lost node (ssh, aws, slurm, kubernetes; a local pool's streams cannot break).")
 
 
 # Each provider's own fields come from its folder (skytasks/providers/<name>/spec.py); pydantic
@@ -153,7 +156,8 @@ def train(epochs: int = 3) -> dict:
         part = own.build({name: getattr(self, name) for name in (*SHAPE_FIELDS, *own.reads)})
         return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
-                        env={**aws_environment(self.aws_credentials), **self.env}, part=part)
+                        env={**aws_environment(self.aws_credentials), **self.env}, part=part,
+                        reattach_seconds=self.reattach_seconds)
 
     def reshaped(self, **shape: int | None) -> GPUPool:
         """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so

@@ -12,6 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Optional, Protocol, runtime_checkable
 
+from skytasks.errors import NodeGone
 from skytasks.settings import settings
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ class NodeProvider(Protocol):
     # Whether the nodes have exactly the GPUs the pool's fields ask for (it launches or allocates
     # them), so a pool with no accelerator has none; ssh hosts have whatever they have.
     gpus_from_config: bool
+    # Whether `reattach` can open a new stream to a node's running agent: a stream that breaks
+    # (an SSH connection reset, an exec cut by an API server restart) is then re-attached within
+    # the pool's reattach_seconds instead of being a lost node. False unless a provider says so.
+    reattaches: bool = False
 
     def start(self) -> list[NodeLink]:
         """Bring nodes up and start their agents: `spec.nodes` of them, or for an elastic pool as
@@ -96,6 +101,17 @@ class NodeProvider(Protocol):
 
     def abort(self) -> None:
         """From another thread: cut a `start` in progress short (it tears down and raises)."""
+
+    def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
+        """A new stream to the agent of node `node_id`, which still runs, through its door (the
+        socket its HELLO named): `skytasks.node.attach.CLIENT` run on the node with `door` as its
+        argument, its stdin and stdout the link's `outbound` and `inbound` (a descriptor, read by
+        the reactor). The controller does the door's handshake; the link's `close`/`close_lost`
+        end this stream only. Within about `timeout` seconds. Raises NodeGone (why, in the
+        provider's words) when the node itself is gone, so trying again is no use; anything else
+        raised is tried again, until reattach_seconds from the break. Only asked of a provider
+        that `reattaches`."""
+        raise NodeGone("this provider cannot reach a running agent again")
 
     def free_port(self, head: int) -> int:
         """A port on the head node (by its node id) that the peers can rendezvous on."""
@@ -162,4 +178,4 @@ class ProviderPlugin:
 # The fields every provider takes: how many nodes and ranks, their accelerators and environment
 # (the AWS credentials become every rank's AWS variables, for S3 checkpoints on any provider).
 SHAPE_FIELDS = ("provider", "nodes", "min_nodes", "procs_per_node", "accelerator", "accelerators_per_node", "env",
-                "aws_credentials")
+                "reattach_seconds", "aws_credentials")
