@@ -918,10 +918,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 _reap(p)
         order = ("controller-manager", "scheduler", "apiserver", "kubelet-bridge-1", "kubelet-bridge-2", "api-bridge",
                  "etcd")
+        # SIGKILL for the apiserver: on SIGTERM it drains open requests (a watch, an exec
+        # stream) for 1 s up to a minute, and nothing it holds outlives the cluster anyway.
+        apiserver = self.daemons.get("apiserver")
         rest = [self.daemons.pop(n) for n in order if n in self.daemons] + list(self.daemons.values())
         self.daemons.clear()
         for p in rest:
-            _killpg(p, signal.SIGTERM)
+            _killpg(p, signal.SIGKILL if p is apiserver else signal.SIGTERM)
         for p in rest:
             _reap(p)
         _remove_cgroups([str(p) for p in self._made_cgroups])
