@@ -172,3 +172,25 @@ def test_ssh_reattach_connects_anew_when_the_node_s_connection_was_cut(sshd, doo
         victim.kill()
     finally:
         provider.stop()
+
+
+# -- aws ---------------------------------------------------------------------------------------
+
+
+def test_aws_reattach_reaches_the_instance_s_door_and_a_terminated_instance_is_gone(moto, tmp_path, monkeypatch, door):
+    from tests.test_provider_conformance import AWSFleet
+
+    fleet = AWSFleet(moto, tmp_path, monkeypatch)
+    try:
+        provider, links = started_provider(fleet.pool(nodes=2))
+        try:
+            reattach_checks(provider, 1, door)
+            iid = provider._node_ids[1]
+            moto["ec2"].terminate_instances(InstanceIds=[iid])
+            with pytest.raises(NodeGone, match=f"its instance {iid} is (shutting-down|terminated)"):
+                provider.reattach(1, door.path, timeout=30)
+            assert door.accepted == 1  # EC2's word was enough: no SSH session was tried
+        finally:
+            provider.stop()
+    finally:
+        fleet.close()

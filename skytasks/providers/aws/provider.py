@@ -43,6 +43,7 @@ class AWSProvider(NodeProvider):
     reshape_is_cheap = False  # instances cost money: a call of another shape must not launch its own
     runs_on_this_machine = False  # a workdir travels to the nodes
     gpus_from_config = True
+    reattaches = True  # a new SSH session to the instance reaches its running agent (ssh's reattach)
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
@@ -167,6 +168,29 @@ class AWSProvider(NodeProvider):
             self._node_ids[node_id] = iid
             links.append(self._nodes.replace(node_id))
         return links
+
+    def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
+        """A new SSH session to the node's running agent, as for ssh; NodeGone when EC2 says its
+        instance is no longer pending or running (terminated, stopped, a spot interruption)."""
+        from botocore.exceptions import ClientError
+
+        from skytasks.errors import NodeGone
+
+        assert self._nodes is not None
+        iid = self._node_ids.get(node_id)
+        if iid is None:
+            raise NodeGone(f"node {node_id} has no instance any more")
+        try:
+            found = [i for r in self._ec2.describe_instances(InstanceIds=[iid])["Reservations"] for i in r["Instances"]]
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "InvalidInstanceID.NotFound":
+                raise NodeGone(f"node {node_id}: its instance {iid} no longer exists") from exc
+            raise  # throttled, or EC2 unreachable: tried again
+        state = found[0]["State"]["Name"] if found else "gone"
+        if state not in ("pending", "running"):
+            why = (found[0].get("StateReason") or {}).get("Message", "") if found else ""
+            raise NodeGone(f"node {node_id}: its instance {iid} is {state}" + (f" ({why})" if why else ""))
+        return self._nodes.reattach(node_id, door, timeout)
 
     def release(self, node_id: int) -> None:
         """A node the pool let go (preempted or lost): its instance is terminated now."""
