@@ -54,11 +54,12 @@ class Outbox:
     `append` keeps references to the chunks (a frame's header, pickle and out-of-band buffers):
     a chunk must not change after it was appended. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
+        """`start`: the stream offset of the first byte kept (bytes before it are not kept)."""
         self._chunks: deque[memoryview] = deque()
-        self._first = 0  # stream offset of _chunks[0]
-        self.sent = 0  # bytes appended since the stream began
-        self.acked = 0  # bytes the other side said it read
+        self._first = start  # stream offset of _chunks[0]
+        self.sent = start  # bytes appended since the stream began
+        self.acked = start  # bytes the other side said it read (or were never kept)
         self._changed = threading.Condition()
 
     @property

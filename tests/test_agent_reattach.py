@@ -1,0 +1,319 @@
+"""A node's agent outlives a break of its stream once its controller sent a LEASE (issue 52): its
+ranks run on, what they send is kept, and a controller that proves the pool's key takes the stream
+up again through the agent's door (`python -c attach.CLIENT DOOR`), byte for byte: a call cut in
+half on its way in completes, a result cut in half on its way out arrives once, and no line is
+lost or doubled. A wrong key is refused without touching the holder's stream; a window that passes
+ends the ranks and the agent; an agent that never got a LEASE ends with its stream, as always.
+
+Real processes: the agent is started as a provider starts it (a subprocess on pipes), the test
+plays the controller with `skytasks.wire` and `skytasks.protocol`."""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+import psutil
+import pytest
+
+from skytasks import resume
+from skytasks.node.attach import CLIENT
+from skytasks.protocol import Op, message
+from skytasks.rank import rank_environment
+from skytasks.serialization import loads_out_of_band
+from skytasks.node.door import PENDING_HANDSHAKES
+from skytasks.wire import RELAY, ChannelClosed, FrameParser, encode, read_frame
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = os.urandom(32)
+HOLDER = "holder-of-test"
+BIG = 2 << 20  # a call's argument and a result: frames of about 2 MB each
+
+
+def _echo_reversed(data: bytes, lines: int) -> bytes:
+    import time as _time
+
+    for i in range(lines):
+        print(f"line {i}", flush=True)
+        if i % 10 == 0:
+            _time.sleep(0.01)
+    return bytes(reversed(data))
+
+
+def _sleep_long() -> None:
+    import time as _time
+
+    _time.sleep(120)
+
+
+def _frame(msg: dict[str, Any], flags: int = 0) -> bytes:
+    return b"".join(bytes(c) for c in encode(msg, flags))
+
+
+class Controller:
+    """The test's controller: what it sent (all of it, for a resend from the agent's count),
+    what it read (counted), and the agent's frames in order."""
+
+    def __init__(self, window: float = 30.0, heartbeat_timeout: float = 30.0):
+        self.agent = subprocess.Popen(
+            [sys.executable, "-m", "skytasks.node.agent", "--heartbeat-seconds", "0.5", "--heartbeat-timeout",
+             str(heartbeat_timeout), "--sample-seconds", "600"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, bufsize=0)
+        self.window = window
+        self.to_agent: Any = self.agent.stdin
+        self.from_agent: Any = self.agent.stdout
+        self.sent = bytearray()  # every byte of our stream, whether it crossed yet or not
+        self.got = 0
+        self.acked: int | None = None
+        self.parser = FrameParser()
+        self.frames: list[dict[str, Any]] = []
+        self.hello = self.wait_for(lambda f: f["op"] == Op.HELLO)
+
+    def send(self, msg: dict[str, Any], flags: int = 0, cut_at: int | None = None) -> None:
+        data = _frame(msg, flags)
+        self.sent += data
+        self.to_agent.write(data if cut_at is None else data[:cut_at])
+        self.to_agent.flush()
+
+    def read_some(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.from_agent], [], [], timeout)
+        if not ready:
+            return True
+        data = os.read(self.from_agent.fileno(), 1 << 16)
+        if not data:
+            return False
+        self.got += len(data)
+        for f in self.parser.feed(data):
+            if f["op"] != Op.HEARTBEAT:
+                self.frames.append(f)
+            elif "got" in f:
+                self.acked = f["got"]  # the agent acknowledges our bytes: it has a LEASE
+        return True
+
+    def wait_for(self, seen: Callable[[dict[str, Any]], bool], count: int = 1, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [f for f in self.frames if seen(f)]
+            if len(found) >= count:
+                return found[-1]
+            assert self.read_some(0.2), "the agent's stream ended"
+        raise AssertionError(f"not seen in {timeout}s; frames: {[f['op'] for f in self.frames]}")
+
+    def lease(self) -> None:
+        self.send(message(Op.LEASE, key=KEY.hex(), reattach_seconds=self.window, keep_warm_seconds=0.0,
+                          holder=HOLDER))
+        deadline = time.monotonic() + 10
+        while (self.acked is None or self.acked < len(self.sent)) and time.monotonic() < deadline:
+            assert self.read_some(0.2)  # its heartbeats acknowledge the LEASE: it took it
+        assert self.acked == len(self.sent)
+
+    def spawn(self, ranks: int = 2) -> None:
+        envs = [{"rank": r, "env": rank_environment(rank=r, world_size=ranks, local_rank=r, local_world_size=ranks,
+                                                    node_rank=0, peers=("127.0.0.1",), head_port=29999,
+                                                    accelerators=0)} for r in range(ranks)]
+        self.send(message(Op.SPAWN, group=1, ranks=envs, env={"SKYTASKS_INIT_TORCH": "0",
+                                                               "SKYTASKS_INIT_TIMEOUT_SECONDS": "30"}))
+        self.wait_for(lambda f: f["op"] == Op.READY, count=ranks)
+
+    def break_stream(self) -> None:
+        """The stream ends under both sides (an SSH connection reset): our pipe ends close."""
+        for end in (self.to_agent, self.from_agent):
+            end.close()
+
+    def attach(self, key: bytes = KEY, holder: str = HOLDER) -> dict[str, Any]:
+        """A new stream through the door; on ATTACHED, our stream resent from the agent's count."""
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, self.hello["door"]], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, bufsize=0)
+        challenge = read_frame(client.stdout)
+        assert challenge["op"] == Op.CHALLENGE and challenge["instance"] == self.hello["instance"]
+        nonce = resume.new_nonce()
+        proof = resume.controller_proof(key, challenge["nonce"], nonce, holder, "resume", self.got)
+        client.stdin.write(_frame(message(Op.ATTACH, proof=proof, nonce=nonce, holder=holder, mode="resume",
+                                          got=self.got, who="the test")))
+        answer = read_frame(client.stdout)
+        if answer["op"] == Op.ATTACHED:
+            assert resume.proof_matches(resume.agent_proof(KEY, nonce, challenge["nonce"], answer["got"]),
+                                        answer["proof"])
+            self.client, self.to_agent, self.from_agent = client, client.stdin, client.stdout
+            self.to_agent.write(bytes(self.sent[answer["got"]:]))
+        else:
+            client.stdin.close()
+            assert client.wait(10) == 0  # the door closed: the client ends
+        return answer
+
+    def ranks(self) -> list[psutil.Process]:
+        return [p for p in psutil.Process(self.agent.pid).children(recursive=True)
+                if "rank_template" not in " ".join(p.cmdline())]
+
+    def close(self) -> None:
+        if self.agent.poll() is None:
+            self.agent.kill()  # its ranks follow it (they die with their parent)
+            self.agent.wait()
+            shutil.rmtree(os.path.dirname(self.hello["door"]), ignore_errors=True)
+
+
+@pytest.fixture
+def controllers():
+    made: list[Controller] = []
+
+    def make(**kw: Any) -> Controller:
+        made.append(Controller(**kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _call(data: bytes, lines: int) -> dict[str, Any]:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    head = cloudpickle.dumps((_echo_reversed, (data, lines), {}))
+    return message(Op.CALL, call=7, head=head, refs=[], blobs={}, attempt=1)
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"still running after {timeout}s: {pids}")
+
+
+def test_a_call_cut_both_ways_completes_through_the_door_with_nothing_lost_or_doubled(controllers):
+    c = controllers()
+    assert c.hello["door"].endswith("door.sock") and c.hello["instance"]
+    c.lease()
+    c.spawn(ranks=2)
+    pids = [p.pid for p in c.ranks()]
+    data = os.urandom(BIG)
+    call = _call(data, lines=300)
+    c.send(call, flags=RELAY, cut_at=BIG // 2)  # half the call reaches the ranks' pipes
+    time.sleep(0.3)
+    c.break_stream()
+    time.sleep(0.5)
+    assert c.agent.poll() is None and all(psutil.pid_exists(p) for p in pids)
+    assert c.attach()["op"] == Op.ATTACHED  # the rest of the call follows from the agent's count
+    # Now cut the way out, inside a result: the agent resends from our count.
+    result_start = c.got
+    c.wait_for(lambda f: f["op"] == Op.OUTPUT, count=50)
+    while c.got < result_start + BIG // 2:
+        assert c.read_some(1.0)
+    c.client.kill()  # the second stream dies mid-result (a proxy's cut)
+    c.client.wait()
+    time.sleep(0.5)
+    assert c.agent.poll() is None
+    assert c.attach()["op"] == Op.ATTACHED
+    c.wait_for(lambda f: f["op"] == Op.RESULT, count=2)
+    c.send(message(Op.HEARTBEAT, got=c.got))  # an ack: the agent may drop what it kept
+    time.sleep(1.5)  # anything doubled would arrive by now
+    while c.read_some(0.2) and select.select([c.from_agent], [], [], 0)[0]:
+        pass
+    results = [f for f in c.frames if f["op"] == Op.RESULT]
+    assert sorted(f["rank"] for f in results) == [0, 1]
+    for f in results:
+        assert f["call"] == 7 and loads_out_of_band(f["value"], copy=True) == bytes(reversed(data))
+    for rank in (0, 1):
+        lines = [f["line"] for f in c.frames if f["op"] == Op.OUTPUT and f["rank"] == rank]
+        assert lines == [f"line {i}\n" for i in range(300)] or lines == [f"line {i}" for i in range(300)]
+    assert [f["op"] for f in c.frames].count(Op.HELLO) == 1
+    assert c.agent.poll() is None and all(psutil.pid_exists(p) for p in pids)
+    c.send(message(Op.END))  # teardown: the ranks and the agent end
+    assert c.agent.wait(30) == 0
+    _wait_gone(pids, 10)
+
+
+def test_a_wrong_key_or_another_holder_is_refused_and_the_holders_stream_goes_on(controllers):
+    c = controllers()
+    c.lease()
+    refused = c.attach(key=os.urandom(32))
+    assert refused["op"] == Op.REFUSED and "key" in refused["reason"] and "holder" not in refused
+    other = c.attach(holder="someone else")
+    assert other["op"] == Op.REFUSED and other["holder"] == HOLDER
+    c.spawn(ranks=1)  # the holder's own stream, untouched
+    data = os.urandom(BIG)
+    c.send(_call(data, lines=3), flags=RELAY)
+    result = c.wait_for(lambda f: f["op"] == Op.RESULT)
+    assert loads_out_of_band(result["value"], copy=True) == bytes(reversed(data))
+
+
+def test_a_window_that_passes_ends_the_ranks_and_the_agent(controllers):
+    c = controllers(window=1.0)
+    c.lease()
+    c.spawn(ranks=2)
+    pids = [p.pid for p in c.ranks()]
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    c.send(message(Op.CALL, call=1, head=cloudpickle.dumps((_sleep_long, (), {})), refs=[], blobs={}, attempt=1),
+           flags=RELAY)
+    time.sleep(0.5)
+    began = time.monotonic()
+    c.break_stream()
+    time.sleep(0.5)
+    assert c.agent.poll() is None and all(psutil.pid_exists(p) for p in pids)  # within the window: alive
+    c.agent.wait(15)
+    assert 1.0 + resume_margin() - 0.5 < time.monotonic() - began < 10
+    _wait_gone(pids, 10)
+    assert not os.path.exists(c.hello["door"])  # the scratch folder went with it
+
+
+def test_silence_after_a_lease_is_a_break_not_the_end(controllers):
+    c = controllers(window=30.0, heartbeat_timeout=2.0)
+    c.lease()
+    c.spawn(ranks=1)
+    pid = c.ranks()[0].pid
+    time.sleep(4.0)  # we say nothing: past the heartbeat timeout, the agent gives up this stream
+    assert c.agent.poll() is None and psutil.pid_exists(pid)
+    assert c.attach()["op"] == Op.ATTACHED
+    c.send(_call(b"abc" * 100, lines=2), flags=RELAY)
+    assert loads_out_of_band(c.wait_for(lambda f: f["op"] == Op.RESULT)["value"], copy=True) == b"cba" * 100
+
+
+def test_without_a_lease_the_end_of_the_stream_ends_the_agent_as_always(controllers):
+    c = controllers()
+    c.spawn(ranks=2)
+    pids = [p.pid for p in c.ranks()]
+    refused_client = subprocess.run([sys.executable, "-c", CLIENT, c.hello["door"]], input=b"",
+                                    capture_output=True, timeout=10)  # the door admits no one before a LEASE
+    assert refused_client.returncode == 0 and refused_client.stdout == b""
+    c.to_agent.close()
+    assert c.agent.wait(30) == 0
+    _wait_gone(pids, 10)
+
+
+def resume_margin() -> float:
+    from skytasks.node.agent import REATTACH_MARGIN_SECONDS
+
+    return REATTACH_MARGIN_SECONDS
+
+
+def test_clients_that_never_speak_hold_the_doors_few_slots_not_the_door(controllers):
+    """Pending handshakes are bounded: past them a client is closed at once; once they go, the
+    door answers again (it never stopped accepting)."""
+    c = controllers()
+    c.lease()
+    silent = [subprocess.Popen([sys.executable, "-c", CLIENT, c.hello["door"]], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE) for _ in range(PENDING_HANDSHAKES)]
+    time.sleep(1.0)
+    began = time.monotonic()
+    with pytest.raises(ChannelClosed):
+        c.attach(holder="someone else")
+    assert time.monotonic() - began < 5
+    for p in silent:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert c.attach(holder="someone else")["op"] == Op.REFUSED
+            break
+        except ChannelClosed:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
