@@ -7,10 +7,13 @@ across calls and always tears them down.
 
 from __future__ import annotations
 
+import sys
 import threading
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional, get_args
 
 from prefect.blocks.core import Block
+from prefect.plugins import load_prefect_collections
 from prefect_aws import AwsCredentials
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 from pydantic.fields import FieldInfo
@@ -28,6 +31,26 @@ from skytasks.providers.ssh.spec import SSHFields
 
 if TYPE_CHECKING:
     from skytasks.controller.pool_runtime import PoolRuntime
+
+
+def _loaded_with_every_collection() -> bool:
+    """Whether Prefect is importing every installed collection now (as a server does before it
+    registers the block types it has, and `Block.load("gpu-pool/NAME")`): this module is one."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not load_prefect_collections.__code__:
+        frame = frame.f_back
+    return frame is not None
+
+
+if _loaded_with_every_collection():
+    # A server registers block types in the order they were defined, and a nested block's type
+    # must be there before a schema that refers to it: here the nested blocks' packages are
+    # imported anyway, so they come first (elsewhere only when a value or a schema needs them).
+    for _target in block_fields().values():
+        try:
+            imported(_target)
+        except ImportError:
+            pass
 
 
 class PoolShape(BaseModel):
