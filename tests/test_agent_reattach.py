@@ -289,7 +289,7 @@ def test_without_a_lease_the_end_of_the_stream_ends_the_agent_as_always(controll
 
 
 def resume_margin() -> float:
-    from skytasks.node.agent import REATTACH_MARGIN_SECONDS
+    from skytasks.node.door import REATTACH_MARGIN_SECONDS
 
     return REATTACH_MARGIN_SECONDS
 

@@ -21,9 +21,7 @@ within the window; only then, or on END, does the agent end its ranks.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
-import socket
 import signal
 import sys
 import tempfile
@@ -35,12 +33,11 @@ from typing import Any
 from skytasks.devices import visible_gpus
 from skytasks.node.resources import Sampler, physical_gpu
 from skytasks.protocol import Op, message
-from skytasks.resume import ACK_BYTES
 from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
-from skytasks.node.agent_stream import AgentStream, socket_transport
-from skytasks.node.door import Door
+from skytasks.node.agent_stream import AgentStream
+from skytasks.node.door import Reattach
 from skytasks.node.notices import NodeNotice
 from skytasks.node.peers import RelayNode
 from skytasks.node.tls_link import PeerTLS
@@ -49,43 +46,30 @@ from skytasks.node.rank_starter import RankStarter
 from skytasks.node.rank_stops import ask_stacks, stop_and_wait, stop_for_good, wait_until
 
 
-# Past the LEASE's reattach_seconds the agent waits this much more: the controller, noticing the
-# break the same way, gives up first (a late re-attach would meet stopped ranks).
-REATTACH_MARGIN_SECONDS = 2.0
-
-
 class NodeAgent:
     def __init__(self, read_fd: int, write_fd: int, heartbeat_seconds: float, heartbeat_timeout: float,
                  sample_seconds: float, heartbeat_file: str | None = None, notice_file: str | None = None,
                  starter: RankStarter | None = None):
         self.starter = starter or RankStarter()  # a warm template forks the ranks (see rank_template)
-        self.stream = AgentStream(read_fd, write_fd, broke=self._stream_broke, gone=self._controller_gone)
-        self.stream.read_wake = self._maybe_ack
+        self.stream = AgentStream(read_fd, write_fd, gone=self._controller_gone)  # outlives a break after LEASE
         self._inbound = HeardStream(self.stream)
         self._out = FrameWriter(self.stream)  # type: ignore[arg-type]  # writelines, flush, close: as a file
-        self._ack_due = threading.Event()  # much arrived since the last ack: send one now
-        self._last_ack = 0
         self._ranks: dict[int, RankProcess] = {}
         self._lock = threading.Lock()
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
         self._sample_seconds = sample_seconds
         self.notice = NodeNotice(self.emit, notice_file)
+        self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files, the door; see _end_ranks
+        self.reattach = Reattach(self.stream, self._inbound, self.scratch, self._state)
         # PREEMPTION (a node of the pool is going, maybe this one) goes on to every rank at once.
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
                           Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward_notice,
-                          Op.HEARTBEAT: self._acked, Op.PEERS: self._open_to_peers,
-                          Op.LINKS: self._open_links, Op.LEASE: self._lease, Op.RELEASE: _heard}
+                          Op.HEARTBEAT: self.reattach.acked, Op.PEERS: self._open_to_peers,
+                          Op.LINKS: self._open_links, Op.LEASE: self.reattach.lease, Op.RELEASE: _heard}
         self._spawned = threading.Condition(self._lock)  # a group's ranks were started
         # this node's part in the relay tree of large calls
         self._relay = RelayNode(self._ranks_of, self._relay_broke)
-        self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files; see _end_ranks
         self.leaving_known = threading.Event()  # this node is going away (SIGTERM): see leave()
-        self.instance = secrets.token_hex(8)
-        try:  # the way back in after a break (only open to a controller that proves the key, after LEASE)
-            self.door: Door | None = Door(self.scratch, self.instance, self._attach, self._state)
-        except OSError as exc:  # e.g. a scratch path past AF_UNIX's 107 bytes: no re-attach for this agent
-            print(f"skytasks agent: no door ({exc}); a broken stream will end this node", file=sys.stderr, flush=True)
-            self.door = None
 
     def emit(self, msg: dict[str, Any]) -> None:
         self.emit_encoded(encode(msg))
@@ -106,56 +90,17 @@ class NodeAgent:
     def _send_heartbeats(self) -> None:
         """After a LEASE each heartbeat acknowledges what arrived (`got`), at once when much did."""
         while True:
-            early = self._ack_due.wait(self._interval)
-            self._ack_due.clear()
+            early = self.reattach.ack_due.wait(self._interval)
+            self.reattach.ack_due.clear()
             if self.stream.detached:
                 continue
             try:
-                if self.stream.outbox is None:
-                    self._out.send_if_idle(message(Op.HEARTBEAT))
-                    continue
-                self._last_ack = got = self.stream.got
-                (self._out.send if early else self._out.send_if_idle)(message(Op.HEARTBEAT, got=got))
+                (self._out.send if early else self._out.send_if_idle)(self.reattach.heartbeat())
             except ChannelClosed:
                 self._controller_gone("the stream to the controller closed")
 
-    def _maybe_ack(self, got: int) -> None:
-        if self.stream.outbox is not None and got - self._last_ack >= ACK_BYTES:
-            self._ack_due.set()
-
-    def _acked(self, msg: dict[str, Any]) -> None:
-        """The controller's heartbeat: it read `got` bytes of ours, which need not be kept any more."""
-        if "got" in msg and self.stream.outbox is not None:
-            try:
-                self.stream.outbox.ack(msg["got"])
-            except ValueError as exc:
-                print(f"skytasks agent: {exc}", file=sys.stderr, flush=True)
-
-    def _lease(self, msg: dict[str, Any]) -> None:
-        """The agent now outlives a break of its stream for the LEASE's window (0: it does not)."""
-        if msg["reattach_seconds"] <= 0 or self.door is None:
-            return
-        _log_to(os.path.join(self.scratch, "agent.log"))  # a dead stream's stderr must not kill it
-        self.stream.lease(msg["reattach_seconds"] + REATTACH_MARGIN_SECONDS)
-        self.door.lease(bytes.fromhex(msg["key"]), msg["holder"])
-
-    def _stream_broke(self, why: str) -> None:
-        print(f"skytasks agent: {why}; the ranks run on, waiting {self.stream.window:g}s for the controller "
-              f"to come back through {self.door.path if self.door else '-'}", file=sys.stderr, flush=True)
-
-    def _attach(self, conn: socket.socket, msg: dict[str, Any], greeting: Any) -> int | None:
-        """A proven controller came back through the door: the stream goes on through `conn`."""
-        transport = socket_transport(conn)
-        got = self.stream.swap(transport, msg["got"], greeting)
-        if got is None:
-            transport.close()
-            return None
-        self._inbound.last_heard = time.monotonic()
-        print(f"skytasks agent: re-attached ({msg['who']}); resending from byte {msg['got']}, "
-              f"{got} read", file=sys.stderr, flush=True)
-        return got
-
     def _state(self) -> dict[str, Any]:
+        """What the agent says of itself to a controller that attaches (ATTACHED)."""
         return {"pid": os.getpid(), "python": sys.executable, "gpus": visible_gpus()}
 
     def _watch_controller(self) -> None:
@@ -185,8 +130,8 @@ class NodeAgent:
 
     def serve(self) -> None:
         # What this node has, for the controller's device placement and backend choice.
-        door = {"door": self.door.path, "instance": self.instance} if self.door else {}
-        self.emit(message(Op.HELLO, pid=os.getpid(), python=sys.executable, gpus=visible_gpus(), **door))
+        self.emit(message(Op.HELLO, pid=os.getpid(), python=sys.executable, gpus=visible_gpus(),
+                          **self.reattach.hello_fields()))
         for target in (self._send_heartbeats, self._watch_controller, self._sample_ranks):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         route: dict[str, Any] | None = None  # the relay tree the next CALL frame also goes down
@@ -247,8 +192,7 @@ class NodeAgent:
 
     def _end_ranks(self, grace: float) -> None:
         """The agent is leaving: its ranks go, and so does its scratch folder (its door with it)."""
-        if self.door is not None:
-            self.door.close()
+        self.reattach.close()
         self.stop_ranks(grace=grace)
         self.starter.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
@@ -355,15 +299,6 @@ class NodeLeaving(Exception):
 def _end_on_sigterm(signum: int, frame: object) -> None:
     # Unwinds serve() through leave() and its finally, which stop the ranks.
     raise NodeLeaving("the node got SIGTERM (a scheduler's preemption, cancel or time limit, or a shutdown)")
-
-
-def _log_to(path: str) -> None:
-    """Point the agent's stderr (and its stray stdout) at a file: the stderr of a stream that broke
-    (an SSH channel, an exec) would fail the next print with BrokenPipeError."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 2)
-    os.dup2(fd, 1)
-    os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> None:

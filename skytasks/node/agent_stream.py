@@ -58,7 +58,15 @@ class Transport:
                 os.close(fd)
             except OSError:
                 pass
-        self.owned = []  # wake_r stays open: a thread may be about to poll it (see AgentStream)
+        self.owned = []  # wake_r stays open a while: a thread may be about to poll it (see retire)
+
+    def retire(self, retired: list[Transport]) -> None:
+        """Closed for good: its wake pipe is closed once a few newer transports came and went
+        (a thread that took this transport polls it at once, never that late)."""
+        self.close()
+        retired.append(self)
+        while len(retired) > 4:
+            os.close(retired.pop(0).wake_r)
 
     def poll(self, fd: int, events: int) -> None:
         """Wait until `fd` is ready for `events` (or ended); _Abandoned if the transport was given up."""
@@ -85,11 +93,12 @@ def nonblocking_writer(fd: int) -> tuple[int, list[int]]:
 
 class AgentStream:
     """Both directions of the agent's stream: `readinto`/`fileno` for the frame reader,
-    `writelines`/`flush`/`close` for the `FrameWriter`. `broke(why)` is called once per break
+    `writelines`/`flush`/`close` for the `FrameWriter`. `on_broke(why)` is called once per break
     (the agent logs it); `gone(why)` when a break ends the agent (no LEASE, or a window of 0)."""
 
-    def __init__(self, read_fd: int, write_fd: int, broke: Callable[[str], None], gone: Callable[[str], None]):
-        self._on_broke, self._gone = broke, gone
+    def __init__(self, read_fd: int, write_fd: int, gone: Callable[[str], None]):
+        self._gone = gone
+        self.on_broke: Callable[[str], None] = lambda why: None
         self._first = Transport(read_fd, write_fd, [read_fd, write_fd])
         self._transport: Transport | None = self._first
         self._state = threading.Condition()  # transport, broken_at, window
@@ -98,6 +107,7 @@ class AgentStream:
         self.got = 0  # bytes read from the controller
         self.sent = 0  # bytes written (before LEASE) or kept (after)
         self._buf = bytearray()
+        self._retired: list[Transport] = []
         self._tail = bytearray()  # the last TAIL_BYTES sent before the LEASE
         self.outbox: Outbox | None = None  # from the LEASE on
         self.window: float | None = None  # reattach seconds (+ margin); None: no LEASE
@@ -151,8 +161,8 @@ class AgentStream:
             self._gone(why)
             return
         with self._wlock, self._rlock:  # nobody is in a read or write on its descriptors
-            t.close()  # the far end sees the break too
-        self._on_broke(why)
+            t.retire(self._retired)  # the far end sees the break too
+        self.on_broke(why)
 
     def swap(self, transport: Transport, peer_got: int, greeting: Callable[[int], list[Any]]) -> int | None:
         """Make `transport` the stream's (a proven new stream from the door): the old one, if
@@ -171,7 +181,7 @@ class AgentStream:
                 return None
             with self._rlock, self._state:  # the count and the switch at one moment
                 if old is not None and self._transport is old:
-                    old.close()
+                    old.retire(self._retired)
                 self._transport = transport
                 self.broken_at = None
                 got = self.got

@@ -13,6 +13,7 @@ never stops accepting because one failed.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import struct
 import sys
@@ -20,14 +21,87 @@ import threading
 import time
 from typing import Any, Callable
 
+from skytasks.node.agent_stream import AgentStream, socket_transport
 from skytasks.protocol import Op, check, message
-from skytasks.resume import agent_proof, controller_proof, new_nonce, proof_matches
+from skytasks.resume import ACK_BYTES, agent_proof, controller_proof, new_nonce, proof_matches
+from skytasks.silence import HeardStream
 from skytasks.wire import ChannelClosed, encode, read_frame
 
 HANDSHAKE_SECONDS = 10.0
 PENDING_HANDSHAKES = 4
 MAX_ATTACH_BYTES = 64 << 10  # an ATTACH frame is a few hundred bytes: more is not one
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+# Past the LEASE's reattach_seconds the agent waits this much more: the controller, noticing the
+# break the same way, gives up first (a late re-attach would meet stopped ranks).
+REATTACH_MARGIN_SECONDS = 2.0
+
+
+class Reattach:
+    """The agent's side of re-attaching: its door, the LEASE, and the acknowledgements of what
+    arrived (HEARTBEAT `got`) both ways. `state()`: what ATTACHED tells of the agent."""
+
+    def __init__(self, stream: AgentStream, inbound: HeardStream, scratch: str, state: Callable[[], dict[str, Any]]):
+        self.stream, self._inbound, self._scratch = stream, inbound, scratch
+        self.instance = secrets.token_hex(8)
+        self.ack_due = threading.Event()  # much arrived since the last ack: send one now
+        self._last_ack = 0
+        stream.read_wake, stream.on_broke = self._maybe_ack, self._broke
+        try:  # only open to a controller that proves the pool's key, after a LEASE
+            self.door: Door | None = Door(scratch, self.instance, self._attach, state)
+        except OSError as exc:  # e.g. a scratch path past AF_UNIX's 107 bytes: no re-attach for this agent
+            print(f"skytasks agent: no door ({exc}); a broken stream will end this node", file=sys.stderr, flush=True)
+            self.door = None
+
+    def hello_fields(self) -> dict[str, Any]:
+        return {"door": self.door.path, "instance": self.instance} if self.door else {}
+
+    def heartbeat(self) -> dict[str, Any]:
+        """A heartbeat; after a LEASE with what arrived so far (an ack)."""
+        if self.stream.outbox is None:
+            return message(Op.HEARTBEAT)
+        self._last_ack = got = self.stream.got
+        return message(Op.HEARTBEAT, got=got)
+
+    def _maybe_ack(self, got: int) -> None:
+        if self.stream.outbox is not None and got - self._last_ack >= ACK_BYTES:
+            self.ack_due.set()
+
+    def acked(self, msg: dict[str, Any]) -> None:
+        """The controller's heartbeat: it read `got` bytes of ours, which need not be kept any more."""
+        if "got" in msg and self.stream.outbox is not None:
+            try:
+                self.stream.outbox.ack(msg["got"])
+            except ValueError as exc:
+                print(f"skytasks agent: {exc}", file=sys.stderr, flush=True)
+
+    def lease(self, msg: dict[str, Any]) -> None:
+        """LEASE: the agent now outlives a break of its stream for the window (0: it does not)."""
+        if msg["reattach_seconds"] <= 0 or self.door is None:
+            return
+        _log_to(os.path.join(self._scratch, "agent.log"))  # a dead stream's stderr must not kill it
+        self.stream.lease(msg["reattach_seconds"] + REATTACH_MARGIN_SECONDS)
+        self.door.lease(bytes.fromhex(msg["key"]), msg["holder"])
+
+    def _broke(self, why: str) -> None:
+        print(f"skytasks agent: {why}; the ranks run on, waiting {self.stream.window:g}s for the controller "
+              f"to come back through {self.door.path if self.door else '-'}", file=sys.stderr, flush=True)
+
+    def _attach(self, conn: socket.socket, msg: dict[str, Any], greeting: Callable[[int], list[Any]]) -> int | None:
+        """A proven controller came back through the door: the stream goes on through `conn`."""
+        transport = socket_transport(conn)
+        got = self.stream.swap(transport, msg["got"], greeting)
+        if got is None:
+            transport.close()
+            os.close(transport.wake_r)  # it never carried the stream: nobody polls it
+            return None
+        self._inbound.last_heard = time.monotonic()
+        print(f"skytasks agent: re-attached ({msg['who']}); resending from byte {msg['got']}, {got} read",
+              file=sys.stderr, flush=True)
+        return got
+
+    def close(self) -> None:
+        if self.door is not None:
+            self.door.close()
 
 
 class _SocketReader:
@@ -145,6 +219,15 @@ class Door:
                                         holder=holder, since=self._held_since)))
             return False
         return True
+
+
+def _log_to(path: str) -> None:
+    """Point the agent's stderr (and its stray stdout) at a file: the stderr of a stream that broke
+    (an SSH channel, an exec) would fail the next print with BrokenPipeError."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.dup2(fd, 1)
+    os.close(fd)
 
 
 def _frame(msg: dict[str, Any]) -> bytes:
