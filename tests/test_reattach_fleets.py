@@ -194,3 +194,95 @@ def test_aws_reattach_reaches_the_instance_s_door_and_a_terminated_instance_is_g
             provider.stop()
     finally:
         fleet.close()
+
+
+# -- slurm -------------------------------------------------------------------------------------
+
+
+def slurm_agents(job_id: str) -> list:
+    """The node agents running in a job's steps (on the SLURM test cluster's nodes, this machine)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "name"]):
+        try:
+            if ("skytasks.node.agent" in " ".join(p.info["cmdline"] or []) and p.info["name"] != "srun"
+                    and p.environ().get("SLURM_JOB_ID") == job_id):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def agent_sruns(job_id: str, node: str) -> list:
+    """The srun of a node's agent step, and its shepherd (the child srun that cancels the step
+    when its parent dies)."""
+    import psutil
+
+    parents = [p for p in psutil.process_iter(["cmdline"])
+               if (p.info["cmdline"] or [])[:1] == ["srun"] and f"--jobid={job_id}" in p.info["cmdline"]
+               and f"--nodelist={node}" in p.info["cmdline"] and "attach" not in " ".join(p.info["cmdline"])
+               and p.parent() is not None and p.parent().name() != "srun"]
+    return [q for p in parents for q in (p, *p.children())]
+
+
+def alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_slurm_reattach_runs_a_step_beside_the_agent_and_never_ends_the_agent_s_own(cluster, door):
+    provider, links = started_provider(GPUPool(provider="slurm", nodes=2, remote_python=sys.executable,
+                                               ready_timeout_seconds=60))
+    try:
+        name = provider.nodes[1].name
+        agent_step = provider._steps._agents[name]
+        reattach_checks(provider, 1, door)
+        link = provider.reattach(1, door.path, timeout=30)
+        # What the controller does once the new stream is in use: the old transport is let go.
+        # The agent's own srun is not signalled (its shepherd would cancel the agent's step):
+        # only its stdin closes, and the agent (given no LEASE here) ends on that EOF by itself,
+        # so srun ends with its task's own status, never by a signal.
+        links[1].let_go_lost()
+        links[1].close()
+        deadline = time.monotonic() + 20
+        while agent_step.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert agent_step.exit_code() == 0
+        assert provider._steps._agents[name] is agent_step and provider._steps._steps[name] is not agent_step
+        round_trip(link)
+        link.close()
+        node = provider.nodes[1]
+        cluster.run("scancel", node.job_id)
+        cluster.wait_queue_empty_of(node.job_id)
+        with pytest.raises(NodeGone, match=f"job {node.job_id}.*SLURM says the job is no longer in the queue"):
+            provider.reattach(1, door.path, timeout=30)
+    finally:
+        provider.stop()
+
+
+def test_a_slurm_agent_outlives_its_srun_and_shepherd_and_is_reached_again(cluster, door):
+    """srun and its shepherd SIGKILLed together (srun's I/O gone, nobody to cancel the step): the
+    agent's step runs on, the controller's stream ends, and a step beside it reaches the door."""
+    provider, links = started_provider(GPUPool(provider="slurm", nodes=2, remote_python=sys.executable,
+                                               ready_timeout_seconds=60))
+    try:
+        node = provider.nodes[1]
+        agents = slurm_agents(node.job_id)
+        assert len(agents) == 2
+        sruns = agent_sruns(node.job_id, node.name)
+        assert len(sruns) == 2, sruns  # srun and its shepherd
+        for p in sruns:
+            p.kill()
+        assert links[1].inbound.read() is not None  # the stream ends (EOF), at once
+        time.sleep(3)
+        assert all(alive(a) for a in agents)
+        link = provider.reattach(1, door.path, timeout=30)
+        round_trip(link)
+        link.close()
+    finally:
+        provider.stop()

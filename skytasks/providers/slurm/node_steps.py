@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from skytasks.errors import PoolStartError
+from skytasks.node import attach
 from skytasks.node.ports import port_snippet
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.slurm.spec import SlurmSpec
@@ -30,6 +31,7 @@ from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.package_in import PACKAGE_IN, read_line
 from skytasks.providers.slurm.shell import SlurmShell, Step
 from skytasks.providers.ssh import env_in, python_check
+from skytasks.providers.ssh.bridge import await_answer
 from skytasks.providers.ssh.nodes import package_bundle
 
 # argv: digest, bundle size, then the agent's own arguments. Stdlib only. The env comes first on
@@ -58,7 +60,10 @@ class NodeSteps:
         self._shell, self._spec, self._reporter = shell, spec, reporter
         self._python = spec.own(SlurmSpec).remote_python or "python3"
         self._python_default = None if spec.own(SlurmSpec).remote_python else "the default: python3 on the nodes' PATH"
-        self._steps: dict[str, Step] = {}
+        self._steps: dict[str, Step] = {}  # node name -> the step its stream runs in now
+        # node name -> the step its agent runs in: the same as _steps' until the agent is reached
+        # again by an attach step; never signalled while the agent lives (see Step.let_go).
+        self._agents: dict[str, Step] = {}
         self._workdirs: dict[str, str] = {}
         self._bundle: tuple[bytes, str] | None = None  # the controller's skytasks, tarred once
 
@@ -67,12 +72,8 @@ class NodeSteps:
             self._bundle = package_bundle()
         bundle, digest = self._bundle
         env = self._spec.env
-        # On the command line only where the Python and its modules are found (PATH, PYTHONPATH:
-        # no secret); the rest of the env goes on the step's stdin, at once (env_in).
-        paths = [f"{k}={env[k]}" for k in ("PATH", "PYTHONPATH") if env.get(k)]
-        argv = [*srun(job_id, name), *(["env", *paths] if paths else []), self._python, "-c", BOOTSTRAP, digest,
-                str(len(bundle)), *args]
-        step = self._steps[name] = self._shell.open(argv, f"node {node_rank} {name}")
+        argv = [*srun(job_id, name), *self._paths(), self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *args]
+        step = self._steps[name] = self._agents[name] = self._shell.open(argv, f"node {node_rank} {name}")
         try:
             step.outbound.write(env_in.frame(dict(env)))
             step.outbound.flush()
@@ -101,8 +102,40 @@ class NodeSteps:
             step.close()
             raise PoolStartError(f"{where}: the node agent did not start ({self._python} on the node); "
                                  f"srun said: {self.last_words(name) or answer!r}")
+        return self._link(node_rank, name, address, step)
+
+    def _paths(self) -> list[str]:
+        """On the command line only where the Python and its modules are found (PATH, PYTHONPATH:
+        no secret); the rest of the env goes on the step's stdin, at once (env_in)."""
+        paths = [f"{k}={self._spec.env[k]}" for k in ("PATH", "PYTHONPATH") if self._spec.env.get(k)]
+        return ["env", *paths] if paths else []
+
+    def _link(self, node_rank: int, name: str, address: str, step: Step) -> NodeLink:
+        def let_go(lost: bool) -> None:
+            # The agent's own step, once its agent was reached again by another: only this end
+            # of it closes (its srun killed would cancel the step, agent and ranks with it).
+            if step is self._agents.get(name) and self._steps.get(name) is not step:
+                step.let_go()
+            else:
+                (step.close_lost if lost else step.close)()
+
         return NodeLink(node_rank=node_rank, address=address, inbound=step.inbound, outbound=step.outbound,
-                        machine=name, close=step.close, close_lost=step.close_lost)
+                        machine=name, close=lambda: let_go(False), close_lost=lambda: let_go(True))
+
+    def attach(self, node_rank: int, name: str, address: str, job_id: str, door: str, timeout: float) -> NodeLink:
+        """A new stream to the node's running agent: a step beside it in the same allocation
+        (`srun --overlap`) running `python -c attach.CLIENT DOOR`. Ending this step never touches
+        the agent's own. NodeGone when nothing is behind the door (the agent ended)."""
+        argv = [*srun(job_id, name), *self._paths(), *attach.argv(self._python, door)]
+        step = self._shell.open(argv, f"node {node_rank} {name} attach")
+        try:
+            await_answer(step.inbound, timeout, step.exit_code, lambda: " / ".join(step.stderr_tail),
+                         f"node {node_rank} ({name}, job {job_id})")
+        except BaseException:
+            step.close()
+            raise
+        self._steps[name] = step
+        return self._link(node_rank, name, address, step)
 
     def _said_at_the_end(self, name: str, wait: float = 2.0) -> str:
         """The last words of a step that ended: its stderr reaches us on a thread of its own."""
@@ -112,7 +145,7 @@ class NodeSteps:
         return said
 
     def last_words(self, name: str) -> str:
-        step = self._steps.get(name)
+        step = self._agents.get(name)
         return " / ".join(step.stderr_tail)[-500:] if step else ""
 
     def free_port(self, name: str, job_id: str) -> int:
@@ -140,12 +173,14 @@ class NodeSteps:
         return results[0].path, describe_sync(request.root, sent)
 
     def end(self, name: str) -> None:
-        step = self._steps.pop(name, None)
-        if step is not None:
-            step.close()
+        """The node's stream ends, and its agent's step with it (the node is let go)."""
+        step, agent = self._steps.pop(name, None), self._agents.pop(name, None)
+        for s in (step, agent) if agent is not step else (step,):
+            if s is not None:
+                s.close()
 
     def end_all(self) -> None:
-        for name in list(self._steps):
+        for name in list(self._steps) + list(self._agents):
             self.end(name)
 
 

@@ -52,6 +52,9 @@ class SlurmProvider(NodeProvider):
     reshape_is_cheap = False  # an allocation waits in a queue and is billed: never a second one per call
     runs_on_this_machine = False
     gpus_from_config = True
+    # An agent's step lives on when srun's stream is lost (srun's own stdin and stdout closed, as
+    # when the controller's link to slurm_login drops): a step beside it reaches it again.
+    reattaches = True
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
@@ -200,6 +203,28 @@ class SlurmProvider(NodeProvider):
         if info.get("Reason"):
             text += f", reason: {info['Reason']}"
         return text + (f"; srun said: {said}" if said else "")
+
+    def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
+        """A new stream to the node's running agent: an `srun --overlap` step beside it in the same
+        allocation. NodeGone when SLURM says the node is gone (its job no longer running, the node
+        down) or nothing is behind the agent's door; anything else (slurmctld not answering, say)
+        is tried again."""
+        from skytasks.errors import NodeGone
+
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NodeGone(f"node {node_id} is no longer in the pool's allocation")
+        where = f"node {node_id} ({node.name}, job {node.job_id})"
+        q = self._queue(node.job_id)
+        if q.state != "RUNNING":
+            raise NodeGone(f"{where}: SLURM says the job is {q.state.lower() or 'no longer in the queue'}")
+        info = slurm_job.parse_nodes(self.shell.run(["scontrol", "-o", "show", "node", node.name]).stdout)
+        if info.get(node.name, {}).get("State", "").startswith("DOWN"):
+            raise NodeGone(self.node_condition(node.name, node.job_id))
+        link = self._steps.attach(node_id, node.name, node.address, node.job_id, door, timeout)
+        link.node_id = node_id
+        link.loss_detail = lambda: self.node_condition(node.name, node.job_id)
+        return link
 
     # -- the calls' needs -------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import shlex
 import subprocess
 import threading
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Optional
 
 from skytasks.errors import PoolStartError
 from skytasks.providers.slurm.spec import SlurmSpec
@@ -41,6 +41,17 @@ class Step:
     close: Callable[[], None]
     close_lost: Callable[[], None]
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    exit_code: Callable[[], Optional[int]] = lambda: None  # srun's status once it ended, else None
+
+    def let_go(self) -> None:
+        """Close this end of the streams and nothing more: srun lives on, and with it its step.
+        srun is never signalled for a step that must outlive this stream (a node agent reached
+        again by another step): a killed srun has its step cancelled (srun's shepherd)."""
+        for f in (self.outbound, self.inbound):
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 class SlurmShell:
@@ -54,13 +65,16 @@ class SlurmShell:
     # -- connection (slurm_login only) ------------------------------------------------------
 
     def _connected(self) -> Any:
-        if self._conn is not None:
+        # A connection that dropped (the login node rebooted, a link reset) is made again: an
+        # agent's step outlives it, and re-attaching needs a new srun on the login node.
+        if self._conn is not None and not self._conn.is_closed():
             return self._conn
         import asyncssh
 
         user, host, port = parse_host(self._spec.login or "", self._spec.ssh_user)
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-slurm-login").start()
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-slurm-login").start()
         key = self._spec.ssh_private_key
         keys = [asyncssh.import_private_key(key.get_secret_value())] if key is not None else None
 
@@ -109,7 +123,7 @@ class SlurmShell:
             self._procs.append(proc)
             step = Step(proc.stdout, proc.stdin,  # type: ignore[arg-type]
                         lambda: end_child(proc, terminate_first=True),
-                        lambda: end_child(proc, terminate_first=True, wait=LOST_WAIT_SECONDS))
+                        lambda: end_child(proc, terminate_first=True, wait=LOST_WAIT_SECONDS), exit_code=proc.poll)
             threading.Thread(target=self._relay_stderr, args=(proc.stderr, label, step), daemon=True).start()
             return step
         conn = self._connected()
@@ -121,8 +135,7 @@ class SlurmShell:
         tail: collections.deque = collections.deque(maxlen=8)
         proc, (inbound, outbound, _tasks) = self._call(start(), timeout=60)
         close = functools.partial(self._close_remote, proc, outbound)  # waits on nothing either way
-        step = Step(inbound, outbound, close, close, tail)
-        return step
+        return Step(inbound, outbound, close, close, tail, exit_code=lambda: proc.exit_status)
 
     def _relay_stderr(self, stream: BinaryIO, label: str, step: Step) -> None:
         for raw in iter(stream.readline, b""):
