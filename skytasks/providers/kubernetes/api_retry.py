@@ -5,15 +5,17 @@ A 429 (API Priority and Fairness, a max-in-flight limit, a managed control plane
 "later", as does a connection that breaks or cannot be made: they are retried, with exponential
 backoff and full jitter (so the pools of many flow runs that a restart cut off do not come back in
 step), never sooner than the server's Retry-After. A 401 or 403 says "never, as you are": it is
-the caller's to report. Pure functions, tested without a cluster.
+the caller's to report. Pure functions, tested without a cluster; and the reading of a watch's
+stream, cut from another thread when its reader stops.
 """
 
 from __future__ import annotations
 
 import email.utils
+import json
 import random
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 FIRST_DELAY = 0.5  # seconds: the first retry's ceiling
 MAX_DELAY = 30.0  # the ceiling of every later one
@@ -110,3 +112,36 @@ def call_with_retry(call: Callable[[], Any], stopped: Any, deadline: Optional[fl
             on_retry(exc, wait)
             if stopped.wait(wait):
                 raise
+
+
+class StreamError(Exception):
+    """An ERROR event in a watch other than 410: a Status with its HTTP code."""
+
+    def __init__(self, status: dict[str, Any]):
+        super().__init__(status.get("message") or str(status))
+        self.status = status.get("code")
+        self.body = json.dumps(status)
+
+
+def watch_lines(resp: Any) -> Iterator[bytes]:
+    """The complete lines of a watch response as they arrive (one JSON event each); a line the
+    connection cut short is dropped."""
+    buffer = b""
+    while True:
+        data = resp.read1(65536)
+        if not data:
+            return
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        yield from (line for line in lines if line.strip())
+
+
+def cut(resp: Any) -> None:
+    """End a response another thread may be blocked reading (urllib3's shutdown wakes it), and
+    close its connection."""
+    for end in (getattr(resp, "shutdown", None), resp.close):
+        try:
+            if end is not None:
+                end()
+        except Exception:  # noqa: BLE001 - released or closed already
+            pass

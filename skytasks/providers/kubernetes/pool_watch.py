@@ -30,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from datetime import datetime
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from skytasks.providers.kubernetes import api_retry, cluster, pods
 
@@ -180,7 +180,7 @@ class PoolWatch:
             open_now = list(self._open.values())
             self._cond.notify_all()
         for resp in open_now:
-            _cut(resp)
+            api_retry.cut(resp)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(LIST_SECONDS + CONNECT_SECONDS)
@@ -269,19 +269,19 @@ class PoolWatch:
                           _request_timeout=(CONNECT_SECONDS, server_seconds + READ_SLACK_SECONDS))
         with self._cond:
             if self._stopped.is_set():
-                _cut(resp)
+                api_retry.cut(resp)
                 return 0
             self._open[kind] = resp
         self._ok(kind)
         brought = 0
         try:
-            for line in _lines(resp):
+            for line in api_retry.watch_lines(resp):
                 event = json.loads(line)
                 kind_of, obj = event.get("type"), event.get("object") or {}
                 if kind_of == "ERROR":  # a Status: 410 when the resourceVersion is too old
                     if obj.get("code") == 410:
                         raise _Gone(obj.get("message"))
-                    raise _StreamError(obj)
+                    raise api_retry.StreamError(obj)
                 rv = (obj.get("metadata") or {}).get("resourceVersion")
                 with self._cond:
                     ours = kind_of != "BOOKMARK" and (self._keep_pod(kind_of, obj) if kind == "pods"
@@ -293,7 +293,7 @@ class PoolWatch:
         finally:
             with self._cond:
                 self._open.pop(kind, None)
-            _cut(resp)
+            api_retry.cut(resp)
         return brought
 
     def _keep_pod(self, kind_of: str, pod: dict[str, Any]) -> bool:
@@ -344,36 +344,3 @@ class PoolWatch:
         if api_retry.refused(exc):
             self._refusals[kind] = cluster.refused(exc, doing, self.namespace)
             self._changed()
-
-
-class _StreamError(Exception):
-    """An ERROR event in a watch other than 410: a Status with its HTTP code."""
-
-    def __init__(self, status: dict[str, Any]):
-        super().__init__(status.get("message") or str(status))
-        self.status = status.get("code")
-        self.body = json.dumps(status)
-
-
-def _lines(resp: Any) -> Iterator[bytes]:
-    """The complete lines of a watch response as they arrive (one JSON event each); a line the
-    connection cut short is dropped."""
-    buffer = b""
-    while True:
-        data = resp.read1(65536)
-        if not data:
-            return
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        yield from (line for line in lines if line.strip())
-
-
-def _cut(resp: Any) -> None:
-    """End a response another thread may be blocked reading (urllib3's shutdown wakes it), and
-    close its connection."""
-    for end in (getattr(resp, "shutdown", None), resp.close):
-        try:
-            if end is not None:
-                end()
-        except Exception:  # noqa: BLE001 - released or closed already
-            pass
