@@ -73,6 +73,7 @@ class Controller:
         self.sent = bytearray()  # every byte of our stream, whether it crossed yet or not
         self.got = 0
         self.acked: int | None = None
+        self.clients: list[subprocess.Popen] = []
         self.parser = FrameParser()
         self.frames: list[dict[str, Any]] = []
         self.hello = self.wait_for(lambda f: f["op"] == Op.HELLO)
@@ -143,6 +144,7 @@ class Controller:
             assert resume.proof_matches(resume.agent_proof(KEY, nonce, challenge["nonce"], answer["got"]),
                                         answer["proof"])
             self.client, self.to_agent, self.from_agent = client, client.stdin, client.stdout
+            self.clients.append(client)
             self.to_agent.write(bytes(self.sent[answer["got"]:]))
         else:
             client.stdin.close()
@@ -158,6 +160,8 @@ class Controller:
             self.agent.kill()  # its ranks follow it (they die with their parent)
             self.agent.wait()
             shutil.rmtree(os.path.dirname(self.hello["door"]), ignore_errors=True)
+        for client in self.clients:  # each ends with the agent's end of its socket
+            client.wait(10)
 
 
 @pytest.fixture
@@ -226,6 +230,9 @@ def test_a_call_cut_both_ways_completes_through_the_door_with_nothing_lost_or_do
         assert lines == [f"line {i}\n" for i in range(300)] or lines == [f"line {i}" for i in range(300)]
     assert [f["op"] for f in c.frames].count(Op.HELLO) == 1
     assert c.agent.poll() is None and all(psutil.pid_exists(p) for p in pids)
+    with open(os.path.join(os.path.dirname(c.hello["door"]), "agent.log")) as log:  # its stderr since the LEASE
+        said = log.read()
+    assert said.count("re-attached") == 2 and "the controller's stream ended" in said
     c.send(message(Op.END))  # teardown: the ranks and the agent end
     assert c.agent.wait(30) == 0
     _wait_gone(pids, 10)
@@ -243,6 +250,30 @@ def test_a_wrong_key_or_another_holder_is_refused_and_the_holders_stream_goes_on
     c.send(_call(data, lines=3), flags=RELAY)
     result = c.wait_for(lambda f: f["op"] == Op.RESULT)
     assert loads_out_of_band(result["value"], copy=True) == bytes(reversed(data))
+
+
+def test_the_newest_proven_stream_wins_over_one_that_still_looks_alive(controllers):
+    """The agent may not have noticed its stream died (a runtime that keeps a dead pipe open): a
+    proven re-attach takes over at once, and the old stream is closed under its far end."""
+    c = controllers()
+    c.lease()
+    c.spawn(ranks=1)
+    old_in, old_out = c.to_agent, c.from_agent
+    assert c.attach()["op"] == Op.ATTACHED
+    os.set_blocking(old_out.fileno(), False)
+    deadline = time.monotonic() + 10
+    while True:  # its end: what was in it, then EOF
+        try:
+            if not os.read(old_out.fileno(), 1 << 16):
+                break
+        except BlockingIOError:
+            assert time.monotonic() < deadline, "the old stream was left open"
+            time.sleep(0.1)
+    with pytest.raises(BrokenPipeError):
+        old_in.write(b"x" * 100)
+    data = os.urandom(1000)
+    c.send(_call(data, lines=1), flags=RELAY)
+    assert loads_out_of_band(c.wait_for(lambda f: f["op"] == Op.RESULT)["value"], copy=True) == bytes(reversed(data))
 
 
 def test_a_window_that_passes_ends_the_ranks_and_the_agent(controllers):
@@ -274,6 +305,32 @@ def test_silence_after_a_lease_is_a_break_not_the_end(controllers):
     assert c.attach()["op"] == Op.ATTACHED
     c.send(_call(b"abc" * 100, lines=2), flags=RELAY)
     assert loads_out_of_band(c.wait_for(lambda f: f["op"] == Op.RESULT)["value"], copy=True) == b"cba" * 100
+
+
+def test_a_stream_that_neither_drains_nor_ends_is_given_up_for_its_silence_and_taken_up_again(controllers):
+    """As a Kubernetes exec's stdout after an API server restart: nobody reads it, nobody closes
+    it. The agent's write of a 2 MB result waits on it, and must let go when the break is found."""
+    c = controllers(window=30.0, heartbeat_timeout=2.0)
+    c.lease()
+    c.spawn(ranks=1)
+    data = os.urandom(BIG)
+    c.send(_call(data, lines=5), flags=RELAY)
+    time.sleep(4.5)  # we neither read nor speak: its pipe fills, then it gives the stream up
+    assert c.agent.poll() is None
+    old = (c.to_agent, c.from_agent)
+    assert c.attach()["op"] == Op.ATTACHED
+    result = c.wait_for(lambda f: f["op"] == Op.RESULT)
+    assert loads_out_of_band(result["value"], copy=True) == bytes(reversed(data))
+    time.sleep(1.0)
+    while select.select([c.from_agent], [], [], 0)[0] and c.read_some(0):
+        pass
+    assert [f["op"] for f in c.frames].count(Op.RESULT) == 1
+    assert [f["line"] for f in c.frames if f["op"] == Op.OUTPUT] in ([f"line {i}" for i in range(5)],
+                                                                       [f"line {i}\n" for i in range(5)])
+    os.set_blocking(old[1].fileno(), False)  # the agent closed the old stream: what was in it, then its end
+    while os.read(old[1].fileno(), 1 << 16):  # BlockingIOError if the agent still held it open
+        pass
+    old[0].close()
 
 
 def test_without_a_lease_the_end_of_the_stream_ends_the_agent_as_always(controllers):
