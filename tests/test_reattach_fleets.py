@@ -94,6 +94,24 @@ def started_provider(pool: GPUPool):
     return provider, links
 
 
+def lease(link, window: float = 30.0) -> None:
+    """A LEASE to the link's agent (as a controller sends it), then wait for the agent's first
+    heartbeat that acknowledges it: from then on the agent outlives a break of its stream."""
+    from skytasks.protocol import message
+    from skytasks.wire import FrameParser, encode
+
+    link.outbound.write(b"".join(bytes(c) for c in encode(message(
+        Op.LEASE, key=os.urandom(32).hex(), reattach_seconds=window, keep_warm_seconds=0.0, holder="test"))))
+    link.outbound.flush()
+    parser, deadline = FrameParser(), time.monotonic() + 20
+    while time.monotonic() < deadline:
+        data = link.inbound.read1(1 << 16)  # after what read_frame left in its buffer
+        assert data, "the agent's stream ended"
+        if any(f["op"] == Op.HEARTBEAT and "got" in f for f in parser.feed(data)):
+            return
+    raise AssertionError("the agent never acknowledged its LEASE")
+
+
 def reattach_checks(provider, node_id: int, door: StandInDoor) -> None:
     """A stream through the provider's way in reaches the door; an absent door is NodeGone at once."""
     assert provider.reattaches is True
@@ -240,19 +258,17 @@ def test_slurm_reattach_runs_a_step_beside_the_agent_and_never_ends_the_agent_s_
                                                ready_timeout_seconds=60))
     try:
         name = provider.nodes[1].name
+        agents = slurm_agents(provider.nodes[1].job_id)
+        assert len(agents) == 2
         agent_step = provider._steps._agents[name]
         reattach_checks(provider, 1, door)
+        lease(links[1])  # from now on the agent outlives a break of its stream
         link = provider.reattach(1, door.path, timeout=30)
-        # What the controller does once the new stream is in use: the old transport is let go.
-        # The agent's own srun is not signalled (its shepherd would cancel the agent's step):
-        # only its stdin closes, and the agent (given no LEASE here) ends on that EOF by itself,
-        # so srun ends with its task's own status, never by a signal.
+        # What the controller does with a broken stream, at once: let it go. The agent's own srun
+        # is not signalled (its shepherd would cancel the agent's step): srun and agent live on.
         links[1].let_go_lost()
-        links[1].close()
-        deadline = time.monotonic() + 20
-        while agent_step.exit_code() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert agent_step.exit_code() == 0
+        time.sleep(3)
+        assert agent_step.exit_code() is None and all(alive(a) for a in agents)
         assert provider._steps._agents[name] is agent_step and provider._steps._steps[name] is not agent_step
         round_trip(link)
         link.close()
@@ -284,5 +300,82 @@ def test_a_slurm_agent_outlives_its_srun_and_shepherd_and_is_reached_again(clust
         link = provider.reattach(1, door.path, timeout=30)
         round_trip(link)
         link.close()
+    finally:
+        provider.stop()
+
+
+# -- kubernetes --------------------------------------------------------------------------------
+
+# A stand-in door inside a pod: a process exec'd there, as the agent is.
+POD_DOOR = r"""
+import socket, sys, threading
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+s.listen(4)
+print("listening", flush=True)
+def echo(c):
+    with c:
+        c.sendall(b"door says hello\n")
+        while True:
+            d = c.recv(65536)
+            if not d:
+                break
+            c.sendall(d)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=echo, args=(c,), daemon=True).start()
+"""
+
+
+def door_in_pod(provider, node_id: int, path: str):
+    """The stand-in door, exec'd into the node's pod; returns its exec stream once it listens."""
+    from skytasks.providers.kubernetes import exec_stream
+    from skytasks.providers.kubernetes.pods import CONTAINER
+
+    stream = exec_stream.PodExec(provider._cfg, provider.namespace, provider.nodes[node_id], CONTAINER,
+                                 [sys.executable, "-c", POD_DOOR, path])
+    assert stream.inbound.readline() == b"listening\n", stream.last_words()
+    return stream
+
+
+def kube_provider(k8s_cluster, nodes: int):
+    from tests.test_provider_conformance import KubernetesFleet
+
+    return started_provider(KubernetesFleet(k8s_cluster).pool(nodes=nodes))
+
+
+def test_kubernetes_reattach_execs_into_the_same_pod_after_the_apiserver_restarted(k8s_cluster):
+    """The exec'd process outlives its exec stream cut by a kube-apiserver restart; a new exec into
+    the same pod reaches its door. Letting the first link go never ends the newer stream."""
+    provider, links = kube_provider(k8s_cluster, 1)
+    try:
+        first = door_in_pod(provider, 0, "/tmp/stand-in-door.sock")
+        k8s_cluster.restart_apiserver()
+        assert first.ended.wait(10)  # its stream was cut with the apiserver
+        link = provider.reattach(0, "/tmp/stand-in-door.sock", timeout=30)
+        links[0].let_go_lost()  # what the controller does with the broken stream once swapped
+        links[0].close()
+        round_trip(link)
+        with pytest.raises(NodeGone, match="its agent is gone"):
+            provider.reattach(0, "/tmp/nobody-here.sock", timeout=30)
+        link.close()
+    finally:
+        provider.stop()
+
+
+def test_kubernetes_reattach_to_a_deleted_pod_is_node_gone_in_kubernetes_words(k8s_cluster):
+    provider, links = kube_provider(k8s_cluster, 1)
+    try:
+        pod = provider.nodes[0]
+        k8s_cluster.kubectl("delete", "pod", pod, "--grace-period=0", "--force", "--wait=false")
+        deadline, said = time.monotonic() + 20, None
+        while said is None and time.monotonic() < deadline:
+            try:
+                provider.reattach(0, "/tmp/door.sock", timeout=5).close()
+            except NodeGone as exc:
+                said = str(exc)
+            except Exception:  # noqa: BLE001 - the watch has not seen it yet: tried again, as the controller does
+                time.sleep(0.2)
+        assert said is not None and pod in said and "Kubernetes" in said
     finally:
         provider.stop()

@@ -111,16 +111,13 @@ class NodeSteps:
         return ["env", *paths] if paths else []
 
     def _link(self, node_rank: int, name: str, address: str, step: Step) -> NodeLink:
-        def let_go(lost: bool) -> None:
-            # The agent's own step, once its agent was reached again by another: only this end
-            # of it closes (its srun killed would cancel the step, agent and ranks with it).
-            if step is self._agents.get(name) and self._steps.get(name) is not step:
-                step.let_go()
-            else:
-                (step.close_lost if lost else step.close)()
-
+        # A stream found broken is let go at once, before the agent is reached again: for the
+        # agent's own step that closes this end only (its srun signalled would have its step
+        # cancelled by srun's shepherd, agent and ranks with it). A lost node's srun is ended
+        # when the node is let go (`end(name, lost=True)`). An attach step's srun is ended outright.
+        lost = step.let_go if step is self._agents.get(name) else step.close_lost
         return NodeLink(node_rank=node_rank, address=address, inbound=step.inbound, outbound=step.outbound,
-                        machine=name, close=lambda: let_go(False), close_lost=lambda: let_go(True))
+                        machine=name, close=step.close, close_lost=lost)
 
     def attach(self, node_rank: int, name: str, address: str, job_id: str, door: str, timeout: float) -> NodeLink:
         """A new stream to the node's running agent: a step beside it in the same allocation
@@ -172,12 +169,13 @@ class NodeSteps:
         sent = [(f"node {i} ({name})", r.files_sent, r.bytes_sent) for i, ((name, _), r) in enumerate(zip(nodes, results))]
         return results[0].path, describe_sync(request.root, sent)
 
-    def end(self, name: str) -> None:
-        """The node's stream ends, and its agent's step with it (the node is let go)."""
+    def end(self, name: str, lost: bool = False) -> None:
+        """The node's stream ends, and its agent's step with it: `lost`, at once (a node found
+        lost, whose srun may wait for SLURM to declare it down), else as they end by themselves."""
         step, agent = self._steps.pop(name, None), self._agents.pop(name, None)
         for s in (step, agent) if agent is not step else (step,):
             if s is not None:
-                s.close()
+                (s.close_lost if lost else s.close)()
 
     def end_all(self) -> None:
         for name in list(self._steps) + list(self._agents):

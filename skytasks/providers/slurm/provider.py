@@ -278,7 +278,7 @@ class SlurmProvider(NodeProvider):
         old = self.nodes.pop(node_id, None)
         if old is None:
             return
-        self._steps.end(old.name)
+        self._steps.end(old.name, lost=True)
         kept = [n.name for n in self.nodes.values() if n.job_id == old.job_id]
         if not kept:
             self.shell.run(["scancel", "--quiet", old.job_id])
