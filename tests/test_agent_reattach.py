@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -374,3 +375,38 @@ def test_clients_that_never_speak_hold_the_doors_few_slots_not_the_door(controll
         except ChannelClosed:
             assert time.monotonic() < deadline
             time.sleep(0.2)
+
+
+# -- the parts without processes: what is kept, and the proofs ---------------------------------
+
+def test_the_outbox_keeps_what_was_not_acknowledged_and_resends_from_any_count():
+    box = resume.Outbox(start=100)  # the first 100 bytes of the stream were never kept
+    box.append([b"abc", memoryview(b"defgh"), bytearray(b"ij")])
+    assert (box.sent, box.size) == (110, 10)
+    assert b"".join(box.since(104)) == b"efghij" and b"".join(box.since(110)) == b""
+    box.ack(105)
+    box.ack(101)  # a stale ack (it crossed a newer one) changes nothing
+    assert box.size == 5 and b"".join(box.since(105)) == b"fghij"
+    with pytest.raises(ValueError):
+        box.since(99)  # never kept
+    with pytest.raises(ValueError):
+        box.since(111)  # never sent
+    with pytest.raises(ValueError):
+        box.ack(111)
+    assert not box.wait_room(2, deadline=time.monotonic() + 0.1)
+    threading.Timer(0.2, box.ack, args=(110,)).start()
+    assert box.wait_room(2, deadline=time.monotonic() + 10) and box.size == 0
+
+
+def test_each_proof_holds_only_for_its_own_key_nonces_holder_mode_and_count():
+    a, c = resume.new_nonce(), resume.new_nonce()
+    good = resume.controller_proof(KEY, a, c, "h", "resume", 5)
+    assert resume.proof_matches(good, resume.controller_proof(KEY, a, c, "h", "resume", 5))
+    for other in (resume.controller_proof(os.urandom(32), a, c, "h", "resume", 5),
+                  resume.controller_proof(KEY, c, a, "h", "resume", 5),
+                  resume.controller_proof(KEY, a, c, "h2", "resume", 5),
+                  resume.controller_proof(KEY, a, c, "h", "hold", 5),
+                  resume.controller_proof(KEY, a, c, "h", "resume", 6),
+                  resume.agent_proof(KEY, a, c, 5)):  # an agent's proof is never a controller's
+        assert not resume.proof_matches(good, other)
+    assert not resume.proof_matches(good, None) and KEY.hex() not in good

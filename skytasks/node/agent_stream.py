@@ -176,22 +176,24 @@ class AgentStream:
             old = self._transport
             if old is not None:
                 old.abandon()  # a writer or reader polling it lets go of its lock
+        got: int | None = None
         with self._wlock:
-            if not (outbox.acked <= peer_got <= outbox.sent):
-                return None
-            with self._rlock, self._state:  # the count and the switch at one moment
-                if old is not None and self._transport is old:
-                    old.retire(self._retired)
-                self._transport = transport
-                self.broken_at = None
-                got = self.got
-                self._state.notify_all()
-            # The reader may read the new transport already: the controller resends only after
-            # ATTACHED, and reads ours while it writes (both resends may exceed a pipe's room).
-            try:
-                self._write_all(transport, [*greeting(got), *outbox.since(peer_got)])
-            except (OSError, _Abandoned) as exc:
-                self._after_write_error(transport, exc)
+            if outbox.acked <= peer_got <= outbox.sent:  # still kept (no ack came on the old stream)
+                with self._rlock, self._state:  # the count and the switch at one moment
+                    if self._transport is not None:  # `old`, or one a parallel re-attach swapped in
+                        self._transport.retire(self._retired)
+                    self._transport = transport
+                    self.broken_at = None
+                    got = self.got
+                    self._state.notify_all()
+                # The reader may read the new transport already: the controller resends only after
+                # ATTACHED, and reads ours while it writes (both resends may exceed a pipe's room).
+                try:
+                    self._write_all(transport, [*greeting(got), *outbox.since(peer_got)])
+                except (OSError, _Abandoned) as exc:
+                    self._after_write_error(transport, exc)
+        if got is None and old is not None:  # it was woken for nothing: a break, as any other
+            self.broke(f"a re-attach asked for byte {peer_got}, no longer kept", old)
         return got
 
     # -- reading -----------------------------------------------------------------------------
@@ -217,6 +219,9 @@ class AgentStream:
                 try:
                     t.poll(t.read_fd, select.POLLIN)
                 except _Abandoned:
+                    with self._state:  # given up: a swap or a break replaces it in a moment
+                        if self._transport is t:
+                            self._state.wait(0.05)
                     continue
             with self._rlock:
                 if t is not self._transport:
@@ -255,14 +260,6 @@ class AgentStream:
                     return None
                 self._state.wait()
             return self._transport
-
-    def end(self) -> None:
-        """Stop waiting for a transport (the agent is ending): readers get the end of the stream."""
-        with self._state:
-            self.window = 0.0
-            self._state.notify_all()
-        if self.outbox is not None:
-            self.outbox.wake()
 
     # -- writing -----------------------------------------------------------------------------
 
