@@ -16,6 +16,7 @@ import collections
 import io
 import json
 import os
+import socket
 import ssl
 import threading
 from typing import Any, Optional, Sequence
@@ -147,8 +148,18 @@ class PodExec:
             if self._closed:
                 return
             self._closed = True
+        # The socket is shut first: the reader thread holds the websocket's read lock while it
+        # waits in recv, and a close handshake would wait for that lock for ever on a stream
+        # whose far end froze (a node that stopped reporting). Shut, the recv returns and the
+        # reader ends; the API server sees the connection close and ends the command's stdin.
+        sock = getattr(self._ws, "sock", None)
         try:
-            self._ws.close(timeout=2)
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._ws.shutdown()
         except Exception:  # noqa: BLE001
             pass
         self.ended.wait(5)

@@ -17,11 +17,13 @@ from skytasks.providers.kubernetes.autoscaler_words import autoscaler_word, newe
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
 
 
-def starting(watch: PoolWatch, names: list[str], autoscaler: str,
-             unschedulable_since: dict[str, float]) -> list[pod_status.PodView]:
+def starting(watch: PoolWatch, names: list[str], autoscaler: str, unschedulable_since: dict[str, float],
+             selector_field: str = "k8s_node_selector") -> list[pod_status.PodView]:
     """Each pod of a start: a pod not heard of yet is being created, one heard of and deleted is
     gone; an unschedulable one is read with its autoscaler's word (`k8s_autoscaler`), timed from
-    when it was first seen unschedulable (kept in `unschedulable_since` across calls)."""
+    when it was first seen unschedulable (kept in `unschedulable_since` across calls). A node
+    affinity no node matches is blamed on `selector_field`: the pool's GPU product (`accelerator`)
+    when it sets no `k8s_node_selector` of its own."""
     listed, deleted, now = watch.pods(), watch.deleted(), time.monotonic()
     views = []
     for name in names:
@@ -34,6 +36,8 @@ def starting(watch: PoolWatch, names: list[str], autoscaler: str,
         v = pod_status.view(pod)
         events = watch.events(name)
         if v.unschedulable:
+            if v.mismatch == "k8s_node_selector":
+                v = replace(v, mismatch=selector_field)
             waited = now - unschedulable_since.setdefault(name, now)
             v = pod_status.as_autoscaled(v, autoscaler, autoscaler_word(events), waited)
         elif v.waiting.startswith("ContainerCreating") or v.waiting.startswith("Pending: being"):

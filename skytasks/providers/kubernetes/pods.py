@@ -116,13 +116,6 @@ def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
             "controller": True}
 
 
-def gpu_product_affinity(accelerator: str, node_labels: Iterable[Mapping[str, str]]) -> Optional[tuple[str, list[str]]]:
-    """The first product label the cluster's nodes carry that names `accelerator`, and its values
-    that do (None: no node does). For the pool's log; the pods' requirement is `gpu_types.node_terms`."""
-    found = gpu_types.seen_products(accelerator, node_labels)
-    return next(iter(found.items()), None)
-
-
 def merge(base: Any, overlay: Any) -> Any:
     """`overlay` merged into `base`: mappings key by key, lists of named mappings by name
     (`containers`, `volumes`, `env`, `volumeMounts`), other lists appended (without repeats), a

@@ -55,6 +55,10 @@ class KubernetesProvider(NodeProvider):
         self._owner_ref: Optional[dict[str, Any]] = None
         self._node_labels: Optional[list[dict[str, str]]] = None  # the nodes' labels, when the pool may read them
         self._pods: Optional[PoolWatch] = None
+        # What to fix when no node matches the pods' node affinity: the selector the user set, else
+        # the GPU product the pool requires, else the template's own affinity.
+        self._selector_field = ("k8s_node_selector" if self._k8s.node_selector or not self._k8s.accelerator
+                                else "accelerator")
         self._agents: Optional[PodAgents] = None
         self.nodes: dict[int, str] = {}  # node id -> its pod
         self.placed: dict[str, str] = {}  # pod -> the Kubernetes node it runs on
@@ -154,7 +158,7 @@ class KubernetesProvider(NodeProvider):
         started, seen = time.monotonic(), self._pods.version
         since: dict[str, float] = {}  # pod -> when it was first seen unschedulable
         while True:
-            views = pod_views.starting(self._pods, names, self._k8s.autoscaler, since)
+            views = pod_views.starting(self._pods, names, self._k8s.autoscaler, since, self._selector_field)
             decision = pod_status.start_decision(views, fewest, time.monotonic() - started, timeout)
             if isinstance(decision, pod_status.Go):
                 for v in views:
