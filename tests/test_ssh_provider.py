@@ -82,6 +82,8 @@ def test_a_killed_remote_rank_fails_fast(sshd):
 
 
 def test_the_controller_disappearing_kills_the_remote_ranks(sshd, tmp_path):
+    """The agents wait reattach_seconds (+2 s) for their controller to come back, then end their
+    ranks: with a window of 5 s, everything is gone well within 30 s."""
     script = tmp_path / "controller.py"
     script.write_text(f"""
 import sys, time, os
@@ -92,7 +94,8 @@ def forever():
     open(os.path.join({str(tmp_path)!r}, f"rank{{rank_info().rank}}"), "w").write(str(os.getpid()))
     time.sleep(3600)
 pool = GPUPool(provider="ssh", nodes=2, hosts={[f"root@{h}:{sshd['port']}" for h in HOSTS]!r},
-               ssh_private_key={sshd['key']!r}, known_hosts={sshd['known_hosts']!r}, remote_python={sys.executable!r})
+               ssh_private_key={sshd['key']!r}, known_hosts={sshd['known_hosts']!r}, remote_python={sys.executable!r},
+               reattach_seconds=5)
 distributed_task(forever, pool=pool, init_torch=False)()
 """)
     proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT)
