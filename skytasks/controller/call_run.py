@@ -30,7 +30,7 @@ from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.controller.stragglers import StragglerWatch
 from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.events import BackendChosen, NodeLost, NodePreempted, RanksStillRunning
+from skytasks.events import BackendChosen, NodeLost, NodePreempted, NodeReconnected, NodeReconnecting, RanksStillRunning
 from skytasks.preemption import Preempted
 from skytasks.protocol import RANK_MESSAGES, SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
@@ -77,6 +77,7 @@ class CallRun:
         self._untold_stopped: list[RankOutcome] = []  # stopped, not yet said: the observer hears of them with their stacks
         self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
         self.lost: set[int] = set()  # node ranks whose loss this call reported (NodeLost)
+        self.unreachable: set[int] = set()  # node ranks whose stream broke, being re-attached: no hang meanwhile
         self.stragglers = StragglerWatch(straggler_warn_seconds)
 
     # -- the machine's inputs --------------------------------------------------------------
@@ -103,8 +104,8 @@ class CallRun:
         """When the call counts as hung. Not while its group is still starting: that is the init
         timeout's (a slow torch import on a busy machine is no hang), and the last rank's READY
         starts the clock."""
-        if self.hang_timeout is None or self.init_deadline is not None:
-            return None
+        if self.hang_timeout is None or self.init_deadline is not None or self.unreachable:
+            return None  # a node out of reach is no hang: its ranks' news waits for it
         return self.last_heard + self.hang_timeout
 
     def tick(self, now: float) -> None:
@@ -145,6 +146,8 @@ class CallRun:
             return
         if op == Op.NOTICE:
             self._on_notice(node_rank, msg)
+        elif op in (Op.RECONNECTING, Op.RECONNECTED):
+            self._on_reconnect(node_rank, msg, now)
         elif self.phase is Phase.STOPPING:
             self._while_stopping(node_rank, msg, now)
         elif op == Op.STACK and self.phase is Phase.RUNNING and self.stragglers.probing:
@@ -242,6 +245,18 @@ class CallRun:
         self.bus.broadcast(message(Op.PREEMPTION, node_rank=node_rank, address=address, reason=msg["reason"],
                                    deadline=msg["deadline"], at=msg["at"]))
 
+    def _on_reconnect(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        """A node's stream broke and is being re-attached, or was: the call goes on, said here, on
+        the call's thread (where the run's log is), whatever its phase."""
+        address = self.group.addresses.get(node_rank, "")
+        if msg["op"] == Op.RECONNECTING:
+            self.unreachable.add(node_rank)
+            self.observer.on_event(NodeReconnecting(node_rank, address, msg["reason"], msg["seconds"]))
+        else:
+            self.unreachable.discard(node_rank)
+            self.last_heard = now  # the hang clock starts again from here
+            self.observer.on_event(NodeReconnected(node_rank, address, msg["down_seconds"]))
+
     def _on_exited(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         rank = msg["rank"]
         self.group.broken = True  # whatever the reason, a group missing a rank can serve no more
@@ -256,6 +271,7 @@ class CallRun:
         detail = msg.get("reason") or msg.get("error", "")
         if node_rank in self.notices:
             detail += f" (after its preemption notice: {self.notices[node_rank]['reason']})"
+        self.unreachable.discard(node_rank)
         if node_rank not in self.lost:
             self.lost.add(node_rank)
             reason = {Op.LOST: detail, Op.LEAVING: f"it is going away: {detail}"}.get(op, f"its agent failed: {detail}")

@@ -3,6 +3,10 @@
 A stream that closes is a lost node at once. A stream that merely falls silent (a cable pulled,
 a VM frozen, a link down: nothing closes) is a lost node once no byte has arrived for the
 heartbeat timeout; the agent at the far end applies the same rule to us and stops its ranks.
+
+Except where the agent holds a LEASE (a provider that `reattaches`, `reattach_seconds` > 0): then
+a stream that closes or falls silent is a break (`broke`), and the node is reached again over a
+new stream (controller/reconnect.py) before it counts as lost.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ import time
 from typing import Any, Callable
 
 from skytasks.controller.backlog import NodeEvents
+from skytasks.controller.reconnect import Lease, Reconnector, ResumableOut
 from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, check, message
 from skytasks.reactor import shared_reactor
-from skytasks.providers import NodeLink
+from skytasks.providers import NodeLink, NodeProvider
+from skytasks.resume import ACK_BYTES
 from skytasks.settings import settings
 from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameParser, FrameWriter, encode, encoded_size, read_frame
@@ -42,7 +48,8 @@ class NodeChannel:
     def __init__(self, link: NodeLink, events: NodeEvents):
         self.link = link
         self.inbound = HeardStream(link.inbound)
-        self._writer = FrameWriter(link.outbound)
+        self._out = ResumableOut(link.outbound, self.broke)
+        self._writer = FrameWriter(self._out)  # type: ignore[arg-type] # writelines/flush/close is all it uses
         self._events = events
         self._lost_lock = threading.Lock()
         self.alive = True
@@ -55,6 +62,21 @@ class NodeChannel:
         self.lost_reason = ""
         self.said = False  # its loss or notice was reported (NodeLost / NodePreempted): not twice
         self.on_peer_ready: Callable[[], None] | None = None  # the session's: the relay tree may be known now
+        # Re-attaching (controller/reconnect.py): the agent's door and instance, from its hello;
+        # the lease it holds (None: a broken stream is a lost node, as always); bytes read from it
+        # (`got`, counted from its first frame) by the reader of transport `_gen` only.
+        self.door = ""
+        self.instance = ""
+        self.lease: Lease | None = None
+        self.reconnecting = False
+        self.got = 0
+        self._acked = 0  # the `got` our last heartbeat carried
+        self.ack_due = threading.Event()  # wakes the heartbeat sender early: much was read since
+        self._gen = 0
+        self._in_lock = threading.Lock()
+        self._parser = FrameParser()  # kept across transports: a frame cut by a break goes on
+        self._threaded = False  # read by a thread of its own (no descriptor): never re-attached
+        self._corrupt = False  # the stream said something unreadable: lost, whatever the lease
 
     def start(self) -> NodeChannel:
         """Start reading the agent's frames into the event queue: on the process's one reader
@@ -62,21 +84,39 @@ class NodeChannel:
         try:
             self.link.inbound.fileno()
         except (AttributeError, OSError, ValueError):
+            self._threaded = True
             threading.Thread(target=self._read, daemon=True, name=f"skytasks-node{self.link.node_rank}").start()
             return self
-        parser = FrameParser()
+        self._watch(self.link.inbound, self._gen)
+        return self
+
+    def _watch(self, inbound: Any, gen: int) -> None:
+        """Read one transport of the stream on the reactor: its bytes count only while it is the
+        current one (`gen`), so bytes of a transport given up are never read twice."""
 
         def on_data(data: bytes) -> None:
-            self.inbound.last_heard = time.monotonic()  # any byte proves the agent alive
-            for msg in parser.feed(data):
-                self._on_message(msg)
+            try:
+                with self._in_lock:
+                    if gen != self._gen:
+                        return
+                    self.inbound.last_heard = time.monotonic()  # any byte proves the agent alive
+                    self.got += len(data)
+                    msgs = self._parser.feed(data)
+                for msg in msgs:
+                    self._on_message(msg)
+            except Exception:
+                self._corrupt = True  # no new transport mends that
+                raise
+            if self.lease is not None and self.got - self._acked >= ACK_BYTES:
+                self.ack_due.set()  # the sender's thread acks: never a write from the reactor's
 
         def on_end(why: str) -> None:
+            if gen != self._gen:
+                return  # a transport already given up
             # Off the reader's thread: what the provider knows of a loss may take a command to learn.
-            threading.Thread(target=self.mark_lost, args=(why,), daemon=True).start()
+            threading.Thread(target=self.broke, args=(why,), daemon=True).start()
 
-        shared_reactor().add(self.link.inbound, on_data, on_end)
-        return self
+        shared_reactor().add(inbound, on_data, on_end)
 
     def sent(self, msg: dict[str, Any]) -> bool:
         """Whether an event came from this channel (not from the one it replaced)."""
@@ -100,6 +140,10 @@ class NodeChannel:
             if self.on_peer_ready is not None:
                 self.on_peer_ready()
             return
+        if msg["op"] == Op.HEARTBEAT and "got" in msg and self.lease is not None:
+            self._out.outbox.ack(msg["got"])  # what the agent read need not be kept for a resend
+        if msg["op"] == Op.HELLO:
+            self.door, self.instance = msg.get("door", ""), msg.get("instance", "")
         if msg["op"] == Op.NOTICE:  # the provider may know better when the node goes
             deadline = self.link.notice_deadline()
             if deadline is not None:
@@ -125,6 +169,64 @@ class NodeChannel:
         with self._lost_lock:
             self.alive = False
 
+    def lease_to(self, provider: NodeProvider, key: str, holder: str, seconds: float) -> None:
+        """LEASE: from now on the agent outlives a break of this stream, for `seconds`, and this
+        channel reaches it again through `provider` instead of giving it up at once."""
+        self._out.keeping = True  # the LEASE itself is kept: the agent may not have read it yet
+        self.lease = Lease(provider, bytes.fromhex(key), holder, seconds)
+        self.send(message(Op.LEASE, key=key, reattach_seconds=float(seconds), keep_warm_seconds=0.0, holder=holder))
+
+    def end(self) -> None:
+        """END: the pool is done with the agent (it holds a lease, so its stream closing is no goodbye)."""
+        if self.lease is not None:
+            self.send(message(Op.END))
+
+    def broke(self, why: str) -> None:
+        """The stream closed, failed a write or fell silent. Lost at once, as always, unless the
+        agent holds a lease: then the node is reached again over a new stream (reconnect.py),
+        and lost only when that fails."""
+        with self._lost_lock:
+            if not self.alive or self.reconnecting:
+                return
+            lease = self.lease if not (self._threaded or self._corrupt) else None
+            if lease is not None:
+                self.reconnecting = True
+        if lease is None:
+            self.mark_lost(why)
+            return
+        broke_at = time.monotonic()
+        with self._in_lock:
+            self._gen += 1  # the broken transport's bytes are read no more: `got` stays where it is
+        self._out.detach()
+        self._events.put((self.link.node_rank, {**message(Op.RECONNECTING, reason=why, seconds=float(lease.seconds)),
+                                                "channel": self.serial}))
+        Reconnector(self, lease, why, broke_at).start()
+
+    def swap(self, link: NodeLink, agent_got: int, down_seconds: float) -> bool:
+        """The new transport `link` carries the stream on (its handshake done): what the agent did
+        not read is sent again first, and its bytes are read from where ours stopped. False when
+        the node was let go meanwhile or the resend failed."""
+        with self._lost_lock:
+            if not self.alive:
+                return False
+            try:
+                self._out.resume(link.outbound, agent_got)
+            except (OSError, ValueError):
+                self._out.detach()
+                return False
+            old = self.link
+            old.inbound, old.outbound, old.close, old.close_lost = link.inbound, link.outbound, link.close, link.close_lost
+            old.loss_detail = link.loss_detail
+            with self._in_lock:
+                self._gen += 1
+                self.inbound = HeardStream(link.inbound)
+                gen = self._gen
+            self.reconnecting = False
+        self._watch(link.inbound, gen)
+        self._events.put((self.link.node_rank, {**message(Op.RECONNECTED, down_seconds=down_seconds),
+                                                "channel": self.serial}))
+        return True
+
     def mark_lost(self, reason: str) -> None:
         """Report the node lost, once, however many ways it was found out."""
         with self._lost_lock:
@@ -147,18 +249,22 @@ class NodeChannel:
             return
         try:
             self._writer.send_encoded(chunks)
-        except ChannelClosed as exc:
-            self.mark_lost(str(exc))
+        except ChannelClosed as exc:  # only without a lease: with one, a failed write is a break
+            self.broke(str(exc))
             return
         with _sent_lock:
             _sent[0] += encoded_size(chunks)
 
     def send_heartbeat(self) -> None:
-        if self.alive:
+        if self.alive and not self.reconnecting:
+            beat = message(Op.HEARTBEAT)
+            if self.lease is not None:
+                self._acked = got = self.got  # an ack: what we read of the agent's stream
+                beat = message(Op.HEARTBEAT, got=got)
             try:
-                self._writer.send_if_idle(message(Op.HEARTBEAT))
+                self._writer.send_if_idle(beat)
             except ChannelClosed as exc:
-                self.mark_lost(str(exc))
+                self.broke(str(exc))
 
 
 def broadcast(nodes: list[NodeChannel], msg: dict[str, Any], relay: bool = False) -> None:
@@ -197,15 +303,22 @@ def keep_heartbeats(nodes: list[NodeChannel], closed: threading.Event) -> None:
     interval, timeout = settings().heartbeat
 
     def send(node: NodeChannel) -> None:
-        while not closed.wait(interval) and node.alive:
+        while node.alive and not closed.is_set():
+            if node.lease is None:
+                closed.wait(interval)
+            else:  # also early, as an ack once much was read (the session's close wakes it too)
+                node.ack_due.wait(interval)
+                node.ack_due.clear()
+            if closed.is_set() or not node.alive:
+                return
             node.send_heartbeat()
 
     def watch() -> None:
         while not closed.wait(min(1.0, interval)):
             for node in nodes:
                 silent = node.inbound.silent_for()
-                if node.alive and silent > timeout:
-                    node.mark_lost(f"no heartbeat from the node for {silent:.0f}s (the network or the machine is gone)")
+                if node.alive and not node.reconnecting and silent > timeout:
+                    node.broke(f"no heartbeat from the node for {silent:.0f}s (the network or the machine is gone)")
 
     for node in nodes:
         threading.Thread(target=send, args=(node,), daemon=True, name=f"skytasks-beat{node.link.node_rank}").start()

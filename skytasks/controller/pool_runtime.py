@@ -65,7 +65,8 @@ class PoolRuntime:
         if starting is not None:  # lets a cancelled `async with` abort a launch in progress
             starting["provider"] = provider
         session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
-                              nodes=(self.spec.fewest, self.spec.nodes)).start()
+                              nodes=(self.spec.fewest, self.spec.nodes),
+                              reattach_seconds=self.spec.reattach_seconds).start()
         PoolReporter(self.spec.name, self.spec.provider).event(PoolUp(
             self.spec.provider, len(session.nodes), self.spec.node_count, self.spec.procs_per_node,
             tuple(n.link.address for n in session.nodes)))

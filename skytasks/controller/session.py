@@ -8,6 +8,7 @@ failed, or whose spec (backend, workdir, ...) differs, with a fresh one.
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 from typing import Any
@@ -55,8 +56,13 @@ class ChannelBus:
 class PoolSession:
     """The nodes of a pool that is up, and the rank group that lives on them."""
 
-    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str], nodes: tuple[int, int]):
+    def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str], nodes: tuple[int, int],
+                 reattach_seconds: float = 0.0):
         self.provider = provider
+        # How long a node whose stream broke may take to be reached again; only where the provider
+        # can open a new stream to a running agent (a LEASE is sent to those agents alone).
+        self.reattach_seconds = reattach_seconds if getattr(provider, "reattaches", False) else 0.0
+        self.holder = secrets.token_hex(8)  # this session, as the agents it leases know it
         self.procs_per_node = procs_per_node
         self.env = dict(env)
         self.counts = nodes  # (min, max): an elastic pool runs on what it has between the two
@@ -105,7 +111,10 @@ class PoolSession:
             if msg["op"] == Op.HELLO:
                 node.gpus = list(msg.get("gpus") or [])
                 node.pid = msg.get("pid")
-                node.send(self.relay.peers_message(node.link.address))  # its relay listener
+                peers = self.relay.peers_message(node.link.address)
+                node.send(peers)  # its relay listener
+                if self.reattach_seconds > 0 and node.door and node.instance:
+                    node.lease_to(self.provider, peers["secret"], self.holder, self.reattach_seconds)
                 del waiting[node_rank]
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
@@ -223,6 +232,7 @@ class PoolSession:
 
     def _let_go(self, node: NodeChannel) -> None:
         """The pool no longer uses this node: its stream closing is no news, and what holds it ends."""
+        node.end()
         node.retire()
         node.link.close()
         self.provider.release(node.link.node_id)
@@ -273,6 +283,10 @@ class PoolSession:
             if self.group is not None and not self.group.broken:
                 self.group.close(self.bus)
             self.group = None
+            for n in self.nodes:  # a leased agent outlives its stream closing: END is its goodbye
+                n.end()
+                n.retire()  # and the streams closing below are no news (never a re-attach)
+                n.ack_due.set()
             try:
                 self.provider.stop()
             finally:
