@@ -502,9 +502,9 @@ class K8sCluster:
                 "--allow-privileged=true", "--profiling=false", "--logtostderr=true", "--v=1"]
         # Its own mount namespace, where /etc/hosts gives each node's name (the address the
         # apiserver dials its kubelet at) as 127.0.0.1: the host's end of that kubelet's bridge.
-        self.daemons["apiserver"] = _popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-             'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv], self.logs_dir / "apiserver.log")
+        self._apiserver_command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                   'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
+        self.daemons["apiserver"] = _popen(self._apiserver_command, self.logs_dir / "apiserver.log")
         # The apiserver, as pods and the kubelet see it: a unix socket they reach by bridges.
         self.daemons["api-bridge"] = _popen(
             ["socat", f"UNIX-LISTEN:{self.run_dir / 'api.sock'},fork,unlink-early",
@@ -763,6 +763,21 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         self._join(helpers, t0 + timeout)
         self.wait_node(name, True, max(1.0, t0 + timeout - time.monotonic()))
         self.timings[f"restart:{name}"] = took = time.monotonic() - t0
+        return took
+
+    def restart_apiserver(self, timeout: float = 60.0) -> float:
+        """A control-plane restart: the kube-apiserver SIGKILLed, which cuts every watch and exec
+        stream through it at once (on SIGTERM it drains them for up to a minute), and started
+        again with the same command line and environment; nothing else is touched (etcd, the
+        bridges, the kubelets, the pods and what was exec'd into them run on). Returns the
+        seconds until it answers /readyz again."""
+        old = self.daemons["apiserver"]
+        _killpg(old, signal.SIGKILL)
+        _reap(old)
+        t0 = time.monotonic()
+        self.daemons["apiserver"] = _popen(self._apiserver_command, self.logs_dir / "apiserver.log")
+        self._wait_apiserver(t0 + timeout)
+        self.timings["restart:apiserver"] = took = time.monotonic() - t0
         return took
 
     def label_node(self, name: str, labels: dict[str, str | None]) -> None:

@@ -303,3 +303,80 @@ def test_a_slurm_agent_outlives_its_srun_and_shepherd_and_is_reached_again(clust
     finally:
         provider.stop()
 
+
+
+# -- kubernetes --------------------------------------------------------------------------------
+
+# A stand-in door inside a pod: a process exec'd there, as the agent is.
+POD_DOOR = r"""
+import socket, sys, threading
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+s.listen(4)
+print("listening", flush=True)
+def echo(c):
+    with c:
+        c.sendall(b"door says hello\n")
+        while True:
+            d = c.recv(65536)
+            if not d:
+                break
+            c.sendall(d)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=echo, args=(c,), daemon=True).start()
+"""
+
+
+def door_in_pod(provider, node_id: int, path: str):
+    """The stand-in door, exec'd into the node's pod; returns its exec stream once it listens."""
+    from skytasks.providers.kubernetes import exec_stream
+    from skytasks.providers.kubernetes.pods import CONTAINER
+
+    stream = exec_stream.PodExec(provider._cfg, provider.namespace, provider.nodes[node_id], CONTAINER,
+                                 [sys.executable, "-c", POD_DOOR, path])
+    assert stream.inbound.readline() == b"listening\n", stream.last_words()
+    return stream
+
+
+def kube_provider(k8s_cluster, nodes: int):
+    from tests.test_provider_conformance import KubernetesFleet
+
+    return started_provider(KubernetesFleet(k8s_cluster).pool(nodes=nodes))
+
+
+def test_kubernetes_reattach_execs_into_the_same_pod_after_the_apiserver_restarted(k8s_cluster):
+    """The exec'd process outlives its exec stream cut by a kube-apiserver restart; a new exec into
+    the same pod reaches its door. Letting the first link go never ends the newer stream."""
+    provider, links = kube_provider(k8s_cluster, 1)
+    try:
+        first = door_in_pod(provider, 0, "/tmp/stand-in-door.sock")
+        k8s_cluster.restart_apiserver()
+        assert first.ended.wait(10)  # its stream was cut with the apiserver
+        link = provider.reattach(0, "/tmp/stand-in-door.sock", timeout=30)
+        links[0].let_go_lost()  # what the controller does with the broken stream once swapped
+        links[0].close()
+        round_trip(link)
+        with pytest.raises(NodeGone, match="its agent is gone"):
+            provider.reattach(0, "/tmp/nobody-here.sock", timeout=30)
+        link.close()
+    finally:
+        provider.stop()
+
+
+def test_kubernetes_reattach_to_a_deleted_pod_is_node_gone_in_kubernetes_words(k8s_cluster):
+    provider, links = kube_provider(k8s_cluster, 1)
+    try:
+        pod = provider.nodes[0]
+        k8s_cluster.kubectl("delete", "pod", pod, "--grace-period=0", "--force", "--wait=false")
+        deadline, said = time.monotonic() + 20, None
+        while said is None and time.monotonic() < deadline:
+            try:
+                provider.reattach(0, "/tmp/door.sock", timeout=5).close()
+            except NodeGone as exc:
+                said = str(exc)
+            except Exception:  # noqa: BLE001 - the watch has not seen it yet: tried again, as the controller does
+                time.sleep(0.2)
+        assert said is not None and pod in said and "Kubernetes" in said
+    finally:
+        provider.stop()

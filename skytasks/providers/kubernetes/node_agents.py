@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from skytasks.errors import PoolStartError
+from skytasks.node import attach
 from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink
 from skytasks.providers.kubernetes import exec_stream
 from skytasks.providers.kubernetes.pods import CONTAINER
 from skytasks.providers.package_in import PACKAGE_IN, read_line
 from skytasks.providers.ssh import python_check
+from skytasks.providers.ssh.bridge import await_answer
 from skytasks.providers.ssh.nodes import package_bundle
 
 # argv: digest, bundle size, then the agent's own arguments (`-m skytasks.node.agent ...`).
@@ -92,8 +95,34 @@ class PodAgents:
         elif answer != b"have\n":
             stream.close()
             raise PoolStartError(python_check.did_not_start(where, self._python, stream.last_words() or repr(answer)))
+        return self._link(node_rank, pod, address, stream)
+
+    def _link(self, node_rank: int, pod: str, address: str, stream: exec_stream.PodExec) -> NodeLink:
+        # Closing a link ends its own stream, never a newer one the pod was reached by since.
         return NodeLink(node_rank=node_rank, address=address, inbound=stream.inbound, outbound=stream.outbound,
-                        machine=pod, close=lambda: self.end(pod))
+                        machine=pod, close=lambda: self._end_stream(pod, stream))
+
+    def attach(self, node_rank: int, pod: str, address: str, door: str, timeout: float) -> NodeLink:
+        """A new exec into the pod, `python -c attach.CLIENT DOOR`: a stream to its running agent
+        (an exec'd process outlives its exec stream: an API server restart, a proxy's cut). It
+        becomes the pod's stream once the door spoke; NodeGone when nothing is behind the door."""
+        started = time.monotonic()
+        stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER, attach.argv(self._python, door),
+                                     timeout=timeout)
+        try:
+            await_answer(stream.inbound, timeout - (time.monotonic() - started),
+                         lambda: stream.exit_code() if stream.ended.is_set() else None, stream.last_words,
+                         f"node {node_rank} (pod {pod})")
+        except BaseException:
+            stream.close()
+            raise
+        self.streams[pod] = stream
+        return self._link(node_rank, pod, address, stream)
+
+    def _end_stream(self, pod: str, stream: exec_stream.PodExec) -> None:
+        if self.streams.get(pod) is stream:
+            del self.streams[pod]
+        stream.close()
 
     def _image(self, pod: str) -> str | None:
         """The image the pod runs, as the API server has it (k8s_image, or what the pod template

@@ -43,6 +43,7 @@ class KubernetesProvider(NodeProvider):
     reshape_is_cheap = False  # pods wait for a scheduler and hold GPUs: never a second pool per call
     runs_on_this_machine = False
     gpus_from_config = True
+    reattaches = True  # a new exec into the same pod reaches its running agent
 
     def __init__(self, spec: PoolSpec, reporter: Optional[PoolReporter] = None):
         self._spec, self._k8s = spec, spec.own(KubernetesSpec)
@@ -185,11 +186,30 @@ class KubernetesProvider(NodeProvider):
         assert self._agents is not None
         name = self.nodes[node_id]
         link = self._agents.start(node_id, name, self._ips[name], agent_args(pods.HEARTBEAT_FILE, pods.NOTICE_FILE))
+        return self._dressed(link, name)
+
+    def _dressed(self, link: NodeLink, name: str) -> NodeLink:
         link.where = f"pod {name} on node {self.placed.get(name) or '?'}"
         link.loss_detail = lambda: self._loss_detail(name)
-        link.close_lost = lambda: self._agents.end(name) if self._agents else None
+        # close_lost is close: the link's own exec stream, never a newer one the pod was reached by.
         link.notice_deadline = lambda: pod_views.leaving_at(self._pods.last_state(name) if self._pods else None)
         return link
+
+    def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
+        """A new exec into the node's pod reaching its running agent (an exec'd process outlives
+        its stream: an API server restart, a proxy's cut, a controller's lost connection).
+        NodeGone when the pool's watch says the pod is gone (deleted, failed, ended, its node not
+        ready) or nothing is behind the door; anything else (the API server not answering yet)
+        is tried again."""
+        from skytasks.errors import NodeGone
+
+        name = self.nodes.get(node_id)
+        if name is None or self._agents is None:
+            raise NodeGone(f"node {node_id} is no longer one of the pool's pods")
+        gone = self._lost.get(name) or (pod_views.lost(self._pods, name) if self._pods else None)
+        if gone:
+            raise NodeGone(gone)
+        return self._dressed(self._agents.attach(node_id, name, self._ips[name], door, timeout), name)
 
     def _loss_detail(self, name: str) -> str:
         if name in self._lost:
