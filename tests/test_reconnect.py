@@ -49,6 +49,8 @@ class ReattachingLocal(LocalProvider):
         self.gone: set[int] = set()
         self.clients: list[subprocess.Popen] = []
         self.tries: list[int] = []
+        self.gate = threading.Event()  # a way in opens only once this is set: the outage lasts until then
+        self.gate.set()
 
     def _start_node(self, node_id: int) -> NodeLink:
         link = super()._start_node(node_id)
@@ -59,6 +61,7 @@ class ReattachingLocal(LocalProvider):
 
     def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
         self.tries.append(node_id)
+        self.gate.wait(timeout)
         if node_id in self.gone:
             raise NodeGone("its machine was switched off")
         if node_id in self.unreachable:
@@ -98,13 +101,16 @@ def reattaching(monkeypatch):
 
 
 def talk_through_a_break(folder: str) -> dict:
-    """Every rank prints while node 1's stream is broken and mended, then returns a few MB."""
+    """Every rank prints while node 1's stream is broken, and node 1's rank returns a few MB then
+    too: its agent holds them until the stream is mended. Node 0's rank returns after that."""
     info = rank_info()
     Path(folder, f"started{info.rank}").touch()
+    while not Path(folder, "broken").exists():
+        time.sleep(0.02)
     for i in range(LINES):
         print(f"line {i} of rank {info.rank}", flush=True)
-        time.sleep(0.005)
-    while not Path(folder, "go").exists():
+    Path(folder, f"returning{info.rank}").touch()
+    while info.rank == 0 and not Path(folder, "go").exists():
         time.sleep(0.02)
     return {"attempt": info.attempt, "agent": os.getppid(), "blob": bytes([info.rank]) * (3 << 20)}
 
@@ -117,15 +123,22 @@ def _wait_for(what, timeout: float = 60.0):
     return found
 
 
-def _break_node_stream(pool: GPUPool, folder: Path, heard: list, node_rank: int = 1) -> threading.Thread:
-    """Once every rank started: close the controller's end to the node's agent; once the node is
-    back (or lost), let the ranks return."""
+def _break_node_stream(pool: GPUPool, folder: Path, heard: list, node_rank: int = 1,
+                       gate: threading.Event | None = None) -> threading.Thread:
+    """Once every rank started: close the controller's end to the node's agent; with `gate`, keep
+    the node out of reach until its rank has returned; once the node is back (or lost), let the
+    ranks return."""
 
     def breaker() -> None:
         _wait_for(lambda: all((folder / f"started{r}").exists() for r in (0, 1)))
         session = _wait_for(lambda: pool.runtime().session)
         node = session.nodes[node_rank]
         node.link.outbound.close()
+        (folder / "broken").touch()
+        if gate is not None:
+            _wait_for(lambda: (folder / f"returning{node_rank}").exists())
+            time.sleep(1.0)  # its result reaches its agent, which holds it
+            gate.set()
         _wait_for(lambda: any(isinstance(e, (NodeReconnected, NodeLost)) for e in heard))
         (folder / "go").touch()
 
@@ -139,7 +152,8 @@ def test_a_broken_stream_is_reattached_and_the_call_returns_whole(reattaching, t
     with listen() as heard, pool:
         agents = {n.link.node_rank: n.pid for n in pool.runtime().session.nodes}
         assert all(n.lease is not None for n in pool.runtime().session.nodes)  # a provider that reattaches
-        breaker = _break_node_stream(pool, tmp_path, heard)
+        reattaching[-1].gate.clear()
+        breaker = _break_node_stream(pool, tmp_path, heard, gate=reattaching[-1].gate)
         results = distributed_task(talk_through_a_break, pool=pool, init_torch=False)(str(tmp_path))
         breaker.join(5)
         again = distributed_task(talk_through_a_break, pool=pool, init_torch=False)(str(tmp_path))  # the pool is whole
@@ -150,7 +164,7 @@ def test_a_broken_stream_is_reattached_and_the_call_returns_whole(reattaching, t
     [reconnecting] = [e for e in heard if isinstance(e, NodeReconnecting)]
     [reconnected] = [e for e in heard if isinstance(e, NodeReconnected)]
     assert (reconnecting.node, reconnecting.seconds) == (1, 30)
-    assert reconnected.node == 1 and 0 < reconnected.down_seconds < 30
+    assert reconnected.node == 1 and 1.0 < reconnected.down_seconds < 30  # as long as the gate kept it out
     assert reattaching[-1].tries == [1]
     out = capsys.readouterr()
     text = out.out + out.err
@@ -191,6 +205,7 @@ def test_a_reattach_in_a_flow_is_said_in_the_run_log_and_is_a_prefect_event(reat
 def wait_then_return(folder: str) -> int:
     info = rank_info()
     Path(folder, f"started{info.rank}").touch()
+    Path(folder, f"returning{info.rank}").touch()
     while not Path(folder, "go").exists():
         time.sleep(0.02)
     time.sleep(0.5)

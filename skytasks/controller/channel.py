@@ -203,26 +203,31 @@ class NodeChannel:
         Reconnector(self, lease, why, broke_at).start()
 
     def swap(self, link: NodeLink, agent_got: int, down_seconds: float) -> bool:
-        """The new transport `link` carries the stream on (its handshake done): what the agent did
-        not read is sent again first, and its bytes are read from where ours stopped. False when
-        the node was let go meanwhile or the resend failed."""
+        """The new transport `link` carries the stream on (its handshake done): its bytes are read
+        from where ours stopped, and what the agent did not read is sent again. It is read before
+        the resend is written: the agent's own resend may wait for us to read. False when the
+        node was let go meanwhile or the resend failed."""
         with self._lost_lock:
             if not self.alive:
                 return False
-            try:
-                self._out.resume(link.outbound, agent_got)
-            except (OSError, ValueError):
-                self._out.detach()
-                return False
+            with self._in_lock:
+                self._gen += 1
+                gen = self._gen
+                self.inbound = HeardStream(link.inbound)
+        self._watch(link.inbound, gen)
+        try:
+            self._out.resume(link.outbound, agent_got)
+        except (OSError, ValueError):
+            with self._in_lock:
+                if self._gen == gen:
+                    self._gen += 1  # read no more of it: the next transport starts from this count
+            self._out.detach()
+            return False
+        with self._lost_lock:
             old = self.link
             old.inbound, old.outbound, old.close, old.close_lost = link.inbound, link.outbound, link.close, link.close_lost
             old.loss_detail = link.loss_detail
-            with self._in_lock:
-                self._gen += 1
-                self.inbound = HeardStream(link.inbound)
-                gen = self._gen
             self.reconnecting = False
-        self._watch(link.inbound, gen)
         self._events.put((self.link.node_rank, {**message(Op.RECONNECTED, down_seconds=down_seconds),
                                                 "channel": self.serial}))
         return True
