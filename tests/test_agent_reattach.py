@@ -346,6 +346,20 @@ def test_without_a_lease_the_end_of_the_stream_ends_the_agent_as_always(controll
     _wait_gone(pids, 10)
 
 
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root to run a client as another user")
+def test_a_process_of_another_user_is_turned_away_at_the_door_even_where_it_can_reach_it(controllers):
+    c = controllers()
+    c.lease()
+    os.chmod(os.path.dirname(c.hello["door"]), 0o711)  # opened up on purpose: the 0700 folder is the first wall
+    os.chmod(c.hello["door"], 0o777)
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    as_nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", CLIENT,
+                                c.hello["door"]], input=b"", capture_output=True, timeout=20)
+    assert as_nobody.returncode == 0 and as_nobody.stdout == b""  # reached, closed at once: no CHALLENGE
+    as_us = subprocess.run([python, "-c", CLIENT, c.hello["door"]], input=b"", capture_output=True, timeout=20)
+    assert [f["op"] for f in FrameParser().feed(as_us.stdout)] == [Op.CHALLENGE]  # we are let in to the handshake
+
+
 def resume_margin() -> float:
     from skytasks.node.door import REATTACH_MARGIN_SECONDS
 
