@@ -49,6 +49,12 @@ def _echo_reversed(data: bytes, lines: int) -> bytes:
     return bytes(reversed(data))
 
 
+def _print_much(lines: int) -> int:
+    for i in range(lines):
+        print(f"{i:08d} " + "x" * 90)
+    return lines
+
+
 def _sleep_long() -> None:
     import time as _time
 
@@ -63,11 +69,12 @@ class Controller:
     """The test's controller: what it sent (all of it, for a resend from the agent's count),
     what it read (counted), and the agent's frames in order."""
 
-    def __init__(self, window: float = 30.0, heartbeat_timeout: float = 30.0):
+    def __init__(self, window: float = 30.0, heartbeat_timeout: float = 30.0, env: dict[str, str] | None = None):
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "skytasks.node.agent", "--heartbeat-seconds", "0.5", "--heartbeat-timeout",
              str(heartbeat_timeout), "--sample-seconds", "600"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, bufsize=0)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, bufsize=0,
+            env={**os.environ, **(env or {})})
         self.window = window
         self.to_agent: Any = self.agent.stdin
         self.from_agent: Any = self.agent.stdout
@@ -275,6 +282,31 @@ def test_the_newest_proven_stream_wins_over_one_that_still_looks_alive(controlle
     data = os.urandom(1000)
     c.send(_call(data, lines=1), flags=RELAY)
     assert loads_out_of_band(c.wait_for(lambda f: f["op"] == Op.RESULT)["value"], copy=True) == bytes(reversed(data))
+
+
+def test_while_broken_the_kept_bytes_are_bounded_and_the_ranks_wait_with_nothing_dropped(controllers):
+    c = controllers(env={"SKYTASKS_REATTACH_BUFFER_MB": "1"})
+    c.lease()
+    c.spawn(ranks=1)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    lines = 30_000  # 3 MB of output, three times what the agent may keep while its stream is broken
+    c.break_stream()
+    c.to_agent = open(os.devnull, "wb")  # what we send while broken: kept by us, resent at the attach
+    c.send(message(Op.CALL, call=3, head=cloudpickle.dumps((_print_much, (lines,), {})), refs=[], blobs={},
+                   attempt=1), flags=RELAY)
+    time.sleep(0.5)
+    assert c.attach()["op"] == Op.ATTACHED  # the call reaches the rank now
+    c.wait_for(lambda f: f["op"] == Op.OUTPUT)
+    c.client.kill()  # and the stream breaks again: the rank's output has nowhere to go
+    c.client.wait()
+    time.sleep(3.0)
+    rank = c.ranks()[0]
+    assert rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE  # it waits on its full pipe
+    assert c.attach()["op"] == Op.ATTACHED
+    result = c.wait_for(lambda f: f["op"] == Op.RESULT, timeout=60)
+    assert loads_out_of_band(result["value"], copy=True) == lines
+    got = [f["line"].strip() for f in c.frames if f["op"] == Op.OUTPUT]
+    assert got == [f"{i:08d} " + "x" * 90 for i in range(lines)]
 
 
 def test_a_window_that_passes_ends_the_ranks_and_the_agent(controllers):

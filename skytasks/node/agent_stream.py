@@ -275,8 +275,8 @@ class AgentStream:
                     self._write_all(t, chunks)
                 except (OSError, _Abandoned) as exc:
                     self._after_write_error(t, exc)
-        if t is None and outbox.size > self.cap:
-            outbox.wait_room(self.cap)  # broken and full: the ranks wait; nothing is dropped
+        while self._transport is None and outbox.size > self.cap:  # broken and full: the ranks wait
+            outbox.wait_room(self.cap, time.monotonic() + 0.5)  # until acked, or a new transport came
 
     def _write_before_lease(self, chunks: list[Any]) -> None:
         t = self._transport
