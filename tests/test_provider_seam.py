@@ -23,7 +23,9 @@ SET = {"hosts": ["a", "b"], "ssh_user": "me", "ssh_private_key": "k", "known_hos
        "k8s_namespace": "ml", "k8s_image": "reg/train:1", "k8s_service_account": "trainer",
        "k8s_image_pull_secrets": ["regcred"], "k8s_node_selector": {"pool": "gpu"},
        "k8s_tolerations": [{"key": "gpu", "operator": "Exists"}], "k8s_cpu": "8", "k8s_memory": "64Gi",
-       "k8s_shm_size": "8Gi", "k8s_pod_template": {"metadata": {"labels": {"team": "x"}}}}
+       "k8s_shm_size": "8Gi", "k8s_pod_template": {"metadata": {"labels": {"team": "x"}}}, "k8s_autoscaler": "none",
+       "k8s_gpu_label": "example.com/gpu", "k8s_pods_per_host": 2, "k8s_queue": "team-a",
+       "k8s_priority_class": "training"}
 
 
 def _credentials():
