@@ -217,13 +217,15 @@ def k8s_cluster(tmp_path_factory):
     """The Kubernetes test cluster (v1.20.2: control plane on loopback, two nodes in namespaces
     of their own, `k8s_cluster.nodes`): one for the session. Skips only where it cannot run at
     all (not root; `make system-deps` installs and builds the rest). A test that kills a node
-    (`kill_node`) restarts it (`restart_node`) before it ends."""
+    (`kill_node`) restarts it (`restart_node`) before it ends. SKYTASKS_TEST_K8S_NODES=1 starts
+    one node instead (to tell whether a failure comes from pods spread over two)."""
     from tests.k8s_cluster import K8sCluster, available
 
     why = available()
     if why:
         pytest.skip(why)
-    c = K8sCluster(tmp_path_factory.mktemp("k8s"), nodes=2).start()
+    nodes = int(os.environ.get("SKYTASKS_TEST_K8S_NODES", "2"))
+    c = K8sCluster(tmp_path_factory.mktemp("k8s"), nodes=nodes).start()
     try:
         yield c
     finally:
