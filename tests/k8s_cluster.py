@@ -194,6 +194,28 @@ def _popen(argv: list[str], log: Path, **kw) -> subprocess.Popen:
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kw)
 
 
+def _popen_kept(argv: list[str], log: Path) -> subprocess.Popen:
+    """`_popen` from a thread of its own that waits on the daemon: it dies with this process, not
+    with the thread that asked for it (a node restarted from a test's helper thread outlives it)."""
+    started: list[subprocess.Popen | BaseException] = []
+    up = threading.Event()
+
+    def keep() -> None:
+        try:
+            started.append(_popen(argv, log))
+        except BaseException as e:
+            started.append(e)
+        up.set()
+        if isinstance(started[0], subprocess.Popen):
+            started[0].wait()
+
+    threading.Thread(target=keep, daemon=True, name=f"keeps {Path(argv[0]).name}").start()
+    up.wait()
+    if isinstance(started[0], BaseException):
+        raise started[0]
+    return started[0]
+
+
 # -- images --------------------------------------------------------------------------------------
 
 
@@ -335,7 +357,8 @@ class K8sCluster:
         """Up to Ready nodes and a `default` service account with its token (about 10-15 s for
         one node, a few seconds more for two: the nodes start with the control plane). The
         daemons die with the thread that calls this (PR_SET_PDEATHSIG): call it from one that
-        outlives the cluster, as pytest's main thread does. `timings` says how long each part took."""
+        outlives the cluster, as pytest's main thread does (the nodes die with this process).
+        `timings` says how long each part took."""
         why = available()
         if why:
             raise RuntimeError(why)
@@ -635,8 +658,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 "ca": str(self.ca_cert), "dns_cert": str(self.pki / "dns.crt"), "dns_key": str(self.pki / "dns.key")}
         (n / "spec.json").write_text(json.dumps(spec))
         # pid 1 of a pid namespace: when it dies, so does every process in it (containers too).
-        # unshare dies with this thread (setpriv) and takes its child with it (--kill-child).
-        node.process = _popen(
+        # unshare dies with this process (setpriv, from a thread that waits on it) and takes its
+        # child with it (--kill-child).
+        node.process = _popen_kept(
             ["unshare", "--fork", "--pid", "--mount-proc", "--mount", "--net", "--uts", "--propagation", "private",
              "--kill-child=KILL", sys.executable, "-S", "-E", __file__, "node", str(n / "spec.json")],
             self.logs_dir / f"node-{i}.log")
@@ -775,7 +799,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         _killpg(old, signal.SIGKILL)
         _reap(old)
         t0 = time.monotonic()
-        self.daemons["apiserver"] = _popen(self._apiserver_command, self.logs_dir / "apiserver.log")
+        started: list[subprocess.Popen] = []
+        up = threading.Event()
+
+        def keep() -> None:
+            # The kernel ends the apiserver when the thread that started it exits (_popen's
+            # pdeathsig): a thread of its own that waits on it, so a caller's thread may restart it.
+            started.append(_popen(self._apiserver_command, self.logs_dir / "apiserver.log"))
+            up.set()
+            started[0].wait()
+
+        threading.Thread(target=keep, daemon=True, name="k8s-apiserver").start()
+        up.wait(30)
+        self.daemons["apiserver"] = started[0]
         self._wait_apiserver(t0 + timeout)
         self.timings["restart:apiserver"] = took = time.monotonic() - t0
         return took

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from skytasks import GPUPool
+from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.errors import NodeGone
+from skytasks.events import AttemptRestarted, NodeLost, NodeReconnected, listen
 from skytasks.providers.registry import provider_for
 from skytasks.wire import read_frame
 from skytasks.protocol import Op
@@ -380,3 +381,104 @@ def test_kubernetes_reattach_to_a_deleted_pod_is_node_gone_in_kubernetes_words(k
         assert said is not None and pod in said and "Kubernetes" in said
     finally:
         provider.stop()
+
+
+# -- a call through a break, on each fleet, with the real controller ---------------------------
+
+
+def through_a_break(seconds: float) -> dict:
+    """Every rank prints, sleeps through the break, prints again and returns: what it printed
+    while its node's stream was broken reaches the controller once the node is reached again."""
+    info = rank_info()
+    print(f"rank {info.rank} before the break", flush=True)
+    time.sleep(seconds)
+    for i in range(50):
+        print(f"line {i} of rank {info.rank}", flush=True)
+    return {"attempt": info.attempt, "rank": info.rank, "agent": os.getppid(), "blob": bytes([info.rank]) * (1 << 20)}
+
+
+def call_through_a_break(pool: GPUPool, break_stream, seconds: float = 15.0) -> tuple[list, list, list]:
+    """The call, with `break_stream(session)` run on a thread a few seconds in (the ranks are
+    asleep by then); returns (results, events heard, (agent pids, pods) before the call)."""
+    failures: list[BaseException] = []
+
+    def breaker() -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while (session := pool.runtime().session) is None or not session.nodes:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(4)
+            break_stream(session)
+        except BaseException as exc:  # noqa: BLE001 - said by the test
+            failures.append(exc)
+
+    with listen() as heard, pool:
+        session = pool.runtime().session
+        before = [(n.pid, n.link.machine) for n in session.nodes]
+        thread = threading.Thread(target=breaker, daemon=True)
+        thread.start()
+        results = distributed_task(through_a_break, pool=pool, init_torch=False)(seconds)
+        thread.join(60)
+        after = [(n.pid, n.link.machine) for n in pool.runtime().session.nodes]
+    assert not failures, failures
+    assert after == before  # the same agents (and pods): no node was replaced
+    return results, list(heard), before
+
+
+def whole_and_reattached(results: list, heard: list, broken: set[int]) -> None:
+    assert [r["attempt"] for r in results] == [1] * len(results)  # no retry, no node recovery spent
+    assert all(r["blob"] == bytes([r["rank"]]) * (1 << 20) for r in results)
+    assert not [e for e in heard if isinstance(e, (NodeLost, AttemptRestarted))]
+    reconnected = [e for e in heard if isinstance(e, NodeReconnected)]
+    assert {e.node for e in reconnected} == broken and all(e.down_seconds > 0 for e in reconnected)
+
+
+def test_an_ssh_call_goes_on_whole_when_a_node_s_sshd_session_is_killed(sshd, capsys):
+    """SIGKILL to node 1's sshd session (what a reset does: the TCP connection is gone): its agent,
+    exec'd without a pty, runs on; a new session reaches it and the call returns whole."""
+    import psutil
+
+    def kill_sessions(session) -> None:
+        agent = psutil.Process(session.nodes[1].pid)
+        sessions = [p for p in agent.parents() if p.pid != sshd.proc.pid and p.name().startswith("sshd")
+                    and sshd.proc.pid in {q.pid for q in p.parents()}]
+        assert sessions
+        for p in sessions:
+            p.kill()
+
+    results, heard, before = call_through_a_break(ssh_pool(sshd, reattach_seconds=30), kill_sessions)
+    whole_and_reattached(results, heard, {1})
+    # The pool's end reached both agents (END), the re-attached one too: none waits out its window.
+    assert psutil.wait_procs([psutil.Process(pid) for pid, _ in before if psutil.pid_exists(pid)], timeout=15)[1] == []
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert all(text.count(f"line {i} of rank 1\n") == 1 for i in range(50))  # once each: nothing lost, nothing twice
+
+
+def test_a_slurm_call_goes_on_whole_when_the_agent_s_srun_is_killed_with_its_shepherd(cluster):
+    """srun of node 1's agent step and its shepherd SIGKILLed (srun's I/O gone, nobody to cancel
+    the step): the agent runs on in its step, a step beside it reaches it, the call returns whole."""
+    pool = GPUPool(provider="slurm", nodes=2, remote_python=sys.executable, ready_timeout_seconds=60,
+                   reattach_seconds=30)
+
+    def kill_srun(session) -> None:
+        provider = pool.runtime().session.provider
+        node = provider.nodes[session.nodes[1].link.node_id]
+        sruns = [p for p in agent_sruns(node.job_id, node.name) if "skytasks.node.agent" in " ".join(p.cmdline())]
+        assert len(sruns) == 2, sruns
+        for p in sruns:
+            p.kill()
+
+    results, heard, _ = call_through_a_break(pool, kill_srun)
+    whole_and_reattached(results, heard, {1})
+
+
+def test_a_kubernetes_call_goes_on_whole_through_a_kube_apiserver_restart(k8s_cluster):
+    """The kube-apiserver SIGKILLed and started again mid-call: every exec stream is cut, the pods
+    and their agents run on, new execs reach them, and the call returns whole."""
+    from tests.test_provider_conformance import KubernetesFleet
+
+    pool = KubernetesFleet(k8s_cluster).pool(nodes=2, reattach_seconds=60)
+    results, heard, _ = call_through_a_break(pool, lambda session: k8s_cluster.restart_apiserver())
+    whole_and_reattached(results, heard, {0, 1})

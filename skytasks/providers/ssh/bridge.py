@@ -45,22 +45,57 @@ def bridge_process(proc: Any, label: str, reporter: Any) -> tuple[BinaryIO, Bina
         except (OSError, asyncssh.Error):
             pass
 
+    forwarding = Forwarding(to_agent_r)
+
     def controller_to_agent() -> None:
         try:
-            while data := os.read(to_agent_r, CHUNK):
+            while True:
+                select.select([to_agent_r], [], [])
+                forwarding.busy = True  # before the bytes leave the pipe: see Forwarding.drained
+                data = os.read(to_agent_r, CHUNK)
+                if not data:
+                    break
                 asyncio.run_coroutine_threadsafe(_write_drain(proc.stdin, data), loop).result()
+                forwarding.busy = False
         except Exception:  # noqa: BLE001 - the channel is gone; the reader reports it
             pass
         finally:
+            forwarding.done = True
             os.close(to_agent_r)
             try:  # after stop() there is no loop, and no channel left to end
                 loop.call_soon_threadsafe(_eof, proc.stdin)
             except RuntimeError:
                 pass
 
-    tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr())]
+    tasks = [asyncio.ensure_future(agent_to_controller()), asyncio.ensure_future(agent_stderr()), forwarding]
     threading.Thread(target=controller_to_agent, daemon=True, name=f"skytasks-out-{label}").start()
     return os.fdopen(from_agent_r, "rb"), os.fdopen(to_agent_w, "wb"), tasks
+
+
+class Forwarding:
+    """Whether every byte the controller wrote toward the agent was handed to the channel: what
+    must be true before the connection is closed (an END written just before a teardown would
+    otherwise be lost, and an agent holding a LEASE would wait out its window instead of ending)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.busy, self.done = fd, False, False
+
+    def drained(self) -> bool:
+        if self.done:
+            return True
+        if self.busy:
+            return False
+        try:
+            return _waiting(self.fd) == 0
+        except OSError:
+            return True
+
+
+def _waiting(fd: int) -> int:
+    """Bytes waiting to be read in a pipe or socket, without reading them."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -96,9 +131,7 @@ def await_answer(inbound: BinaryIO, timeout: float, exit_code: Callable[[], Opti
     ready, _, _ = select.select([fd], [], [], max(0.0, timeout))
     if not ready:
         raise TimeoutError(f"{where}: no answer from its agent's door within {timeout:g}s")
-    waiting = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, waiting)
-    if waiting[0] > 0:  # the agent speaks: the caller hands the stream over, unread
+    if _waiting(fd) > 0:  # the agent speaks: the caller hands the stream over, unread
         return
     deadline = time.monotonic() + 5  # the stream ended: its status follows it closely
     while (code := exit_code()) is None and time.monotonic() < deadline:

@@ -30,7 +30,7 @@ from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink, agent_args
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.ssh import env_in, python_check
-from skytasks.providers.ssh.bridge import await_answer, bridge_process
+from skytasks.providers.ssh.bridge import Forwarding, await_answer, bridge_process
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # skytasks/
 CHUNK = 1 << 20
@@ -347,6 +347,11 @@ class SSHNodes:
             return
 
         async def close_all() -> None:
+            # What the controller wrote last (END to each agent) reaches the channels first.
+            forwarding = [p for _proc, pumps in self._closers for p in pumps if isinstance(p, Forwarding)]
+            deadline = time.monotonic() + 5
+            while not all(f.drained() for f in forwarding) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             for proc, _pumps in self._closers:
                 if not proc.stdin.is_closing():
                     proc.stdin.write_eof()
