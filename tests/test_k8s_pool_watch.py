@@ -23,7 +23,8 @@ import pytest
 
 from skytasks.errors import PoolConfigError
 from skytasks.providers.kubernetes import api_retry, pods
-from skytasks.providers.kubernetes.pool_watch import PoolWatch, event_time
+from skytasks.providers.kubernetes.pod_events import event_time
+from skytasks.providers.kubernetes.pool_watch import PoolWatch
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """When a kubernetes pool's pods let it start, without a cluster: a pod's status read, what a node
 autoscaler's Events say, and the start decision under each `k8s_autoscaler`. The Events are
-shaped as Cluster Autoscaler and Karpenter post them (see autoscaler_words' docstring)."""
+shaped as Cluster Autoscaler and Karpenter post them (see pod_events' docstring)."""
 
 from __future__ import annotations
 
 import pytest
 
 from skytasks.providers.kubernetes import pod_status
-from skytasks.providers.kubernetes.autoscaler_words import autoscaler_word, newest_warning
+from skytasks.providers.kubernetes.pod_events import autoscaler_word, newest_warning
 
 SELECTOR = "0/5 nodes are available: 5 node(s) didn't match Pod's node affinity/selector."
 SELECTOR_NEW = (SELECTOR + " preemption: 0/5 nodes are available: 5 Preemption is not helpful for scheduling.")

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from skytasks.providers.kubernetes.autoscaler_words import AutoscalerWord
+from skytasks.providers.kubernetes.pod_events import AutoscalerWord
 
 # Waiting reasons of a container that no wait will mend: the image, the pod's configuration.
 # (CreateContainerError is not one: it is most often the kubelet timing out on a slow node.)

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, Mapping, Optional
 
 from skytasks.providers.kubernetes import pod_status
-from skytasks.providers.kubernetes.autoscaler_words import autoscaler_word, newest_warning
+from skytasks.providers.kubernetes.pod_events import autoscaler_word, newest_warning
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
 
 

@@ -29,10 +29,10 @@ import random
 import threading
 import time
 from collections import Counter
-from datetime import datetime
 from typing import Any, Callable, Optional
 
 from skytasks.providers.kubernetes import api_retry, cluster, pods
+from skytasks.providers.kubernetes.pod_events import event_time
 
 WATCH_SECONDS = 240  # the server ends a watch after this (and a random part of a minute more)
 READ_SLACK_SECONDS = 60  # past the server's end with no byte: the connection is dead
@@ -45,21 +45,6 @@ KINDS = ("pods", "events")
 
 class _Gone(Exception):
     """The server no longer holds the resourceVersion the watch asked from (410): list again."""
-
-
-def event_time(event: dict[str, Any]) -> float:
-    """When an Event happened (seconds since the epoch; 0 when it says nothing): eventTime on newer
-    clusters' events, lastTimestamp on older ones' (1.20's scheduler), else when it was first seen
-    or made. Parsed, not compared as text: "12:00:03Z" and "12:00:03.5Z" sort the wrong way as text."""
-    meta = event.get("metadata") or {}
-    for stamp in (event.get("eventTime"), event.get("lastTimestamp"), event.get("firstTimestamp"),
-                  meta.get("creationTimestamp")):
-        if stamp:
-            try:
-                return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return 0.0
 
 
 class PoolWatch:

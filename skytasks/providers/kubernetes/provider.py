@@ -4,7 +4,7 @@ Start: make the pool's owner object (a ConfigMap every pod names as its owner), 
 watch of its pods and their events (`pool_watch`: the API server is read by watching, never by
 polling each pod), then one pod per node; wait until every pod runs (an elastic pool: at least
 `min_nodes`, the rest waiting for room), saying why the others wait in the scheduler's, the
-kubelet's and a node autoscaler's words (`pod_status`, `autoscaler_words`); a pod that can never
+kubelet's and a node autoscaler's words (`pod_status`, `pod_events`); a pod that can never
 start fails the start at once. Then one exec stream per pod through the API server carries the
 node's agent (`node_agents`). A pod that fails, is deleted, or whose node stops being ready is a
 lost node, replaced by a new pod; one asked to leave gives its ranks a preemption notice (its

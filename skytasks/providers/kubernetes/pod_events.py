@@ -1,4 +1,5 @@
-"""What a node autoscaler says about a pod that waits for a node, read from the pod's Events.
+"""What the Events about a pod say: a node autoscaler's word about a pod that waits for a node,
+the newest warning (a mount, a sandbox, a pull), and when each happened.
 
 A pod that no node can take yet is what makes an autoscaler add one, so on a cloud its wait is
 normal (minutes). The autoscalers say so on the pod itself, as core/v1 Events:
@@ -20,6 +21,7 @@ Pure functions over Events as the API returns them (plain dicts, camelCase).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 CLUSTER_AUTOSCALER = "cluster-autoscaler"
@@ -47,12 +49,19 @@ class AutoscalerWord:
         return f"{self.who}: {self.message}"
 
 
-def event_time(event: Mapping[str, Any]) -> str:
-    """When an Event happened, as a sortable RFC 3339 text: newer clusters fill `eventTime`
-    (events.k8s.io), 1.20's components `lastTimestamp`; `firstTimestamp` and the object's
-    creation are the fall-backs."""
-    return str(event.get("eventTime") or event.get("lastTimestamp") or event.get("firstTimestamp")
-               or (event.get("metadata") or {}).get("creationTimestamp") or "")
+def event_time(event: Mapping[str, Any]) -> float:
+    """When an Event happened (seconds since the epoch; 0 when it says nothing): eventTime on newer
+    clusters' events, lastTimestamp on older ones' (1.20's scheduler), else when it was first seen
+    or made. Parsed, not compared as text: "12:00:03Z" and "12:00:03.5Z" sort the wrong way as text."""
+    meta = event.get("metadata") or {}
+    for stamp in (event.get("eventTime"), event.get("lastTimestamp"), event.get("firstTimestamp"),
+                  meta.get("creationTimestamp")):
+        if stamp:
+            try:
+                return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return 0.0
 
 
 def source_of(event: Mapping[str, Any]) -> str:
@@ -73,7 +82,7 @@ def _speaker(source: str) -> str:
 
 def autoscaler_word(events: Sequence[Mapping[str, Any]]) -> Optional[AutoscalerWord]:
     """The newest Event in which an autoscaler spoke for the pod (None: none has)."""
-    newest: Optional[tuple[str, AutoscalerWord]] = None
+    newest: Optional[tuple[float, AutoscalerWord]] = None
     for event in events:
         who = _speaker(source_of(event))
         kind = _WORDS.get((who, str(event.get("reason") or "")))
