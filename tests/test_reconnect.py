@@ -287,3 +287,41 @@ def test_with_a_lease_a_break_keeps_the_bytes_and_a_new_transport_gets_them_from
     assert os.read(r2, 100) == b"!"
     with pytest.raises(ValueError):
         out.resume(os.fdopen(os.pipe()[1], "wb"), 5)  # bytes it already acknowledged are gone
+
+
+# -- the call while a node is out of reach (the state machine, driven by hand) --------------------
+
+def test_a_node_out_of_reach_pauses_the_hang_clock_and_the_call_goes_on_whole():
+    from skytasks.controller.call_run import Phase
+    from skytasks.protocol import Op, message
+    from tests.test_call_run import make_call, result
+
+    call, _, bus, heard = make_call(hang=5.0, now=0.0)
+    assert call.wake_at() == 5.0
+    call.handle(1, message(Op.RECONNECTING, reason="the stream closed", seconds=60.0), now=1.0)
+    assert call.wake_at() is None  # an outage is no hang: nothing the ranks send can arrive meanwhile
+    call.tick(now=30.0)
+    assert call.phase is Phase.RUNNING and "stop" not in bus.ops()
+    call.handle(1, message(Op.RECONNECTED, down_seconds=31.5), now=32.0)
+    assert call.wake_at() == 37.0  # the hang clock starts again from the node's return
+    call.handle(*result(call, 0, "a"), now=33.0)
+    call.handle(*result(call, 1, "b"), now=34.0)
+    assert call.done and call.result() == ["a", "b"] and call.lost == set()
+    reconnecting, reconnected = heard.events
+    assert isinstance(reconnecting, NodeReconnecting) and (reconnecting.node, reconnecting.seconds) == (1, 60.0)
+    assert reconnecting.address == "10.0.0.1" and "re-attaching for up to 60s" in reconnecting.text()
+    assert isinstance(reconnected, NodeReconnected) and (reconnected.node, reconnected.down_seconds) == (1, 31.5)
+    assert reconnected.payload() == {"node": 1, "address": "10.0.0.1", "down_seconds": 31.5}
+
+
+def test_a_node_lost_while_out_of_reach_is_a_node_recovery_and_the_hang_clock_runs_again():
+    from skytasks.protocol import Op, message
+    from tests.test_call_run import make_call
+
+    call, _, _, heard = make_call(nodes=3, hang=5.0, now=0.0)
+    call.handle(1, message(Op.RECONNECTING, reason="no heartbeat", seconds=2.0), now=1.0)
+    call.handle(2, message(Op.RECONNECTING, reason="the stream closed", seconds=2.0), now=1.0)
+    call.handle(1, message(Op.LOST, reason="not reached again within reattach_seconds=2"), now=3.0)
+    assert call.unreachable == {2}  # node 2 is still out of reach: still no hang
+    assert call.outcome().reason == "node lost"
+    assert [type(e) for e in heard.events] == [NodeReconnecting, NodeReconnecting, NodeLost]
