@@ -8,6 +8,7 @@ import ipaddress
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -374,7 +375,11 @@ def test_a_lost_node_goes_not_ready_its_pods_end_it_comes_back_and_stop_leaves_n
         assert sorted(n.metadata.name for n in api.list_node().items) == [node1, node2]  # the Node stays
         c.timings["not_ready_after_kill"] = took
         api.delete_namespaced_pod("doomed", "default", grace_period_seconds=0)  # or its kubelet runs it again
-        c.restart_node(node2)
+        # restarted from a thread that ends at once: the node must outlive it
+        helper = threading.Thread(target=c.restart_node, args=(node2,))
+        helper.start()
+        helper.join(120)
+        assert c.node_ready(node2) and c.node(node2).process.poll() is None
         # back, and linked again: a pod on it reaches one on the other node
         api.create_namespaced_pod("default", python_pod(c, "server", ECHO_SERVER, **on(node1)))
         server = wait_phase(api, "default", "server", ("Running", "Succeeded"))
