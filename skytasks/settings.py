@@ -46,6 +46,9 @@ class SkytasksSettings(BaseSettings):
         "fork", description="How a node starts its ranks: forked from one warm template process per node "
                             "(milliseconds each), or each as a fresh interpreter (exec).")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
+    k8s_autoscaler_silence_seconds: float = Field(
+        30.0, gt=0, description="kubernetes, k8s_autoscaler='auto': how long a pod may wait for a node with no "
+                                "node autoscaler speaking for it before the cluster is taken as fixed.")
     peer_tls: bool = Field(
         True, description="TLS on the relay links between node agents. Off (0) only to measure what it costs: "
                           "the links then carry the pool's arguments in the clear.")

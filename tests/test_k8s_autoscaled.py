@@ -4,9 +4,10 @@ placement across nodes, and a node that stops reporting, on the two-node test cl
 No node autoscaler can be installed here: `tests/autoscaler_standin.py` posts the Events Cluster
 Autoscaler posts (same reasons, source and message shapes, read in its source), then labels a node
 as a node that joins would. Each rule is tested against it: a scale-up waited for, a refusal that
-fails fast, a silent (fixed) cluster that fails after 30 s, a node that is not ready (tainted by
-the node controller) waited for, `"A10"` never on an A100 node, a template that narrows, two GPU
-pods on two nodes, and a pod whose node stops reporting lost within the node's grace period.
+fails fast, a silent (fixed) cluster that fails after the silence (30 s by default, 10 s here), a
+node that is not ready (tainted by the node controller) waited for, `"A10"` never on an A100 node,
+a template that narrows, two GPU pods on two nodes, and a pod whose node stops reporting lost
+within the node's grace period.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from tests.autoscaler_standin import AutoscalerStandIn
 from tests.kube import held, kube_pool
 
 SELECTOR = {"skytasks-test/group": "gpu-a"}  # no node carries it until "the autoscaler" adds one
+SILENCE = 10  # SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS here (30 by default): the rule, sooner
+
+
+@pytest.fixture(autouse=True)
+def shorter_silence(monkeypatch):
+    monkeypatch.setenv("SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS", str(SILENCE))
 
 
 @pytest.fixture
@@ -119,8 +126,8 @@ def test_a_scale_up_is_waited_for_in_the_autoscalers_words_past_the_silence_rule
         first = time.monotonic()
         for pod in pods:
             standin.triggered_scale_up(pod, "default", group="gpu-pool", from_=0, to=2, max=4)
-        # A real scale-up takes minutes: past the 30 s in which a silent cluster is taken as fixed.
-        time.sleep(max(0.0, 33 - (time.monotonic() - first)))
+        # A real scale-up takes minutes: past the time in which a silent cluster is taken as fixed.
+        time.sleep(max(0.0, SILENCE + 3 - (time.monotonic() - first)))
         for node in nodes:
             standin.node_joins(node, labels=SELECTOR)
 
@@ -133,7 +140,7 @@ def test_a_scale_up_is_waited_for_in_the_autoscalers_words_past_the_silence_rule
             out = distributed_task(hostname, pool=pool, init_torch=False)()
         helper.join(5)
     assert not helper.errors, helper.errors
-    assert len(out) == 2 and up > 33
+    assert len(out) == 2 and up > SILENCE + 3
     words = "waiting for a node the autoscaler is adding: cluster-autoscaler: pod triggered scale-up: " \
             "[{gpu-pool 0->2 (max: 4)}]"
     assert said.first(words) is not None, said.lines
@@ -157,17 +164,18 @@ def test_an_autoscalers_refusal_fails_the_start_within_seconds_in_its_words(k8s,
     text = str(caught.value)
     assert "cluster-autoscaler: pod didn't trigger scale-up: 1 max node group size reached" in text, text
     assert text.startswith("k8s_node_selector:") and "every pod was deleted" in text
-    assert took < 20, took  # not the 30 s silence, nor the ready timeout
+    assert "taken as fixed" not in text  # the autoscaler's refusal, not the silence rule
+    assert took < SILENCE + 5, took  # not the silence rule, nor the ready timeout
 
 
-def test_a_cluster_where_no_autoscaler_speaks_is_taken_as_fixed_after_thirty_seconds(k8s, nodes):
+def test_a_cluster_where_no_autoscaler_speaks_is_taken_as_fixed_after_the_silence(k8s, nodes):
     started = time.monotonic()
     with pytest.raises(PoolStartError, match="^k8s_node_selector") as caught:
         with kube_pool(k8s, k8s_node_selector=SELECTOR):
             pass
     took = time.monotonic() - started
     assert "didn't match" in str(caught.value) and "taken as fixed" in str(caught.value)
-    assert 29 < took < 60, took  # the silence rule, not the ready timeout (90 s)
+    assert SILENCE - 1 < took < SILENCE + 25, took  # the silence rule, not the ready timeout (90 s)
 
 
 def _kubelet(k8s, node: str) -> psutil.Process:

@@ -141,15 +141,17 @@ def view(pod: Mapping[str, Any]) -> PodView:
 
 
 # How long a pod may wait unschedulable, under k8s_autoscaler="auto", before a cluster on which no
-# autoscaler spoke for it is taken as fixed. Cluster Autoscaler looks at unschedulable pods every
+# autoscaler spoke for it is taken as fixed (SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS' default).
+# Cluster Autoscaler looks at unschedulable pods every
 # 10 s (--scan-interval) and Karpenter batches them for 1-10 s: both speak well within this.
 AUTOSCALER_SILENCE_SECONDS = 30.0
 
 
-def as_autoscaled(v: PodView, mode: str, word: Optional[AutoscalerWord], waited: float) -> PodView:
+def as_autoscaled(v: PodView, mode: str, word: Optional[AutoscalerWord], waited: float,
+                  silence: float = AUTOSCALER_SILENCE_SECONDS) -> PodView:
     """An unschedulable pod read with what the cluster's node autoscaler said of it
     (`k8s_autoscaler`): "auto" waits while one adds a node and fails on its refusal, and takes a
-    cluster where none spoke within AUTOSCALER_SILENCE_SECONDS as fixed; "none" is a fixed cluster
+    cluster where none spoke within `silence` seconds as fixed; "none" is a fixed cluster
     (a selector, affinity or taint no node matches can never start); "wait" always waits."""
     if not v.unschedulable or mode == "wait":
         return v
@@ -159,13 +161,13 @@ def as_autoscaled(v: PodView, mode: str, word: Optional[AutoscalerWord], waited:
         field = v.mismatch or "k8s_autoscaler"
         return replace(v, never=(field, f"the cluster's node autoscaler will not add a node for it: {word.describe()} "
                                         f"(the scheduler: {v.waiting})"))
-    if v.mismatch and (mode == "none" or waited >= AUTOSCALER_SILENCE_SECONDS):
+    if v.mismatch and (mode == "none" or waited >= silence):
         why = "" if mode == "none" else (f"; no node autoscaler spoke for the pod within "
-                                         f"{AUTOSCALER_SILENCE_SECONDS:g}s, so the cluster is taken as fixed "
+                                         f"{silence:g}s, so the cluster is taken as fixed "
                                          "(k8s_autoscaler='wait' waits anyway)")
         return replace(v, never=(v.mismatch, v.waiting + why))
     if mode == "auto" and v.mismatch:
-        return replace(v, waiting=f"{v.waiting} (waiting up to {AUTOSCALER_SILENCE_SECONDS:g}s for a node "
+        return replace(v, waiting=f"{v.waiting} (waiting up to {silence:g}s for a node "
                                   f"autoscaler to answer, {waited:.0f}s so far)")
     return v
 

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 from skytasks.providers.kubernetes import pod_status
 from skytasks.providers.kubernetes.pod_events import autoscaler_word, newest_warning
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
+from skytasks.settings import settings
 
 
 def starting(watch: PoolWatch, names: list[str], autoscaler: str, unschedulable_since: dict[str, float],
@@ -39,7 +40,8 @@ def starting(watch: PoolWatch, names: list[str], autoscaler: str, unschedulable_
             if v.mismatch == "k8s_node_selector":
                 v = replace(v, mismatch=selector_field)
             waited = now - unschedulable_since.setdefault(name, now)
-            v = pod_status.as_autoscaled(v, autoscaler, autoscaler_word(events), waited)
+            v = pod_status.as_autoscaled(v, autoscaler, autoscaler_word(events), waited,
+                                         settings().k8s_autoscaler_silence_seconds)
         elif v.waiting.startswith("ContainerCreating") or v.waiting.startswith("Pending: being"):
             why = newest_warning(events)  # a mount, a sandbox: said only in Events
             v = replace(v, waiting=f"{v.waiting} ({why})" if why else v.waiting)
