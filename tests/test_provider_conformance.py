@@ -352,3 +352,25 @@ def test_agents_end_when_their_controller_falls_silent_and_what_it_held_is_swept
     finally:
         provider.stop()
     nothing_left(fleet)
+
+
+def test_a_node_really_gone_is_lost_within_reattach_seconds(fleet):
+    """A leased node whose agent is killed (kubernetes: whose pod is deleted) is not waited for:
+    the provider's way in finds nothing behind the agent's door, or the fleet says the node is gone
+    (NodeGone), and the node is lost well within reattach_seconds; then replaced as before."""
+    spec = fleet.pool(nodes=2, reattach_seconds=20).spec()
+    session = PoolSession(provider_for(spec), spec.procs_per_node, dict(spec.env), nodes=(spec.fewest, spec.nodes),
+                          reattach_seconds=spec.reattach_seconds).start()
+    try:
+        leased = fleet.name != "local"  # local agents are reached without a stream that can break
+        assert all((n.lease is not None) == leased for n in session.nodes)
+        t0 = time.monotonic()
+        kill_agent(fleet, session, 1)  # lost within 30 s, or this fails
+        assert time.monotonic() - t0 < 15  # not the 20 s window: the node was found gone
+        heard = Heard()
+        session.prepare(heard, first_attempt=True)
+        [lost] = heard.of(NodeLost)
+        assert lost.node == 1 and heard.of(NodeReplaced)
+    finally:
+        session.close()
+    nothing_left(fleet)
