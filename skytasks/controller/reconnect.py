@@ -141,6 +141,13 @@ class Reconnector:
         threading.Thread(target=self._run, daemon=True, name=f"skytasks-reattach{self.channel.link.node_id}").start()
 
     def _run(self) -> None:
+        try:
+            self._reach_again()
+        except BaseException as exc:  # a bug here must not leave the node out of reach for ever
+            self.channel.mark_lost(f"{self.why}; re-attaching failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def _reach_again(self) -> None:
         channel, backoff, last = self.channel, BACKOFF_FIRST, ""
         try:
             channel.link.let_go_lost()  # the old transport: unblocks a writer stuck on it
