@@ -313,13 +313,18 @@ class KubernetesProvider(NodeProvider):
         from skytasks.providers.kubernetes.teardown import delete_pool
 
         with self._stop_lock:
-            if self._pods is not None:
-                self._pods.stop()
             if self._agents:
                 self._agents.end_all()
             if self._core is None or not self._made_owner:
+                if self._pods is not None:
+                    self._pods.stop()
                 return None
-            left, detail = delete_pool(self._core, self.namespace, self.pool_id, settings().teardown_wait_seconds)
+            try:  # the watch stays open until the pods are gone: it says so without a LIST each 0.3 s
+                left, detail = delete_pool(self._core, self.namespace, self.pool_id,
+                                           settings().teardown_wait_seconds, self._pods)
+            finally:
+                if self._pods is not None:
+                    self._pods.stop()
             self.nodes.clear()
             if left:
                 return self.reporter.teardown_failed(left, detail)
