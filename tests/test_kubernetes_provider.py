@@ -183,10 +183,14 @@ def test_a_pod_asked_to_leave_is_a_preemption_with_its_grace_period(k8s, tmp_pat
                 time.sleep(60)
         return (rank_info().attempt, start)
 
+    deleted_at: list[float] = []
+
     def delete_gracefully() -> None:
         deadline = time.monotonic() + 90
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
+        deleted_at.append(time.time())
+        # 20 s: the deletion's own grace, not the pod's terminationGracePeriodSeconds (30 s)
         k8s.kubectl("delete", "pod", marker.read_text(), "--grace-period=20", "--wait=false")
 
     from skytasks.events import NodePreempted
@@ -197,6 +201,8 @@ def test_a_pod_asked_to_leave_is_a_preemption_with_its_grace_period(k8s, tmp_pat
             out = train(str(tmp_path / "ckpt"), str(marker))
     [preempted] = [e for e in heard if isinstance(e, NodePreempted)]
     assert preempted.node == 1 and "asked the pod to leave" in preempted.source
+    assert preempted.deadline is not None and abs(preempted.deadline - (deleted_at[0] + 20)) < 5, \
+        (preempted.deadline, deleted_at)  # the deletion's deadline, as the API server set it
     assert out == [(2, 2), (2, 2)]  # the next attempt went on from the step after the checkpoint
 
 
