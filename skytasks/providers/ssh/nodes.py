@@ -355,7 +355,11 @@ class SSHNodes:
             for proc, _pumps in self._closers:
                 if not proc.stdin.is_closing():
                     proc.stdin.write_eof()
-            await asyncio.sleep(0)
+            # Each agent ends by itself (END, or EOF without a lease) before its connection
+            # closes: cut first, an agent could find its stdout broken before it read END, and
+            # wait out its re-attach window instead. Bounded: a dead node never answers.
+            if self._closers:
+                await asyncio.wait([asyncio.ensure_future(proc.wait_closed()) for proc, _ in self._closers], timeout=5)
             for conn in self._conns.values():
                 conn.close()
             # A node behind a dead link never acknowledges the close; do not wait for it long.
