@@ -168,8 +168,9 @@ class SlurmFleet(Fleet):
 
 
 class KubernetesFleet(Fleet):
-    """The test cluster's one real kubelet: pods ask for a tenth of a CPU each, and `room_for`
-    has a pod of someone else's hold the rest of the node's CPU."""
+    """The test cluster's first node (its pods are kept there, the second node is for the tests
+    of placement): pods ask for a tenth of a CPU each, and `room_for` has a pod of someone else's
+    hold the rest of the node's CPU."""
 
     name = "kubernetes"
     CPU = 100  # millicores per pod
@@ -182,13 +183,14 @@ class KubernetesFleet(Fleet):
 
         template = self.cluster.host_python_template()
         template["spec"]["containers"].append({"resources": {"requests": {"cpu": f"{self.CPU}m"}}})
+        template["spec"]["nodeSelector"] = {"kubernetes.io/hostname": self.cluster.nodes[0]}
         return kube_pool(self.cluster, k8s_pod_template=template, ready_timeout_seconds=60, **fields)
 
     @contextlib.contextmanager
     def room_for(self, count: int) -> Iterator[None]:
         import json
 
-        node = json.loads(self.cluster.kubectl("get", "node", "-o", "json").stdout)["items"][0]
+        node = json.loads(self.cluster.kubectl("get", "node", self.cluster.nodes[0], "-o", "json").stdout)
         from kubernetes.utils import parse_quantity
 
         allocatable = int(parse_quantity(node["status"]["allocatable"]["cpu"]) * 1000)
@@ -197,6 +199,7 @@ class KubernetesFleet(Fleet):
         container = template["spec"]["containers"][0]
         container.update(name="blocker", command=[sys.executable, "-c", "import time; time.sleep(600)"],
                          resources={"requests": {"cpu": f"{hold}m"}})
+        template["spec"]["nodeSelector"] = {"kubernetes.io/hostname": self.cluster.nodes[0]}
         manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "someone-elses"}, "spec": template["spec"]}
         path = self.cluster.folder / "someone-elses.json"
         path.write_text(json.dumps(manifest))
