@@ -3,14 +3,19 @@ under `skytasks run --nodes 2 --procs-per-node 2`, with a Prefect server running
 configured (Prefect's ephemeral server starts for the run), side by side in one run.
 
     .venv/bin/python benchmarks/run.py --only cli
+    .venv/bin/python benchmarks/cli_run.py 5 --also without-extra=/tmp/bare/bin/python
 
 Each figure is the median wall time of whole commands, as a user times them in a shell. The
 runs alternate, so a noisy moment on this shared machine does not land on one side. One unmeasured
 run of each comes first: Prefect creates its database on a first run, which a user pays once.
+`--also LABEL=PYTHON` times `skytasks run` under another interpreter too, in the same alternation
+(an environment with skytasks installed without the `kubernetes` extra, say): its figures are
+under `also[LABEL]`, their ratios to the same torchrun.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -80,7 +85,10 @@ class _Server:
                 self.proc.wait()
 
 
-def cli_run(repeats: int) -> dict:
+def cli_run(repeats: int, also: dict[str, str] | None = None) -> dict:
+    """The table's figures; `also`: more interpreters (label: path) whose `skytasks run` is timed
+    in the same alternation, each with Prefect homes of its own."""
+    pythons = {"": sys.executable, **(also or {})}
     root = Path(tempfile.mkdtemp(prefix="skytasks-bench-cli-"))
     try:
         (root / "train.py").write_text(SCRIPT)
@@ -88,27 +96,46 @@ def cli_run(repeats: int) -> dict:
         base.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
                     "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "train.py"]
-        skytasks = [sys.executable, "-m", "skytasks.cli", "run", "--nodes", "2", "--procs-per-node", "2", "train.py"]
-        no_server = {**base, "PREFECT_HOME": str(root / "ephemeral-home")}
         server = _Server(root / "server-home")
         try:
-            with_server = {**base, "PREFECT_HOME": str(root / "client-home"), "PREFECT_API_URL": server.url}
-            for env in (no_server, with_server):
-                _timed(skytasks, env, root)  # a first run creates Prefect's database: paid once
-            runs: dict[str, list[float]] = {"torchrun": [], "server": [], "no_server": []}
+            rows = []  # (runs key, command, environment) in the order each round times them
+            for label, python in pythons.items():
+                skytasks = [python, "-m", "skytasks.cli", "run", "--nodes", "2", "--procs-per-node", "2", "train.py"]
+                no_server = {**base, "PREFECT_HOME": str(root / f"ephemeral-home{label}")}
+                with_server = {**base, "PREFECT_HOME": str(root / f"client-home{label}"), "PREFECT_API_URL": server.url}
+                for env in (no_server, with_server):
+                    _timed(skytasks, env, root)  # a first run creates Prefect's database: paid once
+                rows += [(_key("server", label), skytasks, with_server), (_key("no_server", label), skytasks, no_server)]
+            runs: dict[str, list[float]] = {"torchrun": [], **{key: [] for key, _, _ in rows}}
             for _ in range(repeats):
                 runs["torchrun"].append(_timed(torchrun, base, root))
-                runs["server"].append(_timed(skytasks, with_server, root))
-                runs["no_server"].append(_timed(skytasks, no_server, root))
+                for key, cmd, env in rows:
+                    runs[key].append(_timed(cmd, env, root))
         finally:
             server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    torchrun_s, server_s, none_s = (statistics.median(runs[k]) for k in ("torchrun", "server", "no_server"))
+    torchrun_s = statistics.median(runs["torchrun"])
+    return {**_figures(runs, "", torchrun_s), "runs": runs,
+            **({"also": {label: _figures(runs, label, torchrun_s) for label in also}} if also else {})}
+
+
+def _key(row: str, label: str) -> str:
+    return f"{row}:{label}" if label else row
+
+
+def _figures(runs: dict[str, list[float]], label: str, torchrun_s: float) -> dict:
+    server_s, none_s = (statistics.median(runs[_key(row, label)]) for row in ("server", "no_server"))
     return {"torchrun_s": torchrun_s, "with_server_s": server_s, "no_server_s": none_s,
-            "with_server_ratio": server_s / torchrun_s, "no_server_ratio": none_s / torchrun_s,
-            "runs": runs}
+            "with_server_ratio": server_s / torchrun_s, "no_server_ratio": none_s / torchrun_s}
 
 
 if __name__ == "__main__":
-    print(cli_run(int(sys.argv[1]) if len(sys.argv) > 1 else 3))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("repeats", nargs="?", type=int, default=3)
+    parser.add_argument("--also", action="append", default=[], metavar="LABEL=PYTHON",
+                        help="time skytasks run under this interpreter too")
+    args = parser.parse_args()
+    print(json.dumps(cli_run(args.repeats, dict(a.split("=", 1) for a in args.also)), indent=2))
