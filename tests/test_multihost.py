@@ -145,7 +145,10 @@ def test_a_link_going_down_mid_run_fails_the_call_in_bounded_time_and_leaves_not
     puller.start()
     try:
         with pytest.raises(DistributedTaskError) as caught:
-            distributed_task(all_reduce_forever, pool=netns_pool(hosts), timeout_seconds=90, node_recoveries=0)()
+            # A cut link is first a break: the pool tries to reach the node again for reattach_seconds
+            # (60 s by default) before the node is lost; 5 s here.
+            distributed_task(all_reduce_forever, pool=netns_pool(hosts, reattach_seconds=5), timeout_seconds=90,
+                             node_recoveries=0)()
         assert "down_at" in outcome, "the link was never taken down: the ranks were not seen running"
         failed_after = time.monotonic() - outcome["down_at"]
     finally:
@@ -153,6 +156,7 @@ def test_a_link_going_down_mid_run_fails_the_call_in_bounded_time_and_leaves_not
         ip("link", "set", link, "up")
     [exc] = caught.value.exceptions
     assert isinstance(exc, ConnectionError) and "node 1" in str(exc) and "no heartbeat" in str(exc)
+    assert "not reached again within reattach_seconds=5" in str(exc)
     print(f"the call failed {failed_after:.1f}s after the link went down")
     assert failed_after < 30, f"the call took {failed_after:.1f}s to fail after the link went down"
     # The cut-off node's agent stops its rank on its own (the autouse leak check waits 10 s more).
