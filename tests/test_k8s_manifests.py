@@ -53,23 +53,27 @@ def test_a_pod_holds_its_identity_shm_and_no_secret():
         assert secret not in repr(pod)
 
 
-def test_without_a_lifetime_a_pod_has_no_deadline_and_the_owner_no_expiry():
+def test_without_a_lifetime_a_pod_has_no_deadline_and_the_owner_carries_the_pools_lease():
+    from skytasks.providers.remote_fields import lease_expiry
+
     pool = GPUPool(provider="kubernetes", k8s_image="x", max_lifetime_minutes=None)
     spec = pool.spec()
     k8s = spec.own(KubernetesSpec)
     assert "activeDeadlineSeconds" not in pods.pod_manifest(spec, k8s, "p", 0, OWNER)["spec"]
-    owner = pods.owner_manifest("p", "mine", k8s)
-    assert pods.EXPIRES_ANNOTATION not in owner["metadata"]["annotations"]
-    assert owner["metadata"]["annotations"][pods.NAME_ANNOTATION] == "mine"
-    # gc then goes by the pods: none since long ago, or every one ended.
     now = datetime(2026, 11, 27, 12, tzinfo=timezone.utc)
+    lease = lease_expiry(now, now, k8s.idle_minutes, k8s.max_lifetime_minutes)
+    owner = pods.owner_manifest("p", "mine", k8s, lease)
+    assert owner["metadata"]["annotations"][pods.NAME_ANNOTATION] == "mine"
+    # idle_minutes (15) and two renewals (5 min each) on: what gc goes by once the controller is gone
+    assert owner["metadata"]["annotations"][pods.EXPIRES_ANNOTATION] == "2026-11-27T12:25:00Z"
     owner["metadata"]["creationTimestamp"] = "2026-11-27T11:00:00Z"
-    assert gc.why_stale(owner, [{"status": {"phase": "Running"}}], now + timedelta(days=30), timedelta(minutes=15)) is None
-    assert "no pod" in gc.why_stale(owner, [], now, timedelta(minutes=15))
-    timed = GPUPool(provider="kubernetes", k8s_image="x", max_lifetime_minutes=90).spec()
-    at = datetime(2026, 11, 27, 12, tzinfo=timezone.utc)
-    assert pods.owner_manifest("p", "mine", timed.own(KubernetesSpec), at)["metadata"]["annotations"][
-        pods.EXPIRES_ANNOTATION] == "2026-11-27T13:30:00Z"
+    running = [{"status": {"phase": "Running"}}]
+    assert gc.why_stale(owner, running, now + timedelta(minutes=20), timedelta(minutes=15)) is None
+    assert "expired" in gc.why_stale(owner, running, now + timedelta(minutes=30), timedelta(minutes=15))
+    timed = GPUPool(provider="kubernetes", k8s_image="x", max_lifetime_minutes=20).spec().own(KubernetesSpec)
+    capped = lease_expiry(now, now, timed.idle_minutes, timed.max_lifetime_minutes)
+    assert pods.owner_manifest("p", "mine", timed, capped)["metadata"]["annotations"][
+        pods.EXPIRES_ANNOTATION] == "2026-11-27T12:20:00Z"  # never past the cap
 
 
 def test_the_pods_declare_their_owner_as_their_controller():

@@ -12,7 +12,7 @@ stream through the API server, which authenticates the controller.
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional
 
 from skytasks.pool_spec import PoolSpec
@@ -88,19 +88,12 @@ def pod_name(pool_id: str, node_id: int) -> str:
     return f"{pool_id}-{node_id}"
 
 
-def expires_at(max_lifetime_minutes: float, now: Optional[datetime] = None) -> str:
-    now = now or datetime.now(timezone.utc)
-    return (now + timedelta(minutes=max_lifetime_minutes)).strftime(TIME_FORMAT)
-
-
-def owner_manifest(pool_id: str, pool_name: str, k8s: KubernetesSpec, now: Optional[datetime] = None) -> dict[str, Any]:
+def owner_manifest(pool_id: str, pool_name: str, k8s: KubernetesSpec, expires: datetime) -> dict[str, Any]:
     """The pool's owner object, a ConfigMap: every pod names it as its owner, so deleting it (the
     pool's end, `skytasks gc --kubernetes`, or a person) has Kubernetes' garbage collector delete them.
-    Without `max_lifetime_minutes` it carries no expiry: gc then goes by its pods (none left, or
-    every one ended)."""
-    annotations = {NAME_ANNOTATION: pool_name}
-    if k8s.max_lifetime_minutes is not None:
-        annotations[EXPIRES_ANNOTATION] = expires_at(k8s.max_lifetime_minutes, now)
+    `expires` is the pool's lease (`remote_fields.Lease`), which the live controller renews: past it
+    gc takes the pool for an orphan, however long a capless training run goes on while it lives."""
+    annotations = {NAME_ANNOTATION: pool_name, EXPIRES_ANNOTATION: expires.strftime(TIME_FORMAT)}
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": pool_id, "labels": {MANAGED_BY[0]: MANAGED_BY[1], POOL_LABEL: pool_id},
                          "annotations": annotations},

@@ -29,6 +29,7 @@ from skytasks.providers.kubernetes import cluster, pod_status, pod_views, pods
 from skytasks.providers.kubernetes.node_agents import PodAgents
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
 from skytasks.providers.kubernetes.spec import KubernetesSpec
+from skytasks.providers.remote_fields import Lease
 from skytasks.providers.reporting import PoolReporter
 from skytasks.providers.teardown import uninterruptible
 from skytasks.settings import settings
@@ -56,6 +57,8 @@ class KubernetesProvider(NodeProvider):
         self._owner_ref: Optional[dict[str, Any]] = None
         self._node_labels: Optional[list[dict[str, str]]] = None  # the nodes' labels, when the pool may read them
         self._pods: Optional[PoolWatch] = None
+        # The owner's skytasks.io/expires-at, renewed while this controller lives (gc's orphan rule).
+        self._lease = Lease(self._k8s.idle_minutes, self._k8s.max_lifetime_minutes)
         # What to fix when no node matches the pods' node affinity: the selector the user set, else
         # the GPU product the pool requires, else the template's own affinity.
         self._selector_field = ("k8s_node_selector" if self._k8s.node_selector or not self._k8s.accelerator
@@ -105,10 +108,12 @@ class KubernetesProvider(NodeProvider):
         self._cfg = cluster.configuration(self._k8s.credentials)
         self._core = client.CoreV1Api(cluster.api_client(self._cfg))
         self._agents = PodAgents(self._cfg, self.namespace, self._k8s.remote_python, self._k8s.ready_timeout_seconds)
-        owner = pods.owner_manifest(self.pool_id, self._spec.name, self._k8s)
+        owner = pods.owner_manifest(self.pool_id, self._spec.name, self._k8s, self._lease.expiry())
         made = self._api(lambda: self._core.create_namespaced_config_map(self.namespace, owner), "create configmaps")
         self._owner_ref = pods.owner_reference({"metadata": {"name": made.metadata.name, "uid": made.metadata.uid}})
         self._made_owner = True
+        self._lease.keep(self._renew_lease, lambda line: self.reporter.note(f"{self.pool_id}: {line}"),
+                         name=f"skytasks-lease-{self.pool_id}")
         # Watching before the first pod is made: every change to the pool's pods is heard.
         self._pods = PoolWatch(self._cfg, self.namespace, self.pool_id).start(self._k8s.ready_timeout_seconds)
         if self._k8s.accelerator:
@@ -122,6 +127,10 @@ class KubernetesProvider(NodeProvider):
             return call()
         except (ApiException, urllib3.exceptions.HTTPError) as exc:
             raise cluster.refused(exc, doing, self.namespace) from exc
+
+    def _renew_lease(self, until: Any) -> None:
+        patch = {"metadata": {"annotations": {pods.EXPIRES_ANNOTATION: until.strftime(pods.TIME_FORMAT)}}}
+        self._core.patch_namespaced_config_map(self.pool_id, self.namespace, patch, _request_timeout=30)
 
     def _read_node_labels(self, accelerator: str) -> Optional[list[dict[str, str]]]:
         """The labels of the cluster's nodes, when the pool may read nodes: the GPU product values
@@ -313,6 +322,7 @@ class KubernetesProvider(NodeProvider):
         from skytasks.providers.kubernetes.teardown import delete_pool
 
         with self._stop_lock:
+            self._lease.stop()
             if self._agents:
                 self._agents.end_all()
             if self._core is None or not self._made_owner:
