@@ -175,6 +175,7 @@ def test_ssh_reattach_connects_anew_when_the_node_s_connection_was_cut(sshd, doo
         port = node_1.get_extra_info("sockname")[1]
         [session] = [p for p in sessions_of(sshd) if any(c.raddr and c.raddr.port == port for c in p.net_connections())]
         victim = next(a for a in agents if session in a.parents())
+        lease(links[1])  # leased, the agent outlives its stream (unleased, it would end with it, as before)
         session.kill()
         deadline = time.monotonic() + 10
         while not node_1.is_closed() and time.monotonic() < deadline:
@@ -293,6 +294,7 @@ def test_a_slurm_agent_outlives_its_srun_and_shepherd_and_is_reached_again(clust
         assert len(agents) == 2
         sruns = agent_sruns(node.job_id, node.name)
         assert len(sruns) == 2, sruns  # srun and its shepherd
+        lease(links[1])  # leased, the agent outlives its stream (unleased, it would end with it, as before)
         for p in sruns:
             p.kill()
         assert links[1].inbound.read() is not None  # the stream ends (EOF), at once
