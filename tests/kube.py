@@ -5,7 +5,9 @@ machine's Python (the test image has none of its own)."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +46,31 @@ def held(cluster: Any, namespace: str = "default") -> list[str]:
                                             "-o", "json").stdout)["items"]
         out += [f"{kind}/{i['metadata']['name']}" for i in listed]
     return out
+
+
+class Said(logging.Handler):
+    """The skytasks logger's lines (what the console and the flow run's log show), each with how
+    many seconds after `with Said()` it came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started, self.lines = time.monotonic(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((time.monotonic() - self.started, record.getMessage()))
+
+    def __enter__(self) -> Said:
+        log = logging.getLogger("skytasks")
+        self._level = log.level
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        log = logging.getLogger("skytasks")
+        log.removeHandler(self)
+        log.setLevel(self._level)
+
+    def first(self, text: str) -> float | None:
+        """When a line holding `text` first came (None: none did)."""
+        return next((t for t, line in self.lines if text in line), None)

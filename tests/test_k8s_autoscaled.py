@@ -13,7 +13,6 @@ within the node's grace period.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 
@@ -24,7 +23,7 @@ from skytasks import PoolStartError, distributed_task, rank_info
 from skytasks.events import NodeLost, listen
 from skytasks.providers.kubernetes import gpu_types
 from tests.autoscaler_standin import AutoscalerStandIn
-from tests.kube import held, kube_pool
+from tests.kube import Said, held, kube_pool
 
 SELECTOR = {"skytasks-test/group": "gpu-a"}  # no node carries it until "the autoscaler" adds one
 SILENCE = 10  # SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS here (30 by default): the rule, sooner
@@ -52,31 +51,6 @@ def nodes(k8s):
     for node in (node1, node2):
         k8s.label_node(node, {key: None for key in SELECTOR})
         k8s.set_gpus(node, 0)
-
-
-class Said(logging.Handler):
-    """The skytasks logger's lines (what the console and the flow run's log show), timed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.started, self.lines = time.monotonic(), []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((time.monotonic() - self.started, record.getMessage()))
-
-    def __enter__(self) -> Said:
-        log = logging.getLogger("skytasks")
-        self._level = log.level
-        log.setLevel(logging.INFO)
-        log.addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("skytasks").removeHandler(self)
-        logging.getLogger("skytasks").setLevel(self._level)
-
-    def first(self, text: str) -> float | None:
-        return next((t for t, line in self.lines if text in line), None)
 
 
 def pool_pods(k8s) -> list[dict]:

@@ -8,7 +8,6 @@ for them. After every test the API server holds nothing the pool made.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ import pytest
 
 from skytasks import PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.events import NodeLost, NodeReplaced, listen
-from tests.kube import held, kube_pool
+from tests.kube import Said, held, kube_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,29 +66,6 @@ def test_two_pods_run_a_call_with_their_own_ips_and_nothing_secret_in_any_pod_sp
     assert held(k8s) == []  # the pool's exit deleted everything and waited until it was gone
 
 
-class Timed(logging.Handler):
-    """The skytasks logger's lines (what the console shows), with when each came."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.started, self.lines = time.monotonic(), []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((time.monotonic() - self.started, record.getMessage()))
-
-    def __enter__(self) -> Timed:
-        log = logging.getLogger("skytasks")
-        self._level = log.level
-        log.setLevel(logging.INFO)
-        log.addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        log = logging.getLogger("skytasks")
-        log.removeHandler(self)
-        log.setLevel(self._level)
-
-
 def test_on_a_fixed_cluster_a_pod_no_node_can_take_fails_the_start_at_once_naming_the_field(k8s):
     started = time.monotonic()
     with pytest.raises(PoolStartError, match="^k8s_node_selector") as caught:
@@ -110,7 +86,7 @@ def test_an_image_that_does_not_exist_fails_the_start_at_once(k8s):
 
 
 def test_pods_waiting_for_room_say_why_within_seconds_and_fail_at_the_ready_timeout(k8s):
-    with Timed() as said:
+    with Said() as said:
         with pytest.raises(PoolStartError, match="ready_timeout_seconds") as caught:
             with kube_pool(k8s, k8s_cpu="64", ready_timeout_seconds=8):
                 pass
