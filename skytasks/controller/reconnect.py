@@ -19,7 +19,7 @@ import select
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from skytasks.errors import NodeGone
 from skytasks.protocol import Op, check, message
@@ -27,8 +27,23 @@ from skytasks.resume import Outbox, agent_proof, controller_proof, new_nonce, pr
 from skytasks.wire import ChannelClosed, FrameWriter, read_frame
 
 if TYPE_CHECKING:
-    from skytasks.controller.channel import NodeChannel
     from skytasks.providers import NodeLink, NodeProvider
+
+
+class BrokenChannel(Protocol):
+    """What re-attaching needs of a node's channel (`channel.NodeChannel` is one): its link, the
+    agent's door and instance from its hello, the bytes read from it, and the two ways out."""
+
+    link: NodeLink
+    alive: bool
+    door: str
+    instance: str
+    got: int
+
+    def mark_lost(self, reason: str) -> None: ...
+
+    def swap(self, link: NodeLink, agent_got: int, down_seconds: float) -> bool: ...
+
 
 HANDSHAKE_SECONDS = 10.0  # the most one door handshake may take (the agent's own bound is the same)
 ATTEMPT_SECONDS = 15.0  # the most one `reattach` is given
@@ -133,7 +148,7 @@ class Reconnector:
     """One broken stream brought back, on a thread of its own: `provider.reattach` with backoff
     until `reattach_seconds` from the break, then the door's handshake, then the channel's swap."""
 
-    def __init__(self, channel: NodeChannel, lease: Lease, why: str, broke_at: float):
+    def __init__(self, channel: BrokenChannel, lease: Lease, why: str, broke_at: float):
         self.channel, self.lease, self.why, self.broke_at = channel, lease, why, broke_at
         self.deadline = broke_at + lease.seconds
 
