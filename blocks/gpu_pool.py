@@ -69,6 +69,9 @@ class PoolShape(BaseModel):
     reattach_seconds: float = Field(
         60, ge=0, description="How long a node whose stream to the controller broke may take to be reached again "
         "before it is a lost node (ssh, aws, slurm, kubernetes; a local pool's streams cannot break).")
+    keep_warm_minutes: float = Field(
+        0, ge=0, description="A saved pool's nodes stay up after the process that holds them ends, for the next "
+        "process to attach to, until nobody has held them this long; 0: they end with their process.")
 
 
 # Each provider's own fields come from its folder (skytasks/providers/<name>/spec.py); pydantic
@@ -180,7 +183,7 @@ def train(epochs: int = 3) -> dict:
         return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
                         env={**aws_environment(self.aws_credentials), **self.env}, part=part,
-                        reattach_seconds=self.reattach_seconds)
+                        reattach_seconds=self.reattach_seconds, keep_warm_minutes=self.keep_warm_minutes)
 
     def reshaped(self, **shape: int | None) -> GPUPool:
         """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so

@@ -30,6 +30,9 @@ class PoolSpec:
     # How long a node whose stream broke may take to be reached again (on a provider that can open
     # a new stream to a running agent) before it is a lost node; 0: a broken stream is a lost node.
     reattach_seconds: float = 60.0
+    # A saved pool's nodes outlive the process that holds them for this long unheld (warm pools,
+    # skytasks.controller.warm); 0: they end with the process, as without warm pools.
+    keep_warm_minutes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_nodes is None:
@@ -38,6 +41,8 @@ class PoolSpec:
             raise ValueError(f"min_nodes: must be between 1 and nodes={self.nodes}, got {self.min_nodes}")
         if not self.reattach_seconds >= 0:
             raise ValueError(f"reattach_seconds: must be 0 or more, got {self.reattach_seconds!r}")
+        if not self.keep_warm_minutes >= 0:
+            raise ValueError(f"keep_warm_minutes: must be 0 or more, got {self.keep_warm_minutes!r}")
 
     def own(self, kind: type[Part]) -> Part:
         """The provider's own part, as the type it expects: a pool built for another provider is
