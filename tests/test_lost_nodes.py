@@ -83,7 +83,8 @@ def test_an_unreachable_ssh_host_is_named_when_it_cannot_be_replaced(tmp_path):
 
     server = SSHServer(tmp_path / "sshd", ["127.0.0.1", "127.0.0.2"], free_port())
     pool = GPUPool(provider="ssh", nodes=2, hosts=[f"root@127.0.0.1:{server.port}", f"root@127.0.0.2:{server.port}"],
-                   ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable)
+                   ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable,
+                   reattach_seconds=5)  # a stopped sshd is tried again this long before its node is lost
     task = distributed_task(kill_my_agent_once, pool=pool, retries=2)
     try:
         with pool:
