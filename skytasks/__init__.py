@@ -17,6 +17,7 @@ _EXPORTS = {
     "RankProcessDied": "skytasks.errors",
     "RemoteRankError": "skytasks.errors",
     "Checkpointer": "skytasks.checkpoint",
+    "CheckpointError": "skytasks.errors",
     "HangError": "skytasks.errors",
     "PoolConfigError": "skytasks.errors",
     "PoolStartError": "skytasks.errors",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
                                  RankFailure, RankProcessDied,
                                  RemoteRankError, ScriptFailed)
     from skytasks.checkpoint import Checkpointer
+    from skytasks.errors import CheckpointError
     from skytasks.script import ScriptResult, run_script
     from skytasks.output import silent, stderr, stdout
     from skytasks.rank import RankInfo, rank_info

@@ -8,6 +8,7 @@ stopped because of them are not members: they are the consequence, not the cause
 
 from __future__ import annotations
 
+import pickle
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,20 @@ class RankProcessDied(ChildProcessError):
         else:
             how = f"exited with code {returncode}"
         super().__init__(f"rank {rank} {how} without raising an exception")
+
+
+class CheckpointError(pickle.UnpicklingError):
+    """`Checkpointer.load_latest()` refused a checkpoint: it holds something other than a state
+    dict's tensors, numbers, strings and containers, which loading would have had to run code to
+    build. `.type_name` is what it met (e.g. "posix.system"). A subclass of the error torch's own
+    weights-only loading raises, so code that caught that still catches this."""
+
+    def __init__(self, message: str, type_name: str = "", path: str = ""):
+        super().__init__(message)
+        self.type_name, self.path = type_name, path
+
+    def __reduce__(self):
+        return type(self), (str(self), self.type_name, self.path)
 
 
 class PoolConfigError(ValueError):
