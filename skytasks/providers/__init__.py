@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Optional, Protocol, runtime_checkable
 
-from skytasks.errors import NodeGone
+from skytasks.errors import NodeGone, PoolConfigError
 from skytasks.settings import settings
 
 if TYPE_CHECKING:
@@ -112,6 +112,32 @@ class NodeProvider(Protocol):
         raised is tried again, until reattach_seconds from the break. Only asked of a provider
         that `reattaches`."""
         raise NodeGone("this provider cannot reach a running agent again")
+
+    # Warm pools (keep_warm_minutes): the nodes outlive the process that started them, and a later
+    # process's provider takes them over. A provider that cannot keeps these defaults.
+
+    def handle(self) -> dict[str, Any]:
+        """Where this pool's nodes are, for another process's provider to `adopt`: plain JSON
+        (str/int/float/bool/None, lists, dicts with str keys), never a credential (keys and tokens
+        stay in the pool's own fields). Asked after `start` and after every replace/grow/release
+        while the pool is warm; it names every node the provider now holds, by node id."""
+        raise PoolConfigError(f"keep_warm_minutes: provider {type(self).__name__} cannot keep nodes warm")
+
+    def adopt(self, handle: dict[str, Any]) -> None:
+        """Instead of `start`: take over the nodes a `handle` names, already running (their agents
+        too), so `reattach`, `replace`, `grow`, `release`, `leave_running` and `stop` work on them
+        as on nodes this process started. Starts nothing and opens no stream (the controller
+        reaches each agent with `reattach`); a node found gone is the controller's to find then
+        (`reattach` raises NodeGone), not an error here. Raises PoolStartError only when the whole
+        pool cannot be taken over (its allocation or owner is gone: the controller starts afresh)."""
+        raise PoolConfigError(f"keep_warm_minutes: provider {type(self).__name__} cannot keep nodes warm")
+
+    def leave_running(self) -> None:
+        """Instead of `stop`, when the pool stays warm: let go of what this process holds (its
+        streams' processes and connections, watches, lease-renewing threads) and leave the nodes,
+        their agents and whatever keeps them (instances, pods, the allocation) running. The
+        nodes' own keep-warm clock ends them later. `stop` is not called afterwards."""
+        raise PoolConfigError(f"keep_warm_minutes: provider {type(self).__name__} cannot keep nodes warm")
 
     def free_port(self, head: int) -> int:
         """A port on the head node (by its node id) that the peers can rendezvous on."""
