@@ -1,4 +1,5 @@
-"""`Checkpointer(path, keep=3)`: save on the head, resume on every rank, never a half-written file.
+"""`Checkpointer(path, keep=3, trusted=False)`: save on the head, resume on every rank, never a
+half-written file, and never code run by loading one.
 
 `path` is a directory or `s3://bucket/prefix`. A checkpoint is one object named by its step,
 `step-000000000042.pt`, holding what `torch.save` wrote:
@@ -21,16 +22,29 @@ at step 0; on a later attempt every rank gets the newest checkpoint and goes on 
 
 A checkpoint holds what the user gives it: a model's `state_dict` is the same for any world size,
 so an attempt with fewer ranks (an elastic pool that lost a node) resumes from it as well.
+
+A checkpoint runs no code: whoever can write the store (a shared bucket, a shared file system)
+must not be able to run code in every rank. `load_latest` reads with torch's weights-only
+unpickler (tensors, numbers, strings and their containers: a model's and an optimizer's state
+dicts), and the head sends the other ranks the file's bytes as tensors, never a pickle, so each
+rank's own weights-only load decides. A checkpoint holding anything else raises `CheckpointError`;
+`trusted=True` unpickles fully, for checkpoints one wrote oneself. Directories made here are 0700
+and files 0600: weights on shared storage are their owner's alone.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 from typing import Any, Protocol
 
+from skytasks.errors import CheckpointError
+
 _NAME = re.compile(r"^step-(\d{12})\.pt$")
+_CHUNK = 64 << 20  # bytes per broadcast: what a rank holds at once beyond the checkpoint itself
+_NONE, _HEAD_FAILED = -1, -2  # the header's step when the head has no checkpoint, or could not read it
 
 
 def _name(step: int) -> str:
@@ -44,6 +58,9 @@ class Checkpointer:
     `save(state, step)` writes on the head only, atomically, keeping the newest `keep`;
     `load_latest()` gives every rank the newest `(step, state)`, or None;
     `save_if_preempted(state, step)` saves and ends the attempt once a preemption notice came.
+    `trusted=False` (the default) loads tensors, numbers, strings and their containers only, and
+    raises `CheckpointError` on anything else; `trusted=True` unpickles fully (it runs whatever
+    code the file names), for checkpoints you wrote yourself.
 
         ckpt = Checkpointer("/data/ckpt")
         found = ckpt.load_latest()
@@ -53,9 +70,12 @@ class Checkpointer:
             ckpt.save({"model": model.state_dict()}, step)
     """
 
-    def __init__(self, path: str | os.PathLike, keep: int = 3):
+    def __init__(self, path: str | os.PathLike, keep: int = 3, trusted: bool = False):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: must be an integer ≥ 1, got {keep!r}")
+        if not isinstance(trusted, bool):
+            raise ValueError(f"trusted: must be True or False, got {trusted!r}")
+        self.trusted = trusted
         text = os.fspath(path)
         if not text:
             raise ValueError("path: give a directory or s3://bucket/prefix")
@@ -112,27 +132,92 @@ class Checkpointer:
 
     def load_latest(self, map_location: Any = "cpu") -> tuple[int, Any] | None:
         """`(step, state)` of the newest complete checkpoint, or None; the same on every rank
-        (inside a process group the head reads and broadcasts, so a directory on the head's
-        node alone serves every node)."""
+        (inside a process group the head reads the file and broadcasts its bytes, so a directory
+        on the head's node alone serves every node; each rank then loads them itself).
+        Raises `CheckpointError` where the checkpoint holds more than a state dict's kinds of
+        objects and `trusted` is False."""
+        in_group = _process_group_world() is not None
+        found: tuple[int, bytes | bytearray] | None = None
+        if not in_group:
+            steps = self.steps()
+            found = (steps[-1], self._store.get(_name(steps[-1]))) if steps else None
+        else:
+            found = _broadcast_newest(self if _is_head() else None)
+        if found is None:
+            return None
+        step, data = found
+        return step, self._load(data, step, map_location)
+
+    def _load(self, data: bytes | bytearray, step: int, map_location: Any) -> Any:
         import torch
 
-        group = _process_group_world()
-        found = None
-        if group is None or _is_head():
-            steps = self.steps()
-            if steps:
-                data = self._store.get(_name(steps[-1]))
-                found = (steps[-1], torch.load(io.BytesIO(data), map_location=map_location, weights_only=False))
-        if group is not None:
-            import torch.distributed as dist
-
-            box = [found]
-            dist.broadcast_object_list(box, src=0)
-            found = box[0]
-        return found
+        try:
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=not self.trusted)
+        except pickle.UnpicklingError as exc:
+            if self.trusted or "Weights only load failed" not in str(exc):
+                raise
+            where = f"{self.path.rstrip('/')}/{_name(step)}"
+            what = _what_it_met(str(exc))
+            raise CheckpointError(
+                f"checkpoint {where} holds {what}, which loading would have to run code to build: "
+                f"Checkpointer loads tensors, numbers, strings and their containers only (a model's and an "
+                f"optimizer's state dicts). Checkpointer(..., trusted=True) unpickles it fully, running "
+                f"whatever code it names: only for checkpoints you wrote yourself.", what, where) from None
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self.path!r}, keep={self.keep})"
+        trusted = ", trusted=True" if self.trusted else ""
+        return f"Checkpointer({self.path!r}, keep={self.keep}{trusted})"
+
+
+def _what_it_met(torch_message: str) -> str:
+    """What torch's weights-only unpickler refused, from its error's text: the global it met
+    ("GLOBAL posix.system ..."), else its own words ("Unsupported operand 149")."""
+    named = re.search(r"GLOBAL ([\w.]+)", torch_message)
+    if named:
+        return named.group(1)
+    said = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", torch_message)
+    return said.group(1).strip() if said else "an object that weights-only loading does not accept"
+
+
+def _broadcast_newest(head: Checkpointer | None) -> tuple[int, bytes | bytearray] | None:
+    """The head's newest `(step, file bytes)` on every rank, as tensors: a header (step, length),
+    then the bytes in chunks. Plain bytes, never a pickle: each rank's own weights-only load
+    judges them. `head` is the head's Checkpointer, None on the other ranks."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data: bytes | bytearray = b""
+    step, failure = _NONE, None
+    if head is not None:
+        try:
+            steps = head.steps()
+            if steps:
+                step, data = steps[-1], head._store.get(_name(steps[-1]))
+        except Exception as exc:  # noqa: BLE001 - said to the other ranks, then raised here
+            step, failure = _HEAD_FAILED, exc
+    header = torch.tensor([step, len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0)
+    if failure is not None:
+        raise failure
+    step, size = (int(v) for v in header.tolist())
+    if step == _HEAD_FAILED:
+        raise RuntimeError("Checkpointer.load_latest: the head could not read the newest checkpoint (its error is "
+                           "rank 0's)")
+    if step == _NONE:
+        return None
+    received = bytearray(size) if head is None else data
+    view = memoryview(received)
+    for start in range(0, size, _CHUNK):
+        n = min(_CHUNK, size - start)
+        if head is not None:
+            chunk = torch.frombuffer(bytearray(view[start:start + n]), dtype=torch.uint8).to(device)
+        else:
+            chunk = torch.empty(n, dtype=torch.uint8, device=device)
+        dist.broadcast(chunk, src=0)
+        if head is None:
+            torch.frombuffer(view[start:start + n], dtype=torch.uint8).copy_(chunk)
+    return step, received
 
 
 def _is_head() -> bool:
@@ -163,11 +248,11 @@ class _DirectoryStore(_Store):
         self.root = root
 
     def put(self, name: str, data: memoryview) -> str:
-        os.makedirs(self.root, exist_ok=True)
+        _make_private_dirs(self.root)
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".{name}.{os.getpid()}.partial")
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(_create_private(tmp), "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -203,6 +288,37 @@ class _DirectoryStore(_Store):
             os.unlink(os.path.join(self.root, name))
         except FileNotFoundError:
             pass
+
+
+def _make_private_dirs(root: str) -> None:
+    """`root` and every directory above it that is missing, each made 0700 (those that exist
+    keep their mode: they are the user's)."""
+    missing = []
+    while not os.path.isdir(root):
+        missing.append(root)
+        parent = os.path.dirname(root)
+        if parent == root:
+            break
+        root = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile by another process: its mode is its maker's
+        os.chmod(d, 0o700)  # exactly 0700, whatever the umask
+
+
+def _create_private(path: str) -> int:
+    """A new file at `path`, 0600, opened for writing; never through a link planted there (a
+    temporary name that a dead process with the same pid left is replaced)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        os.unlink(path)
+        fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # the rename keeps this mode
+    return fd
 
 
 class _S3Store(_Store):
