@@ -331,6 +331,51 @@ class PoolDown(Event):
         return "the pool is down"
 
 
+# -- warm pools (keep_warm_minutes; skytasks.controller.warm) --------------------------------
+
+@dataclass(frozen=True)
+class PoolAttached(Event):
+    """This process took a warm pool's running nodes over instead of starting new ones."""
+
+    PREFECT_EVENT = "skytasks.pool.attached"
+    pool: str
+    nodes: int
+    up_seconds: float  # since the pool's nodes were started
+    calls: int  # calls run on them before this process
+
+    def text(self) -> str:
+        return (f"attached to warm pool {self.pool} ({_nodes(self.nodes)}, up {self.up_seconds / 60:.0f} min, "
+                f"{self.calls} call{'s' * (self.calls != 1)})")
+
+
+@dataclass(frozen=True)
+class PoolReleased(Event):
+    """This process let a warm pool go: its nodes stay up for the next one, until unheld this long."""
+
+    PREFECT_EVENT = "skytasks.pool.released"
+    pool: str
+    nodes: int
+    keep_warm_minutes: float
+    expires_at: float  # epoch seconds: when the nodes end unless another process holds them first
+
+    def text(self) -> str:
+        return (f"released warm pool {self.pool}: its {_nodes(self.nodes)} stay up for the next process for "
+                f"{self.keep_warm_minutes:g} min")
+
+
+@dataclass(frozen=True)
+class PoolExpired(Event):
+    """A warm pool's nodes were found gone (unheld past keep_warm_minutes, or ended otherwise): its
+    record is removed, and a process that wanted it starts the pool afresh."""
+
+    PREFECT_EVENT = "skytasks.pool.expired"
+    pool: str
+    reason: str
+
+    def text(self) -> str:
+        return f"warm pool {self.pool} has ended ({self.reason})"
+
+
 # -- listening -------------------------------------------------------------------------------
 
 _listeners: list[list[Event]] = []
