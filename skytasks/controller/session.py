@@ -7,6 +7,7 @@ failed, or whose spec (backend, workdir, ...) differs, with a fresh one.
 
 from __future__ import annotations
 
+import io
 import queue
 import secrets
 import threading
@@ -24,8 +25,8 @@ from skytasks.controller.pool_relay import PoolRelay
 from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, RankGroup
 from skytasks.errors import PoolStartError
 from skytasks.events import GrowFailed, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank, WorkdirSynced
-from skytasks.protocol import NODE_FAILURES, Op
-from skytasks.providers import NodeProvider
+from skytasks.protocol import NODE_FAILURES, Op, message
+from skytasks.providers import NodeLink, NodeProvider
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest
 
@@ -57,12 +58,15 @@ class PoolSession:
     """The nodes of a pool that is up, and the rank group that lives on them."""
 
     def __init__(self, provider: NodeProvider, procs_per_node: int, env: dict[str, str], nodes: tuple[int, int],
-                 reattach_seconds: float = 0.0):
+                 reattach_seconds: float = 0.0, keep_warm_seconds: float = 0.0, relay: PoolRelay | None = None):
         self.provider = provider
         # How long a node whose stream broke may take to be reached again; only where the provider
         # can open a new stream to a running agent (a LEASE is sent to those agents alone).
         self.reattach_seconds = reattach_seconds if getattr(provider, "reattaches", False) else 0.0
         self.holder = secrets.token_hex(8)  # this session, as the agents it leases know it
+        # A warm pool's agents outlive this session, unheld this long (controller/warm.py).
+        self.keep_warm_seconds = keep_warm_seconds
+        self.evicted_by = ""  # a warm pool taken over by another process while our stream was broken
         self.procs_per_node = procs_per_node
         self.env = dict(env)
         self.counts = nodes  # (min, max): an elastic pool runs on what it has between the two
@@ -75,7 +79,7 @@ class PoolSession:
         self._members: tuple[int, ...] = ()  # the channels the group was placed on
         self._grow_failed_at: float | None = None  # when an elastic pool last tried to grow and came up short
         self.policy: MembershipPolicy = policy_for(nodes)
-        self.relay = PoolRelay()  # the relay tree's key, and its links opened ahead of large calls
+        self.relay = relay or PoolRelay()  # the relay tree's key, and its links opened ahead of large calls
 
     @property
     def world_size(self) -> int:
@@ -113,12 +117,59 @@ class PoolSession:
                 node.pid = msg.get("pid")
                 peers = self.relay.peers_message(node.link.address)
                 node.send(peers)  # its relay listener
-                if self.reattach_seconds > 0 and node.door and node.instance:
-                    node.lease_to(self.provider, peers["secret"], self.holder, self.reattach_seconds)
+                if (self.reattach_seconds > 0 or self.keep_warm_seconds > 0) and node.door and node.instance:
+                    node.lease_to(self.provider, peers["secret"], self.holder, self.reattach_seconds,
+                                  self.keep_warm_seconds)
                 del waiting[node_rank]
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
+
+    def adopt(self, held: list[tuple[Any, dict[str, Any]]], gone: list[tuple[int, str, str]]) -> PoolSession:
+        """Instead of `start`, for a warm pool: the nodes another process started, whose agents
+        this session now holds (`held`: each new stream's link and its ATTACHED state, the door
+        and instance in it) or found gone (`gone`: node id, address, why). A gone node is lost
+        from the start, so the first call's `prepare` replaces it (or an elastic pool drops it)."""
+        try:
+            for link, state in held:
+                node = self._channel(link)
+                node.door, node.instance = state["door"], state["instance"]
+                node.gpus, node.pid = list(state.get("gpus") or []), state.get("pid")
+                node.peer_port = int(state.get("peer_port") or 0)
+                self.nodes.append(node)
+            for node_id, address, why in gone:
+                node = NodeChannel(NodeLink(node_id, address, io.BytesIO(), io.BytesIO(), node_id=node_id), self.events)
+                node.mark_lost(why)
+                node.said = False  # said once, before the first call (`_mend`)
+                self.nodes.append(node)
+            self.nodes.sort(key=lambda n: n.link.node_id)
+            self._renumber()
+            keep_heartbeats([n for n in self.nodes if n.alive], self._closed)
+            key = self.relay.peers_message("")["secret"]
+            for node in self.nodes:
+                if node.alive:
+                    node.lease_to(self.provider, key, self.holder, self.reattach_seconds, self.keep_warm_seconds)
+                    if not node.peer_port:  # its relay listener, if it has none open
+                        node.send(self.relay.peers_message(node.link.address))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def release(self) -> None:
+        """Instead of `close`, for a warm pool: the ranks end, the agents stay up for the next
+        process (RELEASE), and the provider lets go of this process's streams, not the nodes."""
+        self._closed.set()
+        with self._lock:
+            if self.group is not None and not self.group.broken:
+                self.group.close(self.bus)
+            self.group = None
+            for n in self.nodes:
+                if n.alive and n.lease is not None:
+                    n.send(message(Op.RELEASE))
+                n.retire()
+                n.ack_due.set()
+            self.provider.leave_running()
 
     def _channel(self, link: Any) -> NodeChannel:
         node = NodeChannel(link, self.events)
@@ -180,6 +231,10 @@ class PoolSession:
     # -- carrying out the policy's decisions ---------------------------------------------------
 
     def _mend(self, observer: CallObserver, *, before_call: bool) -> None:
+        taker = next((getattr(n, "evicted_by", "") for n in self.nodes if getattr(n, "evicted_by", "")), "")
+        if taker:  # its nodes are another process's now: never replaced from here
+            self.evicted_by = taker
+            raise PoolStartError(f"the warm pool was taken over by {taker} while this process was out of reach")
         status = self.status(before_call)
         for node in self.nodes:  # what happened to each gone node, once (a call may have said it)
             if not node.usable and not node.said:
@@ -288,7 +343,8 @@ class PoolSession:
                 n.retire()  # and the streams closing below are no news (never a re-attach)
                 n.ack_due.set()
             try:
-                self.provider.stop()
+                if not self.evicted_by:  # another process holds the nodes now: not ours to end
+                    self.provider.stop()
             finally:
                 for n in self.nodes:
                     n.link.close()
