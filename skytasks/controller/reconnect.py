@@ -168,6 +168,9 @@ class Reconnector:
             channel.link.let_go_lost()  # the old transport: unblocks a writer stuck on it
         except Exception:  # noqa: BLE001 - it is being left behind either way
             pass
+        if self.lease.seconds <= 0:  # a lease for keeping warm only (local): a break is a loss, as always
+            channel.mark_lost(self.why)
+            return
         while channel.alive:
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -184,6 +187,12 @@ class Reconnector:
                     agent_got = self._handshake(link)
                 except _Refused as exc:
                     _let_go(link)
+                    if exc.holder and exc.holder != self.lease.holder:
+                        # Another process holds the pool now (a warm pool, taken over while we
+                        # were away): this process must not mend the node, which is theirs.
+                        setattr(channel, "evicted_by", exc.holder)
+                        channel.mark_lost(f"{self.why}; the pool was taken over by {exc.holder}")
+                        return
                     channel.mark_lost(f"{self.why}; {exc}")
                     return
                 except Exception as exc:  # noqa: BLE001 - a door that did not answer: try again
@@ -202,29 +211,48 @@ class Reconnector:
         channel.mark_lost(f"{self.why}; not reached again within reattach_seconds={self.lease.seconds:g}{tried}")
 
     def _handshake(self, link: NodeLink) -> int:
-        """CHALLENGE, ATTACH, ATTACHED on the new transport: both sides prove the pool's key; the
-        agent's count of what it read from us (where our resend starts)."""
-        reader = _TimedReader(link.inbound, min(self.deadline, time.monotonic() + HANDSHAKE_SECONDS))
-        challenge = _expect(read_frame(reader), Op.CHALLENGE)
-        if challenge["instance"] != self.channel.instance:
-            raise _Refused("another agent answers at the node's door (its agent was restarted)")
-        got = self.channel.got
-        nonce = new_nonce()
-        proof = controller_proof(self.lease.key, challenge["nonce"], nonce, self.lease.holder, "resume", got)
-        FrameWriter(link.outbound).send(message(Op.ATTACH, proof=proof, nonce=nonce, holder=self.lease.holder,
-                                                mode="resume", got=got, who=f"controller pid {os.getpid()}"))
-        answer = read_frame(reader)
-        if answer.get("op") == Op.REFUSED:
-            check(answer)
-            raise _Refused(f"the agent refused the re-attach: {answer['reason']}")
-        attached = _expect(answer, Op.ATTACHED)
-        if not proof_matches(agent_proof(self.lease.key, nonce, challenge["nonce"], attached["got"]), attached["proof"]):
-            raise _Refused("the agent at the node's door could not prove the pool's key")
+        """The door's handshake in mode "resume": the agent's count of what it read from us
+        (where our resend starts)."""
+        deadline = min(self.deadline, time.monotonic() + HANDSHAKE_SECONDS)
+        attached = door_handshake(link, self.lease.key, self.channel.instance, self.lease.holder, "resume",
+                                  self.channel.got, f"controller pid {os.getpid()}", deadline)
         return attached["got"]
 
 
+def door_handshake(link: NodeLink, key: bytes, instance: str, holder: str, mode: str, got: int, who: str,
+                   deadline: float) -> dict[str, Any]:
+    """CHALLENGE, ATTACH, ATTACHED on a new transport to an agent's door: both sides prove the
+    pool's key (it never crosses). ATTACHED, once the agent proved it; `_Refused` (with the
+    holder, when the agent names one) when the door answers but will not take us."""
+    reader = _TimedReader(link.inbound, deadline)
+    challenge = _expect(read_frame(reader), Op.CHALLENGE)
+    if instance and challenge["instance"] != instance:
+        raise _Refused("another agent answers at the node's door (its agent was restarted)")
+    nonce = new_nonce()
+    proof = controller_proof(key, challenge["nonce"], nonce, holder, mode, got)
+    FrameWriter(link.outbound).send(message(Op.ATTACH, proof=proof, nonce=nonce, holder=holder, mode=mode, got=got,
+                                            who=who))
+    answer = read_frame(reader)
+    if answer.get("op") == Op.REFUSED:
+        check(answer)
+        raise _Refused(f"the agent refused the {'re-attach' if mode == 'resume' else mode}: {answer['reason']}",
+                       answer.get("holder", ""), answer.get("since"))
+    attached = _expect(answer, Op.ATTACHED)
+    if not proof_matches(agent_proof(key, nonce, challenge["nonce"], attached["got"]), attached["proof"]):
+        raise _Refused("the agent at the node's door could not prove the pool's key")
+    return attached
+
+
 class _Refused(Exception):
-    """The node's door answered, but not as the node's own agent for this pool: no use trying again."""
+    """The node's door answered, but not as the node's own agent for this pool, or it is held by
+    another controller (`holder`, since `since`): no use trying again now."""
+
+    def __init__(self, reason: str, holder: str = "", since: float | None = None):
+        super().__init__(reason)
+        self.holder, self.since = holder, since
+
+
+Refused = _Refused  # what warm.py catches
 
 
 def _expect(msg: dict[str, Any], op: Op) -> dict[str, Any]:

@@ -50,6 +50,11 @@ def serve(sock: socket.socket) -> None:
         if not data:
             break
         answer(sock, data, fds, _handle)  # an error is said to the controller, which starts that agent fresh
+    # The controller has gone, its agents may not have (a warm pool's stay for the next process):
+    # keep nothing of its (a terminal, or a pipe its own parent waits to see closed).
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     while True:  # reap the agents still running, so none is left a zombie of this process
         try:
             os.wait()

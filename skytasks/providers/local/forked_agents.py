@@ -84,6 +84,90 @@ class AgentProcess:
         self.send_signal(signal.SIGKILL)
 
 
+class AdoptedAgent:
+    """The agent of a warm pool's node that another process started (`LocalProvider.adopt`), as
+    `end_child` uses a Popen: watched and signalled through a pidfd (never a reused pid: its start
+    time is checked first), with no pipes (the stream to it is its door's socket). Its exit code
+    is its parent's to read: -1 once it ended."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, pid: int, started: int | None):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd: int | None = None
+        try:
+            if started is None or started_at(pid) == started:
+                self._pidfd = os.pidfd_open(pid)
+        except OSError:  # no such process
+            pass
+        if self._pidfd is None or (started is not None and started_at(pid) != started):
+            self._ended()
+
+    def _ended(self) -> None:
+        self.returncode = -1
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        return self._wait(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"node agent {self.pid}", timeout or 0.0)
+        return code
+
+    def _wait(self, timeout: float | None) -> int | None:
+        if self.returncode is None and self._pidfd is not None:
+            waiting = select.poll()
+            waiting.register(self._pidfd, select.POLLIN)
+            if waiting.poll(None if timeout is None else max(0, int(timeout * 1000))) or _zombie(self.pid):
+                self._ended()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def boot_id() -> str:
+    """This boot of this machine: a pid means nothing on another."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def started_at(pid: int) -> int | None:
+    """When a process started (clock ticks since boot): with its pid, who it is."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _zombie(pid: int) -> bool:
+    """Ended, waiting for its parent to read its exit code: gone as far as anyone else can tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class ForkServer:
     """One `python -m skytasks.node.forkserver`, warmed, and the socket to it."""
 
@@ -103,12 +187,12 @@ class ForkServer:
             theirs.close()
         self._ask({"warm": torch_env}, WARM_SECONDS)  # answered once its imports are done
 
-    def fork_agent(self, argv: list[str], env: dict[str, str]) -> AgentProcess:
+    def fork_agent(self, argv: list[str], env: dict[str, str], stderr: int = 2) -> AgentProcess:
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         try:
             reply = self._ask({"argv": argv, "env": env, "cwd": os.getcwd()}, FORK_SECONDS,
-                              fds=[stdin_r, stdout_w, 2])
+                              fds=[stdin_r, stdout_w, stderr])
         except BaseException:
             for fd in (stdin_w, stdout_r):
                 os.close(fd)
@@ -159,10 +243,12 @@ _servers: dict[tuple, ForkServer | None] = {}  # least recently used first; None
 _servers_lock = threading.Lock()
 
 
-def agent_process(argv: list[str], env: dict[str, str], torch_env: dict[str, str] | None) -> AgentProcess | None:
+def agent_process(argv: list[str], env: dict[str, str], torch_env: dict[str, str] | None,
+                  stderr: int = 2) -> AgentProcess | None:
     """A local agent forked from this controller's fork server for `env`'s startup environment,
     whose templates have torch imported with `torch_env` when it is given; None when no server
-    can be had (then the caller starts the agent fresh)."""
+    can be had (then the caller starts the agent fresh). `stderr`: the agent's (a warm pool's
+    agents outlive this process: theirs is a file, not this process's)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
         return None
     key = (sys.executable, _only(env, STARTUP_ENV_PREFIXES), None if torch_env is None else tuple(sorted(torch_env.items())))
@@ -181,7 +267,7 @@ def agent_process(argv: list[str], env: dict[str, str], torch_env: dict[str, str
     if server is None:
         return None
     try:
-        return server.fork_agent(argv, env)
+        return server.fork_agent(argv, env, stderr)
     except (OSError, ValueError, KeyError) as exc:
         with _servers_lock:
             _servers[key] = None

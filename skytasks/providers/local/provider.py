@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+from typing import Any
 
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
+from skytasks.errors import NodeGone, PoolStartError
 from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.node.rank_template import torch_import_env
 from skytasks.node.ports import free_port
-from skytasks.providers.local.forked_agents import AgentProcess, agent_process
+from skytasks.providers.local.forked_agents import AdoptedAgent, AgentProcess, agent_process, boot_id, started_at
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.providers.reporting import PoolReporter
 from skytasks.settings import settings
@@ -29,9 +34,13 @@ class LocalProvider(NodeProvider):
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
-        self._procs: dict[int, subprocess.Popen | AgentProcess] = {}  # node id -> its agent
+        self._procs: dict[int, subprocess.Popen | AgentProcess | AdoptedAgent] = {}  # node id -> its agent
         self._next_id = spec.nodes  # the ids of nodes grown later
         self._preload: tuple[str, ...] = ()
+        # A warm pool's agents outlive this process: their stderr is a file of the pool's (in a
+        # private folder), never this process's terminal or a pipe someone waits to see closed.
+        self._log_dir = ""
+        self._links: list[NodeLink] = []  # streams opened through doors: let go at leave_running
 
     def preload(self, modules: tuple[str, ...]) -> None:
         """The session is for ranks that import these ("torch"): its agents are forked from a
@@ -39,17 +48,22 @@ class LocalProvider(NodeProvider):
         self._preload = modules
 
     def start(self) -> list[NodeLink]:
+        self._setup()
+        if self._spec.keep_warm_minutes > 0:
+            self._log_dir = tempfile.mkdtemp(prefix="skytasks-warm-")
+        try:  # an elastic local pool gets its most: this machine has no capacity to run out of
+            return [self._start_node(node_id) for node_id in range(self._spec.nodes)]
+        except BaseException:
+            self.stop()
+            raise
+
+    def _setup(self) -> None:
         self._gpus = visible_gpus()
         self._slices = split_local_gpus(self._gpus, self._spec.nodes, self._spec.procs_per_node)
         # The agent needs the controller's import path as much as its ranks do: skytasks may be
         # importable here only through sys.path (a checkout, run from another directory).
         user_path = self._spec.env.get("PYTHONPATH")
         self._path = os.pathsep.join(p for p in (user_path, _controller_path()) if p)
-        try:  # an elastic local pool gets its most: this machine has no capacity to run out of
-            return [self._start_node(node_id) for node_id in range(self._spec.nodes)]
-        except BaseException:
-            self.stop()
-            raise
 
     def replace(self, node_id: int) -> NodeLink:
         """A new agent for a node that was lost (its agent died or fell silent)."""
@@ -75,20 +89,26 @@ class LocalProvider(NodeProvider):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._slices[node_id % len(self._slices)])
         args = agent_args()
         proc: subprocess.Popen | AgentProcess | None = None
-        if settings().rank_start == "fork":  # "exec": every process a fresh interpreter
-            # The ranks' torch variables are the agent's and the pool's own `env`.
-            torch_env = torch_import_env({**env, **self._spec.env}) if "torch" in self._preload else None
-            proc = agent_process(args, env, torch_env)
-        if proc is None:
-            proc = subprocess.Popen(
-                [sys.executable, *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=env,
-                # A session of its own: Ctrl-C at the terminal reaches the controller only,
-                # which then stops the ranks in order instead of everything dying at once.
-                start_new_session=True,
-            )
+        stderr = self._agent_log(node_id)
+        try:
+            if settings().rank_start == "fork":  # "exec": every process a fresh interpreter
+                # The ranks' torch variables are the agent's and the pool's own `env`.
+                torch_env = torch_import_env({**env, **self._spec.env}) if "torch" in self._preload else None
+                proc = agent_process(args, env, torch_env, stderr=2 if stderr is None else stderr)
+            if proc is None:
+                proc = subprocess.Popen(
+                    [sys.executable, *args],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    env=env,
+                    # A session of its own: Ctrl-C at the terminal reaches the controller only,
+                    # which then stops the ranks in order instead of everything dying at once.
+                    start_new_session=True,
+                )
+        finally:
+            if stderr is not None:
+                os.close(stderr)
         self._procs[node_id] = proc
         widen_pipe(proc.stdin)
         widen_pipe(proc.stdout)
@@ -102,6 +122,66 @@ class LocalProvider(NodeProvider):
             close=functools.partial(end_child, proc),
             close_lost=functools.partial(end_child, proc, wait=LOST_WAIT_SECONDS),  # a frozen agent: not 10 s
         )
+
+    def _agent_log(self, node_id: int) -> int | None:
+        if not self._log_dir:
+            return None
+        return os.open(os.path.join(self._log_dir, f"node{node_id}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    # -- warm pools: the agents are daemons of this machine, reached through their doors ----------
+
+    def handle(self) -> dict[str, Any]:
+        """Which processes the pool's agents are (pid and start time: a pid reused by another
+        process is never taken for an agent), on which boot of this machine."""
+        return {"machine": boot_id(), "log_dir": self._log_dir, "next_id": self._next_id,
+                "nodes": {str(node_id): {"pid": proc.pid, "started": started_at(proc.pid)}
+                          for node_id, proc in self._procs.items()}}
+
+    def adopt(self, handle: dict[str, Any]) -> None:
+        if handle.get("machine") != boot_id():
+            raise PoolStartError("the warm pool's agents ran on another boot of this machine")
+        self._setup()
+        self._log_dir = str(handle.get("log_dir") or self._log_dir)
+        self._next_id = max(int(handle.get("next_id", 0)), self._next_id)
+        for node_id, agent in handle.get("nodes", {}).items():
+            self._procs[int(node_id)] = AdoptedAgent(int(agent["pid"]), agent.get("started"))
+        if all(proc.poll() is not None for proc in self._procs.values()):
+            raise PoolStartError("none of the warm pool's agents runs any more")
+
+    def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
+        """A stream to a running local agent: its door's socket, straight (no process between)."""
+        proc = self._procs.get(node_id)
+        if proc is None or proc.poll() is not None:
+            raise NodeGone(f"its agent (pid {getattr(proc, 'pid', '?')}) has ended")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(door)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise NodeGone(f"nothing answers at its door: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        inbound = os.fdopen(os.dup(sock.fileno()), "rb", buffering=0)
+        outbound = os.fdopen(os.dup(sock.fileno()), "wb")
+        sock.close()
+        link = NodeLink(node_rank=node_id, address=LOOPBACK, inbound=inbound, outbound=outbound,
+                        env={"PYTHONPATH": self._path}, machine="this machine", node_id=node_id)
+        link.close = functools.partial(_close_files, inbound, outbound)
+        self._links.append(link)
+        return link
+
+    def leave_running(self) -> None:
+        """The agents stay (their keep-warm clock ends them); this process only lets go of its
+        ends of their streams."""
+        procs, self._procs = self._procs, {}
+        for proc in procs.values():
+            _close_files(proc.stdin, proc.stdout)
+        links, self._links = self._links, []
+        for link in links:
+            link.close()
 
     def abort(self) -> None:
         """Nothing to cut short: local agents start in milliseconds."""
@@ -118,6 +198,20 @@ class LocalProvider(NodeProvider):
         procs, self._procs = self._procs, {}
         for p in procs.values():
             end_child(p)
+        links, self._links = self._links, []
+        for link in links:
+            link.close()
+        if self._log_dir:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+
+
+def _close_files(*files: Any) -> None:
+    for f in files:
+        try:
+            if f is not None:
+                f.close()
+        except OSError:
+            pass
 
 
 def _controller_path() -> str:
