@@ -18,16 +18,37 @@ from skytasks.controller.channel import RELAY_TREE_NODES, NodeChannel
 from skytasks.controller.peer_tls import PoolTLS, pool_tls
 from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, message
+from skytasks.providers.reporting import console_logger
 from skytasks.settings import settings
 
 
+TLS_OFF_WARNING = ("SKYTASKS_PEER_TLS=0: this pool's relay links between nodes run without TLS, so its "
+                   "arguments cross the network in the clear and can be altered on the way; unset it "
+                   "unless you are measuring what TLS costs")
+
+
 class PoolRelay:
+    """One pool start's relay keys: a fresh secret and (at the first PEERS) a fresh TLS key, never
+    reused by another pool or a later start of this one. They live in this object's memory and the
+    agents' for as long as the pool runs."""
+
     def __init__(self) -> None:
+        if not settings().peer_tls:  # every pool start says so: it is never to be left on by mistake
+            console_logger().warning(TLS_OFF_WARNING)
         self._secret = secrets.token_bytes(32)  # the peer challenge's: only the pool's agents know it
         self._tls: PoolTLS | None = None  # made at the first PEERS (controller/peer_tls.py)
         self._linked: tuple[tuple[str, int], ...] = ()  # the tree whose links the agents were told to open
         self._lock = threading.Lock()  # the tree sent last
         self._tls_lock = threading.Lock()
+
+    @classmethod
+    def from_stored(cls, secret: str, cert: str, key: str) -> PoolRelay:
+        """The relay of a warm pool another process started (its stored key and TLS, hex and PEM):
+        a node replaced now joins the same tree, with the same key at its door."""
+        relay = cls()
+        relay._secret = bytes.fromhex(secret)
+        relay._tls = PoolTLS(cert, key) if cert else None
+        return relay
 
     def peers_message(self, address: str) -> dict[str, Any]:
         """PEERS for the agent whose node peers reach at `address`: its relay listener opens there,
