@@ -349,3 +349,81 @@ def test_without_the_extra_a_kubernetes_pool_names_it_and_other_pools_work():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "provider: provider='kubernetes' needs its extra: pip install \"skytasks[kubernetes]\""
+
+
+NETWORK_POLICY = Path(__file__).parent.parent / "deployments/kubernetes/networkpolicy.yaml"
+# The two ways the file's comments say to fill it in, as written there.
+PER_POOL = ["sed", "s/POOL_ID/skytasks-0123456789/"]
+NAMESPACE_WIDE = ["sed", "-e", "s|skytasks.io/pool: POOL_ID|app.kubernetes.io/managed-by: skytasks|", "-e",
+                  "s/POOL_ID/all/"]
+
+
+def filled_policy(sed: list[str]) -> str:
+    said = NETWORK_POLICY.read_text()
+    assert " ".join(a if a == "-e" else f"'{a}'" for a in sed[1:]) in said  # the command the comments give
+    return subprocess.run([*sed, str(NETWORK_POLICY)], capture_output=True, text=True, check=True).stdout
+
+
+def admits(policy: dict, source_labels: dict, target_labels: dict, port: int) -> bool | None:
+    """Whether the policy lets a pod labelled `source_labels` open TCP `port` on one labelled
+    `target_labels` (a pod it does not select is not its concern: None)."""
+    def matches(selector, labels):
+        assert set(selector) == {"matchLabels"}  # nothing this reading would miss
+        return selector["matchLabels"].items() <= labels.items()
+
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    if not matches(spec["podSelector"], target_labels):
+        return None
+    return any(all(set(peer) == {"podSelector"} for peer in rule["from"]) and
+               any(matches(peer["podSelector"], source_labels) for peer in rule["from"]) and
+               any(p == {"protocol": "TCP"} or p.get("port") == port for p in rule["ports"])
+               for rule in spec["ingress"])
+
+
+def test_the_network_policy_admits_the_pools_own_pods_only():
+    spec = GPUPool(provider="kubernetes", k8s_image="x").spec()
+    mine, other = (pods.pod_manifest(spec, spec.own(KubernetesSpec), pool_id, 0, OWNER)["metadata"]["labels"]
+                   for pool_id in ("skytasks-0123456789", "skytasks-9876543210"))
+    stranger = {"app": "web"}
+    policy = yaml.safe_load(filled_policy(PER_POOL))
+    assert policy["kind"] == "NetworkPolicy" and policy["metadata"]["name"] == "skytasks-pool-skytasks-0123456789"
+    for port in (10000, 29500, 45678):  # the TCPStore's range and the kernel's, where the relay, gloo and NCCL are
+        assert admits(policy, mine, mine, port) is True
+        assert admits(policy, other, mine, port) is False and admits(policy, stranger, mine, port) is False
+        assert admits(policy, stranger, other, port) is None  # another pool's pods: not this policy's
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP"}]  # TCP only: nothing but the pool listens, on ports picked at start
+    wide = yaml.safe_load(filled_policy(NAMESPACE_WIDE))
+    assert wide["metadata"]["name"] == "skytasks-pool-all"
+    assert admits(wide, other, mine, 45678) is True and admits(wide, stranger, mine, 45678) is False
+    assert admits(wide, stranger, stranger, 45678) is None
+
+
+def test_the_test_cluster_accepts_the_network_policy(k8s_cluster, tmp_path):
+    import json
+    import uuid
+
+    namespace = k8s_cluster.create_namespace(f"np-{uuid.uuid4().hex[:8]}")
+    try:
+        files = {}
+        for form, sed in (("per-pool", PER_POOL), ("namespace-wide", NAMESPACE_WIDE)):
+            files[form] = tmp_path / f"{form}.yaml"
+            files[form].write_text(filled_policy(sed))
+            applied = k8s_cluster.kubectl("apply", "-n", namespace, "-f", str(files[form]), check=False)
+            assert applied.returncode == 0, f"{form}: {applied.stderr}"
+        stored = {p["metadata"]["name"]: p for p in json.loads(k8s_cluster.kubectl(
+            "get", "networkpolicies", "-n", namespace, "-o", "json").stdout)["items"]}
+        for path in files.values():
+            sent = yaml.safe_load(path.read_text())
+            assert stored[sent["metadata"]["name"]]["spec"] == sent["spec"]  # kept as written, nothing dropped
+            assert stored[sent["metadata"]["name"]]["metadata"]["labels"] == sent["metadata"]["labels"]
+        assert len(stored) == 2
+        for path in files.values():
+            k8s_cluster.kubectl("delete", "-n", namespace, "-f", str(path))
+        deadline = time.monotonic() + 30
+        while json.loads(k8s_cluster.kubectl("get", "networkpolicies", "-n", namespace, "-o", "json").stdout)["items"]:
+            assert time.monotonic() < deadline, "the network policies were not deleted"
+            time.sleep(0.2)
+    finally:
+        k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
