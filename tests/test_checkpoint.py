@@ -129,3 +129,23 @@ def test_only_the_head_writes_and_bad_arguments_are_named(tmp_path, monkeypatch)
         monkeypatch.setenv(k, v)
     assert Checkpointer(tmp_path).save({"w": torch.ones(1)}, 3) is None  # rank 1: a no-op
     assert list(tmp_path.iterdir()) == [] and Checkpointer(tmp_path).load_latest() is None
+
+
+def load_and_say_what_failed(path: str) -> tuple[str, str]:
+    from skytasks import Checkpointer
+
+    try:
+        return "loaded", repr(Checkpointer(path).load_latest())
+    except Exception as exc:  # noqa: BLE001 - what each rank met is the point
+        return type(exc).__name__, str(exc)
+
+
+def test_a_head_that_cannot_read_the_checkpoint_tells_the_other_ranks(tmp_path):
+    import torch
+
+    Checkpointer(tmp_path).save({"w": torch.ones(1)}, 1)
+    (tmp_path / "step-000000000002.pt").mkdir()  # the newest name, unreadable as a file
+    head, other = distributed_task(load_and_say_what_failed, pool=GPUPool(nodes=2), timeout_seconds=60)(str(tmp_path))
+    assert head[0] == "IsADirectoryError"
+    assert other == ("RuntimeError", "Checkpointer.load_latest: the head could not read the newest checkpoint "
+                                     "(its error is rank 0's)")
