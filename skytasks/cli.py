@@ -1,5 +1,6 @@
 """The `skytasks` command: `skytasks run` (a drop-in for torchrun), `skytasks gc` (what pools left
-behind) and `skytasks check` (a saved pool's pre-flight checks, starting nothing).
+behind), `skytasks check` (a saved pool's pre-flight checks, starting nothing) and `skytasks pools`
+(warm pools: skytasks.pools_command).
 
 `skytasks run SCRIPT ARGS...` is `run_script` inside a Prefect flow run named after the script, so
 every run is in the UI with a task run per rank; on the terminal each rank's lines print live as
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     _run_parser(commands)
     _gc_parser(commands)
     _check_parser(commands)
+    from skytasks.pools_command import add_parser as _pools_parser
+
+    _pools_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "run":
         from skytasks.run_command import run_command
@@ -159,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
     if args.command == "check":
         return _check(args)
+    if args.command == "pools":
+        from skytasks.pools_command import pools_command
+
+        return pools_command(args)
     if args.slurm:
         return _slurm_gc(args)
     if args.kubernetes:

@@ -10,12 +10,14 @@ import contextvars
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from skytasks.controller.pool_relay import PoolRelay
 from skytasks.controller.session import PoolSession
+from skytasks.controller.warm import WarmPool, WarmStore, default_store
 from skytasks.events import PoolDown, PoolUp
 from skytasks.pool_spec import PoolSpec
-from skytasks.providers import PreloadsImports
+from skytasks.providers import NodeProvider, PreloadsImports
 from skytasks.providers.registry import provider_for
 from skytasks.providers.reporting import PoolReporter
 
@@ -45,6 +47,11 @@ class PoolRuntime:
         self._call_lock = threading.Lock()  # one call at a time on one pool, warm or not
         self._tokens: list[contextvars.Token] = []
         self._previous_sigterm: Any = None
+        # A warm pool (keep_warm_minutes): which process holds its nodes is in their agents, and
+        # where they are in its record (`warm_store`: Prefect's secrets unless given another).
+        self.warm_store: WarmStore | None = None
+        self._warm: dict[int, tuple[WarmPool, int]] = {}  # id(session) -> its warm pool, calls before it
+        self._calls = 0  # calls run on this pool by this process
 
     @property
     def is_up(self) -> bool:
@@ -59,20 +66,44 @@ class PoolRuntime:
 
     def start_session(self, starting: dict | None = None, preload: tuple[str, ...] = ()) -> PoolSession:
         """`preload`: what the ranks of the call it starts for will import ("torch"), where known."""
-        provider = provider_for(self.spec)
-        if preload and isinstance(provider, PreloadsImports):
-            provider.preload(preload)
-        if starting is not None:  # lets a cancelled `async with` abort a launch in progress
-            starting["provider"] = provider
-        session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
-                              nodes=(self.spec.fewest, self.spec.nodes),
-                              reattach_seconds=self.spec.reattach_seconds).start()
+
+        def make_provider() -> NodeProvider:
+            provider = provider_for(self.spec)
+            if preload and isinstance(provider, PreloadsImports):
+                provider.preload(preload)
+            if starting is not None:  # lets a cancelled `async with` abort a launch in progress
+                starting["provider"] = provider
+            return provider
+
+        if self.spec.keep_warm_minutes > 0:
+            warm = self.warm_pool(make_provider)
+            session = warm.open()
+            self._warm[id(session)] = (warm, self._calls)
+            if warm.attached:
+                return session
+        else:
+            session = self._new_session(make_provider(), None).start()
         PoolReporter(self.spec.name, self.spec.provider).event(PoolUp(
             self.spec.provider, len(session.nodes), self.spec.node_count, self.spec.procs_per_node,
             tuple(n.link.address for n in session.nodes)))
         return session
 
+    def warm_pool(self, make_provider: Callable[[], NodeProvider] | None = None) -> WarmPool:
+        """This saved pool as a warm pool (`skytasks pools`, and its sessions when keep_warm_minutes
+        is set); PoolConfigError for a pool that was never saved."""
+        return WarmPool(self.spec, getattr(self.owner, "saved_name", None), self.warm_store or default_store(),
+                        make_provider or (lambda: provider_for(self.spec)), self._new_session)
+
+    def _new_session(self, provider: NodeProvider, relay: PoolRelay | None) -> PoolSession:
+        return PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
+                           nodes=(self.spec.fewest, self.spec.nodes), reattach_seconds=self.spec.reattach_seconds,
+                           keep_warm_seconds=self.spec.keep_warm_minutes * 60, relay=relay)
+
     def close_session(self, session: PoolSession) -> None:
+        warm, calls_before = self._warm.pop(id(session), (None, 0))
+        if warm is not None and not session.evicted_by:
+            warm.release(session, self._calls - calls_before)  # the nodes stay up for the next process
+            return
         try:
             session.close()
         finally:
@@ -84,6 +115,7 @@ class PoolRuntime:
         torn down at the end (`preload`: what that call's ranks import). Calls on one pool take
         turns (they cannot share a process group)."""
         with self._call_lock:
+            self._calls += 1
             sessions = CallSessions(self, preload)
             try:
                 yield sessions

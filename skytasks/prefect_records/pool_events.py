@@ -7,7 +7,8 @@ updates the pool's progress artifact in place, and an event with a Prefect name 
 its payload, related to the pool, the flow run and the task run:
 
     skytasks.pool.up / .down / .teardown-failed, skytasks.node.lost / .preempted / .replaced,
-    skytasks.pool.shrank / .grew / .grow-failed, skytasks.attempt.restarted
+    skytasks.pool.shrank / .grew / .grow-failed, skytasks.attempt.restarted,
+    skytasks.pool.attached / .released / .expired (warm pools; emitted outside a flow run too)
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from skytasks.events import Event, ProviderProgress, level_of
+from skytasks.events import Event, PoolAttached, PoolExpired, PoolReleased, ProviderProgress, level_of
 from skytasks.prefect_records.events import emit, pool_resource
 from skytasks.providers.reporting import flow_run_id
 
+WARM_EVENTS = (PoolAttached, PoolReleased, PoolExpired)
 _progress_artifacts: dict[tuple[str, Any], Any] = {}  # (pool, flow run) -> its progress artifact's id
 _lock = threading.Lock()
 
@@ -32,6 +34,8 @@ def emit_event(event: Event, pool_name: str) -> None:
 def record_pool_event(event: Event, pool_name: str) -> None:
     """A provider's or a pool's event, in the flow run this process is in (if any)."""
     if flow_run_id() is None:
+        if isinstance(event, WARM_EVENTS):  # said by `skytasks pools` too: an automation still hears it
+            _emit_outside_a_run(event, pool_name)
         return
     try:
         from prefect import get_run_logger
@@ -43,6 +47,16 @@ def record_pool_event(event: Event, pool_name: str) -> None:
         _show_progress(event)
     try:
         emit_event(event, pool_name)
+    except Exception:  # noqa: BLE001 - an event never fails the pool
+        pass
+
+
+def _emit_outside_a_run(event: Event, pool_name: str) -> None:
+    try:
+        from prefect.events import emit_event
+
+        resource = {k: v for k, v in pool_resource(pool_name).items() if k != "prefect.resource.role"}
+        emit_event(event=event.PREFECT_EVENT or "", resource=resource, payload=event.payload())
     except Exception:  # noqa: BLE001 - an event never fails the pool
         pass
 
