@@ -90,7 +90,9 @@ class Checkpointer:
             self._store = _DirectoryStore(os.path.abspath(os.path.expanduser(text)))
 
     def save(self, state: Any, step: int) -> str | None:
-        """On the head: write atomically and keep the newest `keep`. Elsewhere: nothing (None)."""
+        """On the head: write atomically and keep the newest `keep`. Elsewhere: nothing (None).
+        A state that `load_latest` would refuse (see `trusted`) is saved, with a warning naming
+        what it holds: better told at the first save than at the resume."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step: must be an integer ≥ 0, got {step!r}")
         if not _is_head():
@@ -99,6 +101,8 @@ class Checkpointer:
 
         buf = io.BytesIO()
         torch.save(state, buf)
+        if not self.trusted:
+            _warn_if_refused(buf, step)
         where = self._store.put(_name(step), buf.getbuffer())
         self._last_saved = (step, where)
         for old in sorted(self.steps())[:-self.keep]:
@@ -167,6 +171,22 @@ class Checkpointer:
     def __repr__(self) -> str:
         trusted = ", trusted=True" if self.trusted else ""
         return f"Checkpointer({self.path!r}, keep={self.keep}{trusted})"
+
+
+def _warn_if_refused(buf: io.BytesIO, step: int) -> None:
+    import warnings
+
+    from torch import serialization
+
+    unsafe_globals = getattr(serialization, "get_unsafe_globals_in_checkpoint", None)  # torch 2.6 on
+    if unsafe_globals is None:
+        return
+    buf.seek(0)
+    unsafe = unsafe_globals(buf)
+    if unsafe:
+        warnings.warn(f"Checkpointer.save: step {step} holds {', '.join(unsafe)}, which load_latest() will refuse "
+                      f"(CheckpointError): save tensors, numbers, strings and their containers, or use "
+                      f"Checkpointer(..., trusted=True) for checkpoints only you can write", stacklevel=3)
 
 
 def _what_it_met(torch_message: str) -> str:

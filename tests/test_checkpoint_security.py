@@ -195,7 +195,9 @@ def test_what_the_error_names_for_each_kind_of_refusal(tmp_path):
     import torch
 
     plain = tmp_path / "plain"
-    Checkpointer(plain).save({"extra": NotAStateDict()}, 1)
+    with pytest.warns(UserWarning, match=rf"step 1 holds {NotAStateDict.__module__}\.NotAStateDict, which load_latest"):
+        Checkpointer(plain).save({"extra": NotAStateDict()}, 1)  # saved, and told at once
+    assert Checkpointer(plain).steps() == [1]
     with pytest.raises(CheckpointError) as caught:
         Checkpointer(plain).load_latest()
     assert caught.value.type_name == f"{NotAStateDict.__module__}.NotAStateDict"
@@ -220,3 +222,24 @@ def test_what_the_error_names_for_each_kind_of_refusal(tmp_path):
     with pytest.raises(ValueError, match="^trusted:"):
         Checkpointer(ok, trusted="yes")
     assert repr(Checkpointer(ok, trusted=True)).endswith("trusted=True)") and "trusted" not in repr(Checkpointer(ok))
+
+
+def test_saving_a_real_training_state_warns_of_nothing(tmp_path):
+    import warnings
+
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+             "rng": torch.get_rng_state(), "losses": [0.5, 0.25], "half": torch.ones(2, dtype=torch.bfloat16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpointer(tmp_path).save(state, 1)
+        assert same(Checkpointer(tmp_path).load_latest()[1], state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # trusted: the user said so, no warning
+        Checkpointer(tmp_path / "mine", trusted=True).save({"extra": NotAStateDict()}, 1)
