@@ -42,13 +42,21 @@ Controller -> agent:
                                                 proves `key` (the pool's, hex) for `reattach_seconds`
   END                                           stop the ranks and exit (teardown: a break is no goodbye
                                                 once a LEASE came)
-  RELEASE                                       the holder lets go, the node stays warm (phase 2)
+  RELEASE                                       the holder lets go: its ranks end, the node stays up
+                                                unheld for the LEASE's keep_warm_seconds (a warm pool)
 Door handshake (on a new stream through the agent's door; not counted in the resumed byte streams):
   CHALLENGE nonce, instance        agent -> controller, first
-  ATTACH  proof, nonce, holder, mode, got, who   controller -> agent: proves the pool's key (resume.py)
+  ATTACH  proof, nonce, holder, mode, got, who   controller -> agent: proves the pool's key (resume.py).
+                                   mode "resume": the same holder's broken stream goes on; "hold": a new
+                                   holder takes an unheld agent (oldest waiter first), on a fresh stream
+                                   counted from 0 both ways (`got` 0); "probe": state only, never admitted
   ATTACHED proof, got, state       agent -> controller: proves it too; each side then resends what it
-                                   sent from the other's `got` on, and the stream goes on
-  REFUSED reason, holder?, since?  agent -> controller, then the door closes
+                                   sent from the other's `got` on, and the stream goes on. `state`: pid,
+                                   python, gpus, instance, door, peer_port, up_since, calls, holding
+                                   ("held" | "detached" | "unheld"), holder (who, "" unheld), held_since,
+                                   unheld_since?, expires_at? (epoch seconds)
+  REFUSED reason, holder?, since?  agent -> controller, then the door closes. `holder`: who holds the node
+                                   (LEASE/ATTACH `who`), `since` when it took it; no holder: not usable
 Agent -> controller:
   HELLO   pid, python, gpus, door?, instance?   once, first: the node is ready, with its GPUs; `door`:
                                                 its attach socket, `instance`: random per agent process
@@ -222,6 +230,7 @@ class Lease(TypedDict):
     reattach_seconds: float  # how long the agent waits for a new stream after a break; 0: no waiting
     keep_warm_seconds: float  # phase 2 (warm pools); 0: none
     holder: str  # random per controller session: who holds the node
+    who: NotRequired[str]  # the holder in words (a flow run, pid, host): what a REFUSED names to others
 
 
 class End(TypedDict):
