@@ -51,9 +51,73 @@ def _warm_pool(name: str) -> Any:
     return cast(GPUPool, GPUPool.load(name)).runtime().warm_pool()
 
 
+def probe(warm: Any) -> dict[str, Any] | None:
+    """What a warm pool's first node that answers says of it (mode "probe": nothing is taken):
+    its record's fields, with `holder`, `unheld_since`, `expires_at` where the agent says them.
+    None when every node is found gone: the pool is then said expired and its record removed."""
+    from skytasks.controller.reconnect import HANDSHAKE_SECONDS, Refused, door_handshake
+    from skytasks.controller.warm import REACH_SECONDS, who_am_i
+    from skytasks.errors import NodeGone, PoolStartError
+
+    record = warm.store.load(warm.name)
+    if record is None or record.get("state") == "starting":
+        return record
+    provider = warm.make_provider()
+    try:
+        provider.adopt(record.get("handle") or {})
+    except PoolStartError as exc:
+        warm.expire(record, provider, str(exc))
+        return None
+    key, unreachable = bytes.fromhex(record["pool_key"]), ""
+    try:
+        for node in sorted(record.get("nodes", []), key=lambda n: n["node_id"]):
+            if not node.get("door"):
+                continue
+            try:
+                link = provider.reattach(node["node_id"], node["door"], REACH_SECONDS)
+            except NodeGone:
+                continue
+            except Exception as exc:  # noqa: BLE001 - maybe only out of reach now: never taken for gone
+                unreachable = f"{type(exc).__name__}: {exc}"
+                continue
+            try:
+                state = dict(door_handshake(link, key, node.get("instance", ""), "probe", "probe", 0, who_am_i(),
+                                            time.monotonic() + HANDSHAKE_SECONDS).get("state") or {})
+            except Refused as exc:
+                if not exc.holder:
+                    continue
+                state = {"holder": exc.holder, "held_since": exc.since}
+            except Exception as exc:  # noqa: BLE001
+                unreachable = f"{type(exc).__name__}: {exc}"
+                continue
+            finally:
+                try:
+                    link.let_go_lost()
+                except Exception:  # noqa: BLE001
+                    pass
+            return {**record, **state}
+    finally:
+        provider.leave_running()
+    if unreachable:
+        return {**record, "holder": f"(no node answered: {unreachable})"}
+    warm.expire(record, _adopted(warm, record), "none of its nodes runs any more")
+    return None
+
+
+def _adopted(warm: Any, record: dict[str, Any]) -> Any:
+    from skytasks.errors import PoolStartError
+
+    provider = warm.make_provider()
+    try:
+        provider.adopt(record.get("handle") or {})
+    except PoolStartError:
+        pass
+    return provider
+
+
 def _row(name: str) -> tuple[str, ...] | None:
     try:
-        info = _warm_pool(name).probe()
+        info = probe(_warm_pool(name))
     except Exception as exc:  # noqa: BLE001 - one pool that cannot be asked does not hide the others
         return (name, "?", "?", "?", f"cannot be asked: {exc}", "?")
     if info is None:

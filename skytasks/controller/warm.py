@@ -109,7 +109,7 @@ class WarmPool:
             raise PoolConfigError("keep_warm_minutes: save the pool first (pool.save('NAME')): a warm pool is found "
                                   "again by its saved name")
         self.spec, self.name, self.store = spec, name, store
-        self._make_provider, self._build = make_provider, build
+        self.make_provider, self._build = make_provider, build
         self.reporter = PoolReporter(spec.name, spec.provider)
         self.record: dict[str, Any] = {}
         self.attached = False
@@ -170,57 +170,6 @@ class WarmPool:
                 self.record = dict(record)
             return session
 
-    def probe(self) -> dict[str, Any] | None:
-        """What the pool's first node that answers says of the pool (`skytasks pools`), taking
-        nothing: its record's fields, and `holder`, `unheld_since`, `expires_at` where the agent
-        says them. None when its nodes had all ended (its record is then removed)."""
-        record = self.store.load(self.name)
-        if record is None or record.get("state") == "starting":
-            return record
-        provider = self._make_provider()
-        try:
-            provider.adopt(record.get("handle") or {})
-        except PoolStartError as exc:
-            self._expire(record, provider, str(exc))
-            return None
-        key = bytes.fromhex(record["pool_key"])
-        try:
-            for node in sorted(record.get("nodes", []), key=lambda n: n["node_id"]):
-                if not node.get("door"):
-                    continue
-                try:
-                    link = provider.reattach(node["node_id"], node["door"], REACH_SECONDS)
-                except Exception:  # noqa: BLE001 - gone or unreachable: ask the next one
-                    continue
-                try:
-                    attached = door_handshake(link, key, node.get("instance", ""), "probe", "probe", 0, who_am_i(),
-                                              time.monotonic() + HANDSHAKE_SECONDS)
-                    state = dict(attached.get("state") or {})
-                except Refused as exc:
-                    if not exc.holder:
-                        continue
-                    state = {"holder": exc.holder, "held_since": exc.since}
-                except Exception:  # noqa: BLE001
-                    continue
-                finally:
-                    _let_go(link)
-                return {**record, **state}
-        finally:
-            try:
-                provider.leave_running()
-            except Exception:  # noqa: BLE001
-                pass
-        self._expire(record, self._make_provider_adopted(record), "none of its nodes runs any more")
-        return None
-
-    def _make_provider_adopted(self, record: dict[str, Any]) -> NodeProvider:
-        provider = self._make_provider()
-        try:
-            provider.adopt(record.get("handle") or {})
-        except PoolStartError:
-            pass
-        return provider
-
     def _placeholder(self) -> dict[str, Any]:
         return {"version": RECORD_VERSION, "pool": self.name, "state": "starting", "who": who_am_i(),
                 "claimed_at": time.time()}
@@ -236,7 +185,7 @@ class WarmPool:
 
     def _start(self) -> PoolSession:
         try:
-            session = self._build(self._make_provider(), None).start()
+            session = self._build(self.make_provider(), None).start()
         except BaseException:
             self.store.delete(self.name)
             raise
@@ -249,11 +198,11 @@ class WarmPool:
 
     def _attach(self, record: dict[str, Any]) -> PoolSession | None:
         """Hold every node of the record, in node-id order; None when none runs any more."""
-        provider = self._make_provider()
+        provider = self.make_provider()
         try:
             provider.adopt(record.get("handle") or {})
         except PoolStartError as exc:
-            self._expire(record, provider, str(exc))
+            self.expire(record, provider, str(exc))
             return None
         session = self._build(provider, PoolRelay.from_stored(record["pool_key"], record.get("tls_cert", ""),
                                                               record.get("tls_key", "")))
@@ -272,7 +221,7 @@ class WarmPool:
             provider.leave_running()
             raise
         if not held:
-            self._expire(record, provider, "none of its nodes runs any more")
+            self.expire(record, provider, "none of its nodes runs any more")
             return None
         if (current := self.store.load(self.name)) is None or current.get("nodes") != record.get("nodes"):
             for link, _ in held:  # its holder changed the pool as we took it: read it again
@@ -306,7 +255,7 @@ class WarmPool:
         link.address = node.get("address") or link.address
         return link, {**attached.get("state", {}), "door": node["door"], "instance": node.get("instance", "")}
 
-    def _expire(self, record: dict[str, Any], provider: NodeProvider, why: str) -> None:
+    def expire(self, record: dict[str, Any], provider: NodeProvider, why: str) -> None:
         """The pool's nodes are gone: clear what is left of them and its record, quietly."""
         try:
             provider.stop()
