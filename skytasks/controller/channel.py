@@ -170,14 +170,14 @@ class NodeChannel:
             self.alive = False
 
     def lease_to(self, provider: NodeProvider, key: str, holder: str, seconds: float,
-                 keep_warm_seconds: float = 0.0) -> None:
+                 keep_warm_seconds: float = 0.0, who: str = "") -> None:
         """LEASE: from now on the agent outlives a break of this stream, for `seconds`, and this
         channel reaches it again through `provider` instead of giving it up at once. With
         `keep_warm_seconds` (a warm pool) the agent also outlives its holder, unheld that long."""
         self._out.keeping = True  # the LEASE itself is kept: the agent may not have read it yet
         self.lease = Lease(provider, bytes.fromhex(key), holder, seconds)
         self.send(message(Op.LEASE, key=key, reattach_seconds=float(seconds),
-                          keep_warm_seconds=float(keep_warm_seconds), holder=holder))
+                          keep_warm_seconds=float(keep_warm_seconds), holder=holder, **({"who": who} if who else {})))
 
     def end(self) -> None:
         """END: the pool is done with the agent (it holds a lease, so its stream closing is no goodbye)."""
