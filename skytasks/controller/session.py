@@ -67,6 +67,7 @@ class PoolSession:
         # A warm pool's agents outlive this session, unheld this long (controller/warm.py).
         self.keep_warm_seconds = keep_warm_seconds
         self.evicted_by = ""  # a warm pool taken over by another process while our stream was broken
+        self.who = ""  # this process in words (a warm pool's holder, as those waiting read it)
         self.procs_per_node = procs_per_node
         self.env = dict(env)
         self.counts = nodes  # (min, max): an elastic pool runs on what it has between the two
@@ -119,7 +120,7 @@ class PoolSession:
                 node.send(peers)  # its relay listener
                 if (self.reattach_seconds > 0 or self.keep_warm_seconds > 0) and node.door and node.instance:
                     node.lease_to(self.provider, peers["secret"], self.holder, self.reattach_seconds,
-                                  self.keep_warm_seconds)
+                                  self.keep_warm_seconds, self.who)
                 del waiting[node_rank]
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
@@ -148,7 +149,8 @@ class PoolSession:
             key = self.relay.peers_message("")["secret"]
             for node in self.nodes:
                 if node.alive:
-                    node.lease_to(self.provider, key, self.holder, self.reattach_seconds, self.keep_warm_seconds)
+                    node.lease_to(self.provider, key, self.holder, self.reattach_seconds, self.keep_warm_seconds,
+                                  self.who)
                     if not node.peer_port:  # its relay listener, if it has none open
                         node.send(self.relay.peers_message(node.link.address))
         except BaseException:
