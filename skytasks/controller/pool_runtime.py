@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 from skytasks.controller.pool_relay import PoolRelay
 from skytasks.controller.session import PoolSession
-from skytasks.controller.warm import WarmPool, WarmStore, default_store
+from skytasks.controller.warm import WarmPool, WarmStore, default_store, who_am_i
 from skytasks.events import PoolDown, PoolUp
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeProvider, PreloadsImports
@@ -95,9 +95,12 @@ class PoolRuntime:
                         make_provider or (lambda: provider_for(self.spec)), self._new_session)
 
     def _new_session(self, provider: NodeProvider, relay: PoolRelay | None) -> PoolSession:
-        return PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
-                           nodes=(self.spec.fewest, self.spec.nodes), reattach_seconds=self.spec.reattach_seconds,
-                           keep_warm_seconds=self.spec.keep_warm_minutes * 60, relay=relay)
+        session = PoolSession(provider, self.spec.procs_per_node, dict(self.spec.env),
+                              nodes=(self.spec.fewest, self.spec.nodes), reattach_seconds=self.spec.reattach_seconds,
+                              keep_warm_seconds=self.spec.keep_warm_minutes * 60, relay=relay)
+        if self.spec.keep_warm_minutes > 0:
+            session.who = who_am_i()
+        return session
 
     def close_session(self, session: PoolSession) -> None:
         warm, calls_before = self._warm.pop(id(session), (None, 0))
