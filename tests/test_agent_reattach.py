@@ -69,10 +69,12 @@ class Controller:
     """The test's controller: what it sent (all of it, for a resend from the agent's count),
     what it read (counted), and the agent's frames in order."""
 
-    def __init__(self, window: float = 30.0, heartbeat_timeout: float = 30.0, env: dict[str, str] | None = None):
+    def __init__(self, window: float = 30.0, heartbeat_timeout: float = 30.0, env: dict[str, str] | None = None,
+                 heartbeat_file: str | None = None):
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "skytasks.node.agent", "--heartbeat-seconds", "0.5", "--heartbeat-timeout",
-             str(heartbeat_timeout), "--sample-seconds", "600"],
+             str(heartbeat_timeout), "--sample-seconds", "600",
+             *(["--heartbeat-file", heartbeat_file] if heartbeat_file else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, bufsize=0,
             env={**os.environ, **(env or {})})
         self.window = window
@@ -116,9 +118,10 @@ class Controller:
             assert self.read_some(0.2), "the agent's stream ended"
         raise AssertionError(f"not seen in {timeout}s; frames: {[f['op'] for f in self.frames]}")
 
-    def lease(self) -> None:
-        self.send(message(Op.LEASE, key=KEY.hex(), reattach_seconds=self.window, keep_warm_seconds=0.0,
-                          holder=HOLDER))
+    def lease(self, keep_warm: float = 0.0, holder: str = HOLDER, **who: str) -> None:
+        self.send(message(Op.LEASE, key=KEY.hex(), reattach_seconds=self.window, keep_warm_seconds=keep_warm,
+                          holder=holder, **who))
+        self.acked = None
         deadline = time.monotonic() + 10
         while (self.acked is None or self.acked < len(self.sent)) and time.monotonic() < deadline:
             assert self.read_some(0.2)  # its heartbeats acknowledge the LEASE: it took it
@@ -137,18 +140,26 @@ class Controller:
         for end in (self.to_agent, self.from_agent):
             end.close()
 
-    def attach(self, key: bytes = KEY, holder: str = HOLDER) -> dict[str, Any]:
-        """A new stream through the door; on ATTACHED, our stream resent from the agent's count."""
+    def attach(self, key: bytes = KEY, holder: str = HOLDER, mode: str = "resume", who: str = "the test") -> dict[str, Any]:
+        """A new stream through the door; on ATTACHED, our stream resent from the agent's count
+        (mode "resume"), or a fresh stream from byte 0 ("hold"); "probe": the answer alone."""
         client = subprocess.Popen([sys.executable, "-c", CLIENT, self.hello["door"]], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, bufsize=0)
         challenge = read_frame(client.stdout)
         assert challenge["op"] == Op.CHALLENGE and challenge["instance"] == self.hello["instance"]
         nonce = resume.new_nonce()
-        proof = resume.controller_proof(key, challenge["nonce"], nonce, holder, "resume", self.got)
-        client.stdin.write(_frame(message(Op.ATTACH, proof=proof, nonce=nonce, holder=holder, mode="resume",
-                                          got=self.got, who="the test")))
+        got = 0 if mode == "hold" else self.got
+        proof = resume.controller_proof(key, challenge["nonce"], nonce, holder, mode, got)
+        client.stdin.write(_frame(message(Op.ATTACH, proof=proof, nonce=nonce, holder=holder, mode=mode,
+                                          got=got, who=who)))
         answer = read_frame(client.stdout)
-        if answer["op"] == Op.ATTACHED:
+        if answer["op"] == Op.ATTACHED and mode == "hold":  # a fresh stream: counted from 0 both ways
+            assert answer["got"] == 0
+            assert resume.proof_matches(resume.agent_proof(KEY, nonce, challenge["nonce"], 0), answer["proof"])
+            self.client, self.to_agent, self.from_agent = client, client.stdin, client.stdout
+            self.clients.append(client)
+            self.sent, self.got, self.parser, self.acked = bytearray(), 0, FrameParser(), None
+        elif answer["op"] == Op.ATTACHED and mode == "resume":
             assert resume.proof_matches(resume.agent_proof(KEY, nonce, challenge["nonce"], answer["got"]),
                                         answer["proof"])
             self.client, self.to_agent, self.from_agent = client, client.stdin, client.stdout
@@ -252,7 +263,7 @@ def test_a_wrong_key_or_another_holder_is_refused_and_the_holders_stream_goes_on
     refused = c.attach(key=os.urandom(32))
     assert refused["op"] == Op.REFUSED and "key" in refused["reason"] and "holder" not in refused
     other = c.attach(holder="someone else")
-    assert other["op"] == Op.REFUSED and other["holder"] == HOLDER
+    assert other["op"] == Op.REFUSED and other["holder"] == f"controller {HOLDER}"  # the LEASE named no `who`
     c.spawn(ranks=1)  # the holder's own stream, untouched
     data = os.urandom(BIG)
     c.send(_call(data, lines=3), flags=RELAY)
@@ -456,3 +467,96 @@ def test_each_proof_holds_only_for_its_own_key_nonces_holder_mode_and_count():
                   resume.agent_proof(KEY, a, c, 5)):  # an agent's proof is never a controller's
         assert not resume.proof_matches(good, other)
     assert not resume.proof_matches(good, None) and KEY.hex() not in good
+
+
+# -- warm pools (issue 52, part 3): holders come and go, the agent stays --------------------------
+
+def _drained(c: Controller, timeout: float = 10.0) -> None:
+    """Read the old stream to its end: the agent closes it when it lets its holder go."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not c.read_some(0.2):
+            return
+    raise AssertionError("the released stream was not closed by the agent")
+
+
+def test_a_released_agent_is_held_by_the_next_process_on_a_fresh_stream(controllers):
+    c = controllers()
+    c.lease(keep_warm=60.0, who="flow run 'first'")
+    c.spawn(ranks=1)
+    pids = [p.pid for p in c.ranks()]
+    data = os.urandom(BIG)
+    c.send(_call(data, lines=3), flags=RELAY)
+    c.wait_for(lambda f: f["op"] == Op.RESULT)
+    held = c.attach(holder="second", mode="hold", who="flow run 'second'")
+    assert held["op"] == Op.REFUSED and held["holder"] == "flow run 'first'" and held["since"] <= time.time()
+    c.send(message(Op.RELEASE))
+    _drained(c)
+    _wait_gone(pids, 10)  # the holder's ranks end with its hold
+    probe = c.attach(holder="probe", mode="probe", who="skytasks pools")
+    state = probe["state"]
+    assert probe["op"] == Op.ATTACHED and state["holding"] == "unheld" and state["holder"] == ""
+    assert state["pid"] == c.agent.pid and state["calls"] == 1 and state["door"] == c.hello["door"]
+    assert time.time() + 50 < state["expires_at"] <= time.time() + 60 and state["up_since"] < state["unheld_since"]
+    # the second process: its hold is admitted, the stream counts from 0, and it leases and calls anew
+    attached = c.attach(holder="second", mode="hold", who="flow run 'second'")
+    assert attached["op"] == Op.ATTACHED and attached["state"]["pid"] == c.agent.pid
+    assert attached["state"]["instance"] == c.hello["instance"]
+    c.lease(keep_warm=60.0, holder="second")
+    assert c.acked == len(c.sent)  # its count restarted with the fresh stream
+    c.spawn(ranks=1)
+    c.send(_call(data, lines=3), flags=RELAY)
+    result = c.wait_for(lambda f: f["op"] == Op.RESULT and f["call"] == 7, count=2)
+    assert loads_out_of_band(result["value"], copy=True) == bytes(reversed(data))
+    third = c.attach(holder="third", mode="hold", who="flow run 'third'")
+    assert third["op"] == Op.REFUSED and third["holder"] == "flow run 'second'"
+    old = c.attach(holder=HOLDER, mode="resume")  # the first holder, back late: the node is not its own
+    assert old["op"] == Op.REFUSED and old["holder"] == "flow run 'second'"
+    c.send(message(Op.END))
+    assert c.agent.wait(30) == 0
+
+
+def test_a_dead_holder_frees_the_node_after_its_window_and_waiters_are_served_in_order(controllers):
+    c = controllers(window=1.0)
+    c.lease(keep_warm=60.0, who="flow run 'dead'")
+    c.spawn(ranks=1)
+    pids = [p.pid for p in c.ranks()]
+    c.break_stream()  # its process died: its stream ends
+    first = c.attach(holder="b", mode="hold", who="b")
+    assert first["op"] == Op.REFUSED and first["holder"] == "flow run 'dead'"  # within its window
+    _wait_gone(pids, 1.0 + 2.0 + 5.0)  # the window (+ margin) ends: the ranks go, the agent stays
+    assert c.agent.poll() is None
+    later = c.attach(holder="c", mode="hold", who="c")
+    assert later["op"] == Op.REFUSED and later["holder"].startswith("b ")  # b asked first
+    assert c.attach(holder="b", mode="hold", who="b")["op"] == Op.ATTACHED
+    c.send(message(Op.END))
+    assert c.agent.wait(30) == 0
+
+
+def test_a_warm_lease_without_a_window_lets_a_broken_holder_go_at_once(controllers):
+    """Local warm pools: a dead holder's agents are free at once, never ended with it."""
+    c = controllers(window=0.0)
+    c.lease(keep_warm=60.0)
+    c.spawn(ranks=1)
+    pids = [p.pid for p in c.ranks()]
+    c.break_stream()
+    _wait_gone(pids, 5)
+    assert c.agent.poll() is None
+    assert c.attach(holder="b", mode="hold", who="b")["op"] == Op.ATTACHED
+    c.send(message(Op.END))
+    assert c.agent.wait(30) == 0
+
+
+def test_an_unheld_agent_ends_after_keep_warm_and_tells_its_watchdog(controllers, tmp_path):
+    beat = tmp_path / "heartbeat"
+    c = controllers(heartbeat_file=str(beat))
+    c.lease(keep_warm=2.0)
+    c.send(message(Op.RELEASE))
+    _drained(c)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and c.agent.poll() is None:
+        assert beat.stat().st_mtime > time.time() - 3  # unheld, it is still wanted: touched
+        time.sleep(0.2)
+    assert c.agent.wait(10) == 0
+    assert beat.stat().st_mtime == 1  # mtime 1: the watchdog ends the machine now
+    assert not os.path.exists(c.hello["door"])

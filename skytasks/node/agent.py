@@ -36,8 +36,8 @@ from skytasks.protocol import Op, message
 from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
-from skytasks.node.agent_stream import AgentStream
-from skytasks.node.door import Reattach
+from skytasks.node.holding import END, EXPIRE, UNHOLD
+from skytasks.node.reattach import Reattach, StreamRestarted, WarmStream
 from skytasks.node.notices import NodeNotice
 from skytasks.node.peers import RelayNode
 from skytasks.node.tls_link import PeerTLS
@@ -51,7 +51,7 @@ class NodeAgent:
                  sample_seconds: float, heartbeat_file: str | None = None, notice_file: str | None = None,
                  starter: RankStarter | None = None):
         self.starter = starter or RankStarter()  # a warm template forks the ranks (see rank_template)
-        self.stream = AgentStream(read_fd, write_fd, gone=self._controller_gone)  # outlives a break after LEASE
+        self.stream = WarmStream(read_fd, write_fd, gone=self._controller_gone)  # outlives a break after LEASE
         self._inbound = HeardStream(self.stream)
         self._out = FrameWriter(self.stream)  # type: ignore[arg-type]  # writelines, flush, close: as a file
         self._ranks: dict[int, RankProcess] = {}
@@ -65,7 +65,8 @@ class NodeAgent:
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
                           Op.STOP: self._stop, Op.CLOSE: self._close_group, Op.PREEMPTION: self._forward_notice,
                           Op.HEARTBEAT: self.reattach.acked, Op.PEERS: self._open_to_peers,
-                          Op.LINKS: self._open_links, Op.LEASE: self.reattach.lease, Op.RELEASE: _heard}
+                          Op.LINKS: self._open_links, Op.LEASE: self.reattach.lease, Op.RELEASE: self._release}
+        self.up_since, self.calls, self._peer_port = time.time(), 0, 0  # what a warm pool's next holder is told
         self._spawned = threading.Condition(self._lock)  # a group's ranks were started
         # this node's part in the relay tree of large calls
         self._relay = RelayNode(self._ranks_of, self._relay_broke)
@@ -87,6 +88,25 @@ class NodeAgent:
         self._end_ranks(grace=0.0)
         os._exit(0)
 
+    def _release(self, msg: dict[str, Any]) -> None:
+        """RELEASE (warm pools): the holder is done; its ranks go (CLOSE came first), the agent stays."""
+        self.stop_ranks(grace=0.0)
+        self.reattach.release()
+
+    def _expire(self) -> None:
+        """Nobody held this warm node for keep_warm_seconds: it ends, and its watchdog (launched
+        nodes) reads the heartbeat file's mtime of 1 as "end the machine now", not idle_minutes later."""
+        print("skytasks agent: nobody held this node for its keep-warm time; ending it", file=sys.stderr, flush=True)
+        if self._heartbeat_file:
+            try:
+                with open(self._heartbeat_file, "a"):
+                    pass
+                os.utime(self._heartbeat_file, (1, 1))
+            except OSError:
+                pass
+        self._end_ranks(grace=0.0)
+        os._exit(0)
+
     def _send_heartbeats(self) -> None:
         """After a LEASE each heartbeat acknowledges what arrived (`got`), at once when much did."""
         while True:
@@ -101,23 +121,31 @@ class NodeAgent:
 
     def _state(self) -> dict[str, Any]:
         """What the agent says of itself to a controller that attaches (ATTACHED)."""
-        return {"pid": os.getpid(), "python": sys.executable, "gpus": visible_gpus()}
+        return {"pid": os.getpid(), "python": sys.executable, "gpus": visible_gpus(), "peer_port": self._peer_port,
+                "up_since": self.up_since, "calls": self.calls}
 
     def _watch_controller(self) -> None:
         """A separate thread from the sender: a send stuck on a dead link must not stop the check.
         The heartbeat file tells the node's own watchdog (launched nodes) that a controller lives."""
-        touched = None
+        touched, touched_at = None, 0.0
         while True:
             time.sleep(min(1.0, self._interval))
-            if self.stream.detached:
-                if self.stream.expired():
-                    self._controller_gone(f"not re-attached within {self.stream.window:g}s of the break")
-            elif (silent := self._inbound.silent_for()) > self._timeout:
+            verdict = self.reattach.tick()  # a LEASE's clocks (node/holding.py)
+            if verdict == END:
+                self._controller_gone(f"not re-attached within {self.stream.window:g}s of the break")
+            elif verdict == UNHOLD:
+                print("skytasks agent: its holder did not come back; stopping the ranks, up for the next holder",
+                      file=sys.stderr, flush=True)
+                self.stop_ranks(grace=0.0)
+            elif verdict == EXPIRE:
+                self._expire()
+            elif not self.stream.detached and (silent := self._inbound.silent_for()) > self._timeout:
                 self.stream.broke(f"no word from the controller for {silent:.0f}s")  # no LEASE: gone
             self.notice.read_file()
             self.starter.reap_orphans()  # the agent is a subreaper (see rank_template)
-            if self._heartbeat_file and self._inbound.last_heard != touched and not self.stream.detached:
-                touched = self._inbound.last_heard
+            unheld_due = self.reattach.unheld and time.monotonic() - touched_at >= self._interval  # wanted, unheld
+            if self._heartbeat_file and (unheld_due or self._inbound.last_heard != touched and not self.stream.detached):
+                touched, touched_at = self._inbound.last_heard, time.monotonic()
                 try:
                     with open(self._heartbeat_file, "w") as f:
                         f.write(f"{time.time():.0f}\n")
@@ -137,13 +165,19 @@ class NodeAgent:
         route: dict[str, Any] | None = None  # the relay tree the next CALL frame also goes down
         try:
             while True:
-                header = read_header(self._inbound)
-                if header[2] & RELAY:  # a call: streamed to the ranks, never held whole here
-                    self._relay.relay_call(self._inbound, header, route)
+                try:
+                    header = read_header(self._inbound)
+                    if header[2] & RELAY:  # a call: streamed to the ranks, never held whole here
+                        self.calls += 1
+                        self._relay.relay_call(self._inbound, header, route)
+                        route = None
+                        continue
+                    msg = read_body(self._inbound, *header)
+                except StreamRestarted:  # a new holder's stream (warm pools): from its first frame
                     route = None
                     continue
-                msg = read_body(self._inbound, *header)
                 op = msg["op"]
+                self.calls += op == Op.CALL
                 if op == Op.ROUTE:
                     route = msg
                     continue
@@ -200,7 +234,7 @@ class NodeAgent:
     def _open_to_peers(self, msg: dict[str, Any]) -> None:
         try:
             tls = PeerTLS(msg["cert"], msg["key"]) if msg["cert"] else None  # none: SKYTASKS_PEER_TLS=0
-            port = self._relay.open(bytes.fromhex(msg["secret"]), msg["address"], tls)
+            port = self._peer_port = self._relay.open(bytes.fromhex(msg["secret"]), msg["address"], tls)
         except OSError as exc:  # not an address of this machine (NAT): calls come straight, as before
             print(f"skytasks agent: no relay listener on {msg['address']}: {exc}", file=sys.stderr, flush=True)
             port = 0
@@ -286,10 +320,6 @@ def _group_of(ranks: list[RankProcess]) -> int | None:
     """The rank group these ranks belong to, or None when they are not of one group."""
     groups = {rp.group for rp in ranks}
     return groups.pop() if len(groups) == 1 else None
-
-
-def _heard(msg: dict[str, Any]) -> None:
-    """A heartbeat: hearing it was the point (the stream's clock is reset by any byte)."""
 
 
 class NodeLeaving(Exception):
