@@ -31,6 +31,11 @@ def tls_of(pool=None) -> PeerTLS:
     return PeerTLS(pool.cert, pool.key)
 
 
+def a_call(big: bytes) -> dict:
+    """A CALL as the controller makes one, `big` in it (out of band): what a peer may relay."""
+    return message(Op.CALL, call=1, head=b"head", refs=["1.1"], blobs={"1.1": big}, attempt=1)
+
+
 def wait_for(predicate, seconds: float = 10.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -243,7 +248,8 @@ def test_a_flipped_byte_breaks_the_link_and_says_why(pool_key):
     try:
         writer = connect("127.0.0.1", mitm.port, SECRET, tls=tls_of(pool_key))
         try:
-            writer.send(message(Op.HEARTBEAT) | {"big": os.urandom(1 << 20)}, flags=RELAY)
+            writer.send(message(Op.ROUTE, group=1, children=[]))
+            writer.send(a_call(os.urandom(1 << 20)), flags=RELAY)
         except ChannelClosed:
             pass  # the listener may have cut the link before the last byte
         assert wait_for(lambda: broken)
@@ -337,7 +343,7 @@ def test_a_peer_that_trickles_its_handshake_is_cut_off_at_the_deadline(pool_key,
     (the listener does its TLS through memory: the deadline is its own, as an SSLSocket's was)."""
     import skytasks.node.peer_links as peer_links
 
-    monkeypatch.setattr(peer_links, "HANDSHAKE_SECONDS", 0.5)
+    monkeypatch.setattr(peer_links, "ADMIT_SECONDS", 0.5)
     lst = PeerListener("127.0.0.1", SECRET, lambda stream: None, tls_of(pool_key))
     raw = socket.create_connection(("127.0.0.1", lst.port), timeout=10)
     try:
@@ -458,11 +464,11 @@ def test_links_open_down_the_whole_tree_before_the_first_call_and_the_call_opens
     time.sleep(0.2)
     assert sorted(opened) == sorted(ports[1:])  # each link once, not again
     payload = os.urandom(64 << 10)
-    frame = b"".join(bytes(c) for c in encode(message(Op.HEARTBEAT) | {"big": payload}, flags=RELAY))
+    frame = b"".join(bytes(c) for c in encode(a_call(payload), flags=RELAY))
     stream = io.BytesIO(frame)
     nodes[0].relay_call(stream, read_header(stream), {"group": 1, "children": tree})
     for rank in ranks:  # every node's rank got the frame, down links opened before it
-        assert bytes(read_frame(rank.reader)["big"]) == payload
+        assert bytes(read_frame(rank.reader)["blobs"]["1.1"]) == payload
     assert sorted(opened) == sorted(ports[1:])
 
 
@@ -474,14 +480,36 @@ def test_links_open_down_the_whole_tree_before_the_first_call_and_the_call_opens
 ], ids=["not-a-list", "port-as-text", "a-grandchild-without-children", "port-out-of-range"])
 def test_a_peer_that_sends_a_malformed_tree_is_cut_off_saying_what_was_wrong(pool_key, children, says):
     said: list[str] = []
-    relay = RelayNode(lambda group, wait: [], broken=said.append)
+    broken: list[str] = []
+    relay = RelayNode(lambda group, wait: [], broken=broken.append, refused=said.append)
     port = relay.open(SECRET, "127.0.0.1", tls_of(pool_key))
     w = connect("127.0.0.1", port, SECRET, tls=tls_of(pool_key))
     w.send(message(Op.LINKS, children=[]))  # nothing to open: fine
     w.send({"op": Op.LINKS, "children": children})
     assert wait_for(lambda: said)
     assert says in said[0], said
+    assert broken == []  # refused before anything reached the ranks: they run on
     w.close()
+
+
+def test_a_tree_whose_branches_share_a_node_is_refused_at_once():
+    """A pickle may make every branch of a tree the same object: 60 levels of two branches each
+    are 2**60 paths, which a walk of the branches would never finish. Each node is seen once."""
+    from skytasks.node.peers import check_tree
+
+    shared: list = []
+    for level in range(60):
+        node = {"address": "127.0.0.1", "port": level + 1, "children": shared}
+        shared = [node, node]
+    cycle: dict = {"address": "127.0.0.1", "port": 9, "children": []}
+    cycle["children"].append(cycle)
+    twice = [{"address": "10.0.0.1", "port": 5, "children": []}, {"address": "10.0.0.1", "port": 5, "children": []}]
+    for tree in (shared, [cycle], twice):
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="twice"):
+            check_tree(tree)
+        assert time.monotonic() - started < 0.5
+    check_tree(relay_tree([("127.0.0.1", port) for port in range(1, 200)]))  # a real tree of 199 nodes passes
 
 
 def test_two_threads_that_need_one_link_make_one_and_a_failure_reaches_both(pool_key, monkeypatch):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -30,7 +31,14 @@ from skytasks.wire import ChannelClosed, FrameWriter, Readable, read_exact
 
 NONCE_BYTES = 16
 DIGEST_BYTES = 32
-HANDSHAKE_SECONDS = 10.0
+HANDSHAKE_SECONDS = 10.0  # a member's connect and handshake to its child
+# The listener's side, against strangers: how long a connection may take to prove itself (TLS
+# and the challenge), how many may be doing so at once, and after how long a pending one is
+# taken for a stall (a member's takes milliseconds) and gives way to a newcomer.
+ADMIT_SECONDS = 5.0
+PENDING_HANDSHAKES = 64
+STALLED_SECONDS = 1.0
+ACCEPT_PAUSE_SECONDS = 0.1  # after an accept that failed (too many open files): then again
 # How long a call waits for a link another thread is opening: its connect and handshake, each
 # bounded by HANDSHAKE_SECONDS, and a margin.
 OPEN_WAIT_SECONDS = 3 * HANDSHAKE_SECONDS
@@ -60,21 +68,34 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class _PlainLink:
-    """The challenge on a link without TLS (SKYTASKS_PEER_TLS=0)."""
+    """The challenge on a link without TLS (SKYTASKS_PEER_TLS=0), within the handshake's deadline."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline = sock, deadline
 
     def write(self, data: bytes) -> None:
         self.sock.sendall(data)
 
     def readinto(self, buffer: Any, /) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the peer's handshake took too long")
+        self.sock.settimeout(left)
         return self.sock.recv_into(buffer)
 
 
 class PeerListener:
     """The agent's door for its parent in the relay tree: one thread per accepted, proven peer,
-    which hands the connection's frames to `serve(stream)`. `tls` None: no TLS (SKYTASKS_PEER_TLS=0)."""
+    which hands the connection's frames to `serve(stream)`. `tls` None: no TLS (SKYTASKS_PEER_TLS=0).
+
+    Anyone on the peers' network can reach it, so what a stranger can make it hold is bounded:
+    at most PENDING_HANDSHAKES connections are proving themselves at once, each for at most
+    ADMIT_SECONDS, on a small buffer (a peer's 1 MB one comes once it is admitted). When all are
+    taken, the oldest gives way to a newcomer if it has stalled past STALLED_SECONDS (a member's
+    handshake takes milliseconds), else the newcomer is closed: a stranger who opens connections
+    and sends nothing cannot keep the pool's own peers out. Whatever fails while accepting (too
+    many open files, a thread that cannot start) is said and waited out, never the listener's end.
+    `refused` counts connections that failed to prove themselves, `shed` those closed unheard."""
 
     def __init__(self, address: str, secret: bytes, serve: Callable[[Readable], None], tls: PeerTLS | None = None):
         self._secret, self._serve, self._tls = secret, serve, tls
@@ -82,55 +103,118 @@ class PeerListener:
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((address, 0))  # this interface only, never 0.0.0.0
-        self._sock.listen(16)
+        self._sock.listen(128)
         self.port: int = self._sock.getsockname()[1]
         self.refused = 0  # connections that failed the TLS handshake or the challenge
+        self.shed = 0  # connections closed unheard: too many handshakes pending, or no thread for one
+        self._pending: dict[socket.socket, float] = {}  # proving themselves, oldest first: since when
+        self._lock = threading.Lock()
+        self._closed = False
+        self._said_at = 0.0
         threading.Thread(target=self._accept, daemon=True, name="skytasks-peers").start()
 
     def _accept(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._admit, args=(conn,), daemon=True).start()
+            except OSError as exc:  # EMFILE, ENOBUFS, ...: wait it out, go on
+                if self._closed:
+                    return
+                self._trouble(f"accepting a peer failed ({exc}); trying again")
+                continue
+            try:
+                if self._make_room(conn):
+                    threading.Thread(target=self._admit, args=(conn,), daemon=True, name="skytasks-peer-admit").start()
+            except Exception as exc:  # noqa: BLE001 - a thread that cannot start, or anything else: the next one may
+                with self._lock:
+                    self._pending.pop(conn, None)
+                    self.shed += 1
+                conn.close()
+                self._trouble(f"a peer's connection could not be taken ({exc}); it was closed")
+
+    def _make_room(self, conn: socket.socket) -> bool:
+        """Count `conn` among the pending handshakes, making room by cutting the oldest one if it
+        has stalled; False (`conn` closed) when there is no room."""
+        now = time.monotonic()
+        with self._lock:
+            if len(self._pending) >= PENDING_HANDSHAKES:
+                oldest, since = next(iter(self._pending.items()))
+                if now - since < STALLED_SECONDS:
+                    self.shed += 1
+                    conn.close()
+                    return False
+                del self._pending[oldest]  # its own thread hears the cut and ends
+                self.shed += 1
+                _cut(oldest)
+            self._pending[conn] = now
+        return True
+
+    def _trouble(self, what: str) -> None:
+        """Said at most every few seconds (a full table of files fails every accept), then a pause."""
+        now = time.monotonic()
+        if now - self._said_at > 5.0:
+            self._said_at = now
+            print(f"skytasks agent: the relay listener: {what}", file=sys.stderr, flush=True)
+        time.sleep(ACCEPT_PAUSE_SECONDS)
 
     def _admit(self, conn: socket.socket) -> None:
-        deadline = time.monotonic() + HANDSHAKE_SECONDS  # TLS and the challenge, all told
-        stream: Any
+        stream = None
         try:
-            conn.settimeout(HANDSHAKE_SECONDS)
-            if self._tls is not None:
-                stream = self._tls.accept(conn, deadline)  # no pool certificate: refused here
-            else:
-                stream = _PlainLink(conn)
-            nonce = os.urandom(NONCE_BYTES)
-            stream.write(nonce)
-            conn.settimeout(max(0.001, deadline - time.monotonic()))
-            answer = bytes(read_exact(stream, DIGEST_BYTES))
-            if not _same(answer, _proof(self._secret, nonce)):
+            stream = self._prove(conn, time.monotonic() + ADMIT_SECONDS)
+        except (OSError, ChannelClosed):  # ssl.SSLError and TimeoutError are OSErrors
+            pass
+        with self._lock:
+            mine = self._pending.pop(conn, None) is not None  # not cut meanwhile to make room
+            if stream is None and mine:
                 self.refused += 1
-                conn.close()
-                return
-            stream.write(b"\x01")  # admitted
-            conn.settimeout(None)
-        except (OSError, ChannelClosed):  # ssl.SSLError is an OSError
-            self.refused += 1
+        if stream is None or not mine:
             conn.close()
             return
-        if self._tls is None:
-            stream = conn.makefile("rb", buffering=STREAM_BUFFER)
         try:
             self._serve(stream)
         finally:
             stream.close()
             conn.close()
 
+    def _prove(self, conn: socket.socket, deadline: float) -> Any:
+        """TLS and the challenge, all told by `deadline`: the admitted peer's stream, or None."""
+        stream: Any
+        conn.settimeout(ADMIT_SECONDS)
+        if self._tls is not None:
+            stream = self._tls.accept(conn, deadline)  # no pool certificate: refused here
+        else:
+            stream = _PlainLink(conn, deadline)
+        nonce = os.urandom(NONCE_BYTES)
+        stream.write(nonce)
+        answer = bytes(read_exact(stream, DIGEST_BYTES))
+        if not _same(answer, _proof(self._secret, nonce)):
+            return None
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        stream.write(b"\x01")  # admitted
+        conn.settimeout(None)
+        if self._tls is None:
+            return conn.makefile("rb", buffering=STREAM_BUFFER)
+        stream.widen()  # only now a peer's 1 MB buffer
+        return stream
+
     def close(self) -> None:
+        self._closed = True
         try:
             self._sock.close()
         except OSError:
             pass
+        with self._lock:
+            pending = list(self._pending)
+        for conn in pending:
+            _cut(conn)
+
+
+def _cut(conn: socket.socket) -> None:
+    """End a connection another thread is reading: its read returns at once."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def connect(address: str, port: int, secret: bytes, timeout: float = HANDSHAKE_SECONDS,

@@ -17,16 +17,18 @@ Standard library only, like the rest of the node side.
 
 from __future__ import annotations
 
+import io
 import itertools
 import sys
 import threading
 from typing import Any, Callable, Protocol, Sequence
 
 from skytasks.node.peer_links import PeerLinks, PeerListener
-from skytasks.node.relay import relay_frame
+from skytasks.node.relay import read_meta, relay_frame
 from skytasks.node.tls_link import PeerTLS
 from skytasks.protocol import Op, check, message
-from skytasks.wire import RELAY, ChannelClosed, FrameWriter, Readable, read_body, read_header
+from skytasks.wire import (HEADER, LENGTH, MAX_BUFFERS, MAX_META, RELAY, ChannelClosed, FrameWriter, Readable, read_body,
+                           read_exact)
 
 SPAWN_WAIT_SECONDS = 60.0  # a CALL that came down the tree waits this long for its group's SPAWN
 
@@ -45,21 +47,49 @@ def relay_tree(peers: list[tuple[str, int]], fan_out: int = 2) -> list[dict[str,
 MAX_TREE_DEPTH = 64  # a controller's tree of 2 children a node is 7 deep at 128 nodes
 
 
-def check_tree(children: Any, depth: int = 0) -> None:
+def check_tree(children: Any) -> None:
     """A relay tree as a peer sent it (the children of its ROUTE or LINKS): each child an
-    address, a port and its own children, nothing else; ValueError naming what is wrong."""
-    if depth > MAX_TREE_DEPTH:
-        raise ValueError(f"a relay tree deeper than {MAX_TREE_DEPTH} levels")
-    if type(children) is not list:
-        raise ValueError(f"a relay tree's children are a list, not {type(children).__name__}")
-    for child in children:
-        if type(child) is not dict or set(child) != {"address", "port", "children"}:
-            raise ValueError(f"a relay tree's child is address, port and children, not {str(child)[:80]}")
-        address, port = child["address"], child["port"]
-        if type(address) is not str or type(port) is not int or not 0 < port < 65536:
-            raise ValueError(f"a relay tree's child names an address (text) and a port (1-65535), "
-                             f"not {str(address)[:40]!r} and {str(port)[:10]!r}")
-        check_tree(child["children"], depth + 1)
+    address, a port and its own children, nothing else, and each peer in it once; ValueError
+    naming what is wrong. Each child is looked at once: a pickle may make branches share a child
+    (or hold themselves), which a walk of the branches would visit exponentially often, and
+    which a tree never does."""
+    seen: set[tuple[str, int]] = set()
+    level, depth = [children], 0
+    while level:
+        if depth > MAX_TREE_DEPTH:
+            raise ValueError(f"a relay tree deeper than {MAX_TREE_DEPTH} levels")
+        below = []
+        for kids in level:
+            if type(kids) is not list:
+                raise ValueError(f"a relay tree's children are a list, not {type(kids).__name__}")
+            for child in kids:
+                if type(child) is not dict or set(child) != {"address", "port", "children"}:
+                    raise ValueError(f"a relay tree's child is address, port and children, not {str(child)[:80]}")
+                address, port = child["address"], child["port"]
+                if type(address) is not str or type(port) is not int or not 0 < port < 65536:
+                    raise ValueError(f"a relay tree's child names an address (text) and a port (1-65535), "
+                                     f"not {address!r:.40} and {port!r:.10}")
+                if (address, port) in seen:
+                    raise ValueError(f"a relay tree names {address}:{port} twice (shared branches, or a cycle)")
+                seen.add((address, port))
+                below.append(child["children"])
+        level, depth = below, depth + 1
+
+
+class Refused(ValueError):
+    """A peer's frame refused before any of it reached this node's ranks."""
+
+
+def allow_call(meta: Any, count: int) -> None:
+    """`relay_frame`'s check of a frame a peer relays: a CALL, well formed (its out-of-band
+    buffers stand in as empty bytes: they are streamed on, never read here); Refused otherwise."""
+    try:
+        msg = read_body(io.BytesIO(bytes(meta) + LENGTH.pack(0) * count), len(meta), count)
+        check(msg)
+    except (ChannelClosed, ValueError) as exc:
+        raise Refused(f"a relayed frame that is not a CALL: {exc}") from None
+    if msg["op"] != Op.CALL:
+        raise Refused(f"a peer relays CALL frames only, not {msg['op']!r}")
 
 
 class LocalRank(Protocol):
@@ -104,12 +134,14 @@ class RelayNode:
     """An agent's part in the relay tree: its listener for its parent, its connections to its
     children, and the streaming of a CALL frame to its ranks and on down the tree.
     `broken(reason)` hears a peer link that broke in the middle of a frame: this node's ranks then
-    hold part of a call, so the agent fails them and says why (AGENT_ERROR: a lost node)."""
+    hold part of a call, so the agent fails them and says why (AGENT_ERROR: a lost node).
+    `refused(reason)` hears a peer's frame refused before any of it reached the ranks (a peer has
+    the pool's key, but its frames are checked all the same): the link is cut, the ranks run on."""
 
     def __init__(self, ranks_of: Callable[[int | None, float], Sequence[LocalRank]],
-                 broken: Callable[[str], None] = _say):
+                 broken: Callable[[str], None] = _say, refused: Callable[[str], None] = _say):
         self._ranks_of = ranks_of  # (group, wait) -> that group's ranks here
-        self._broken = broken
+        self._broken, self._refused = broken, refused
         self._listener: PeerListener | None = None
         self._links: PeerLinks | None = None
 
@@ -152,24 +184,30 @@ class RelayNode:
     def serve_peer(self, stream: Readable) -> None:
         """Frames from the parent: LINKS, and a ROUTE then the CALL frame it announces. The parent
         closing the link between frames is no news (the controller hears of a lost node on its
-        own); the link breaking inside a frame, or a frame of any other kind, is."""
+        own). A frame refused before any of it reached the ranks (a frame past the size caps, a
+        malformed tree, a relayed frame with no ROUTE before it or that is no CALL, any other op)
+        cuts the link, said (`refused`); the link breaking inside a frame is `broken`."""
         route: dict[str, Any] | None = None
         while True:
             try:
-                header = read_header(stream)
+                meta_len, count, flags = header = HEADER.unpack(read_exact(stream, HEADER.size))
             except ChannelClosed:
                 return
             except Exception as exc:  # noqa: BLE001 - ssl.SSLError and the like: the link is not to be trusted
                 self._broken(why_broken(exc))
                 return
             try:
-                if header[2] & RELAY:
-                    self.relay_call(stream, header, route)
+                if meta_len > MAX_META or count > MAX_BUFFERS:
+                    raise Refused(f"a frame of {meta_len} bytes and {count} buffers, past the caps")
+                if flags & RELAY:
+                    if route is None:  # the controller's own calls come straight, never from a peer
+                        raise Refused("a relayed frame with no ROUTE before it")
+                    self.relay_call(stream, header, route, allow=allow_call)
                     route = None
                     continue
                 msg = read_body(stream, *header)
                 if msg.get("op") not in (Op.ROUTE, Op.LINKS):
-                    raise ValueError(f"a peer may send LINKS, ROUTE and CALL frames only, not {msg.get('op')!r}")
+                    raise Refused(f"a peer may send LINKS, ROUTE and CALL frames only, not {msg.get('op')!r:.40}")
                 check(msg)
                 check_tree(msg["children"])
                 if msg["op"] == Op.LINKS:
@@ -177,15 +215,24 @@ class RelayNode:
                 else:
                     route = msg
             except Exception as exc:  # noqa: BLE001 - whatever it was, the link is done
-                self._broken(why_broken(exc))
+                if isinstance(exc, Refused) or not flags & RELAY and isinstance(exc, (ValueError, ChannelClosed)):
+                    self._refused(f"a frame from a peer was refused and its link cut: {exc}")
+                else:  # the ranks may hold part of a frame
+                    self._broken(why_broken(exc))
                 return
 
-    def relay_call(self, stream: Readable, header: tuple[int, int, int], route: dict[str, Any] | None) -> None:
+    def relay_call(self, stream: Readable, header: tuple[int, int, int], route: dict[str, Any] | None,
+                   allow: Callable[[Any, int], None] | None = None) -> None:
         """Stream one CALL frame, as it arrives, to this node's ranks and (with a ROUTE) to its
         children, each told its own part of the tree first. A child whose frame could not be
-        finished is let go: its link is closed, so it hears its frame broke off."""
+        finished is let go: its link is closed, so it hears its frame broke off. `allow(meta,
+        count)` may refuse the frame (Refused) by its own pickle before anything of it is sent on
+        or waited for: a peer's frames are checked so; the controller's are its own."""
+        meta = read_meta(stream, header)
+        if allow is not None:  # before anything is sent on, or waited for
+            allow(meta, header[1])
         if route is None:  # straight from the controller, as every call on a small pool
-            self._to_ranks(stream, header, self._ranks_of(None, 0.0))
+            self._to_ranks(stream, header, meta, self._ranks_of(None, 0.0))
             return
         onward: list[FrameWriter] = []
         children: list[tuple[tuple[str, int], FrameWriter]] = []
@@ -210,13 +257,14 @@ class RelayNode:
                     if last_try:
                         _say(f"relay to {child['address']}: {exc}")
         try:
-            self._to_ranks(stream, header, self._ranks_of(route["group"], SPAWN_WAIT_SECONDS), onward)
+            self._to_ranks(stream, header, meta, self._ranks_of(route["group"], SPAWN_WAIT_SECONDS), onward)
         except BaseException:
             for peer, writer in children:
                 self._links.forget(*peer, writer)
             raise
 
     @staticmethod
-    def _to_ranks(stream: Readable, header: tuple[int, int, int], ranks: Sequence[LocalRank],
+    def _to_ranks(stream: Readable, header: tuple[int, int, int], meta: Any, ranks: Sequence[LocalRank],
                   onward: list[FrameWriter] | None = None) -> None:
-        relay_frame(stream, header, [r.to_rank for r in ranks], onward=onward or (), hand_over=hand_over_to(ranks))
+        relay_frame(stream, header, [r.to_rank for r in ranks], onward=onward or (), hand_over=hand_over_to(ranks),
+                    meta=meta)

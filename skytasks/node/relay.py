@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Sequence
 
-from skytasks.wire import (BY_REF, HEADER, LENGTH, RELAY, RELAY_CHUNK, SHARED_BYTES, ChannelClosed, FrameWriter, Readable,
-                           read_exact)
+from skytasks.wire import (BY_REF, HEADER, LENGTH, MAX_BUFFERS, MAX_FRAME, MAX_META, RELAY, RELAY_CHUNK, SHARED_BYTES,
+                           ChannelClosed, FrameWriter, Readable, read_exact)
 
 
 def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[FrameWriter],
-                onward: Sequence[FrameWriter] = (), hand_over: Callable[[int], int | None] | None = None) -> None:
+                onward: Sequence[FrameWriter] = (), hand_over: Callable[[int], int | None] | None = None,
+                meta: Any = None) -> None:
     """Stream one frame from `stream` to every target as it arrives (cut-through): a large
     payload crosses the agent without waiting for its last byte.
     `onward` targets (the next agents of a relay tree) get it still marked RELAY, to pass on.
@@ -28,8 +29,14 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
     beside the stream and names it with a token, and each target reads the token where the bytes
     would be (BY_REF). A node of eight ranks then receives a large argument once and holds it
     once, where it was copied through eight pipes into eight copies. Where no memory file can be
-    had, or `hand_over` says None, the bytes go inline as before."""
+    had, or `hand_over` says None, the bytes go inline as before.
+
+    A frame's sizes are checked as `wire.read_frame` checks them (its pickle, its buffer count,
+    each buffer's length): past them it is a corrupt stream, ChannelClosed. `meta`: the frame's
+    own pickle when the caller read it already (`read_meta`, to check it first)."""
     meta_len, count, flags = header
+    if meta is None:
+        meta = read_meta(stream, header)
     every = list(targets) + list(onward)
     live = list(every)
 
@@ -48,10 +55,12 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
                 t.write_raw(HEADER.pack(meta_len, count, flags if t in onward else flags & ~RELAY))
             except ChannelClosed:
                 live.remove(t)
-        fan_out(read_exact(stream, meta_len))
+        fan_out(meta)
         for _ in range(count):
             size_bytes = read_exact(stream, LENGTH.size)
             (left,) = LENGTH.unpack(size_bytes)
+            if left > MAX_FRAME:  # also a BY_REF length: a stream never carries one, only a node's ranks get them
+                raise ChannelClosed(f"a relayed buffer of {left} bytes: the stream is corrupt")
             fd = _memory_file(left) if hand_over is not None and targets and left >= SHARED_BYTES else None
             if fd is None:
                 fan_out(size_bytes)
@@ -81,6 +90,14 @@ def relay_frame(stream: Readable, header: tuple[int, int, int], targets: list[Fr
     finally:
         for t in every:
             t.lock.release()
+
+
+def read_meta(stream: Readable, header: tuple[int, int, int]) -> Any:
+    """A relayed frame's own pickle (its fields; the large buffers follow it), within the caps."""
+    meta_len, count, _flags = header
+    if meta_len > MAX_META or count > MAX_BUFFERS:
+        raise ChannelClosed(f"a relayed frame of {meta_len} bytes and {count} buffers: the stream is corrupt")
+    return read_exact(stream, meta_len)
 
 
 def _memory_file(size: int) -> int | None:

@@ -28,6 +28,10 @@ from typing import Any, Sequence
 from skytasks.wire import ChannelClosed
 
 STREAM_BUFFER = 1 << 20
+# What a listener reads a handshake through: a TLS record is at most 16 KB and a little. The
+# STREAM_BUFFER comes only once the peer is admitted (`widen`), so a stranger who connects and
+# stalls costs this much, not a megabyte.
+HANDSHAKE_BUFFER = 17 * 1024
 
 class PeerTLS:
     """The pool's certificate and key (PEM), as TLS contexts for either end of a peer link, made
@@ -69,6 +73,7 @@ class PeerTLS:
 
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         link = TLSReader(sock, self.context(True).wrap_bio(incoming, outgoing, server_side=True), incoming, outgoing)
+        link.deadline = deadline  # until PeerListener admits the peer (`widen`)
         while True:
             try:
                 link.tls.do_handshake()
@@ -99,8 +104,17 @@ class TLSReader:
         self.sock, self.tls = sock, tls
         self._incoming, self._outgoing = incoming, outgoing
         self._want_read = ssl.SSLWantReadError
-        self._raw = memoryview(bytearray(STREAM_BUFFER))
+        self._raw = memoryview(bytearray(HANDSHAKE_BUFFER))
         self._ended = False
+        # Until the peer is admitted every read keeps to the handshake's deadline (time.monotonic()),
+        # also the challenge's answer inside TLS: a peer that trickles its bytes is cut off all the same.
+        self.deadline: float | None = None
+
+    def widen(self) -> None:
+        """The peer is admitted: reads from now on take many records at a time, with no deadline."""
+        self.deadline = None
+        if len(self._raw) < STREAM_BUFFER:
+            self._raw = memoryview(bytearray(STREAM_BUFFER))
 
     def fill(self, deadline: float | None = None) -> bool:
         """More of the peer's bytes from the socket (one recv, as many as are there); False at
@@ -137,7 +151,7 @@ class TLSReader:
             try:
                 n = read(want - got, view[got:] if got else view)
             except want_read:
-                if not self.fill():
+                if not self.fill(self.deadline):
                     self._ended = True  # no close_notify: a frame cut short is the reader's to name
                 continue
             if not n:  # the peer's close_notify
