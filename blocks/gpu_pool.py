@@ -15,19 +15,20 @@ from typing import TYPE_CHECKING, Any, Optional, get_args
 from prefect.blocks.core import Block
 from prefect.plugins import load_prefect_collections
 from prefect_aws import AwsCredentials
+from prefect.types import SecretDict
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
+from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS, LocalSettings, ProviderSettings,
+                                           SecretEnv, aws_environment, field_errors, flat_default, foreign_field,
+                                           settings_from_flat)
 from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import SHAPE_FIELDS
-from skytasks.providers.aws.spec import AWSFields
-from skytasks.providers.kubernetes.spec import KubernetesFields
-from skytasks.providers.registry import ProviderName, block_fields, imported, plugin, readers_of_fields
-from skytasks.providers.remote_fields import RemoteFields
-from skytasks.providers.slurm.spec import SlurmFields
-from skytasks.providers.ssh.spec import SSHFields
+from skytasks.providers.kubernetes.spec import CredentialsBlock
+from skytasks.providers.registry import block_fields, imported, plugin, readers_of_fields
+from skytasks.providers.remote_fields import OptionalInt, OptionalStr
 
 if TYPE_CHECKING:
     from skytasks.controller.pool_runtime import PoolRuntime
@@ -53,30 +54,10 @@ if _loaded_with_every_collection():
             pass
 
 
-class PoolShape(BaseModel):
-    """The fields every provider takes (first in the block's form)."""
-
-    provider: ProviderName = Field(
-        "local", description="local: processes here; ssh: your machines; aws: EC2 it launches; slurm: a SLURM allocation; "
-        "kubernetes: one pod per node")
-    nodes: int = Field(2, ge=1, description="Number of nodes (the most, when min_nodes is set).")
-    min_nodes: Optional[int] = Field(
-        None, ge=1, description="Elastic: start with what can be had, at least this many; None: exactly `nodes`.")
-    procs_per_node: int = Field(1, ge=1, description="Rank processes per node (one per GPU).")
-    accelerator: Optional[str] = Field(None, description='GPU model, e.g. "A100", "H100", "L4". None means CPU.')
-    accelerators_per_node: Optional[int] = Field(None, ge=1, description="GPUs per node; 1 when accelerator is set.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment for every rank.")
-    reattach_seconds: float = Field(
-        60, ge=0, description="How long a node whose stream to the controller broke may take to be reached again "
-        "before it is a lost node (ssh, aws, slurm, kubernetes; a local pool's streams cannot break).")
-    keep_warm_minutes: float = Field(
-        0, ge=0, description="A saved pool's nodes stay up after the process that holds them ends, for the next "
-        "process to attach to, until nobody has held them this long; 0: they end with their process.")
-
-
-# Each provider's own fields come from its folder (skytasks/providers/<name>/spec.py); pydantic
-# lays a form out from the last base to the first, so the shape comes first.
-class GPUPool(Block, KubernetesFields, AWSFields, SlurmFields, SSHFields, RemoteFields, PoolShape):
+# The form, in the order of the fields: the provider choice (`settings`: tabs, one per provider, with
+# that provider's settings below, from its folder's skytasks/providers/<name>/spec.py), the pool's
+# shape and environment, the credential blocks and the timings.
+class GPUPool(Block):
     _block_type_name = "GPU Pool"
     _block_type_slug = "gpu-pool"
     _logo_url = "https://images.ctfassets.net/gm98wzqotmnx/4HlN0GkcPMXp6TxuQtHEjt/16dd0296f4f2ccd3db3e5eb1e1b66ddc/pytorch-logo.png"  # type: ignore[assignment]  # noqa: E501
@@ -96,7 +77,33 @@ def train(epochs: int = 3) -> dict:
 ```
 """
 
-    aws_credentials: AwsCredentials = Field(default_factory=AwsCredentials)
+    settings: ProviderSettings = Field(
+        LocalSettings(), title="Provider",  # (a default, not a factory: the form shows it chosen)
+        description="Where the nodes come from, and that provider's settings: local processes, your SSH machines, "
+        "EC2 instances it launches, a SLURM allocation, or pods on Kubernetes.")
+    nodes: int = Field(2, ge=1, description="Number of nodes (the most, when min_nodes is set).")
+    min_nodes: OptionalInt = Field(
+        None, ge=1, description="Elastic: start with what can be had, at least this many; empty: exactly `nodes`.")
+    procs_per_node: int = Field(1, ge=1, description="Rank processes per node (one per GPU).")
+    accelerator: OptionalStr = Field(None, description='GPU model, e.g. "A100", "H100", "L4"; empty: CPU.')
+    accelerators_per_node: OptionalInt = Field(None, ge=1, description="GPUs per node; empty: 1 when accelerator is set.")
+    env: SecretEnv = Field(
+        default_factory=lambda: SecretDict({}), description="Environment for every rank (values stored encrypted, "
+        "shown obfuscated).")
+    aws_credentials: AwsCredentials = Field(
+        default_factory=AwsCredentials, description="AWS credentials: aws launches with them, and every rank gets them "
+        "as AWS variables (S3 checkpoints on any provider).")
+    # A field of the pool, not of KubernetesSettings: Prefect saves a nested block as a reference
+    # to a saved block (and the form offers a picker of them) only where it is the block's own field.
+    kubernetes_credentials: Optional[CredentialsBlock] = Field(
+        None, description="kubernetes: a KubernetesCredentials block; empty: in-cluster config or the default "
+        "kubeconfig.")
+    reattach_seconds: float = Field(
+        60, ge=0, description="How long a node whose stream to the controller broke may take to be reached again "
+        "before it is a lost node (ssh, aws, slurm, kubernetes; a local pool's streams cannot break).")
+    keep_warm_minutes: float = Field(
+        0, ge=0, description="A saved pool's nodes stay up after the process that holds them ends, for the next "
+        "process to attach to, until nobody has held them this long; 0: they end with their process.")
 
     _runtime: Any = PrivateAttr(default=None)
 
@@ -106,16 +113,36 @@ def train(epochs: int = 3) -> dict:
         try:
             super().__init__(**fields)
         except ValidationError as exc:
-            raise PoolConfigError(pool_field_errors(exc)) from None
+            raise PoolConfigError(field_errors(exc)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, *, strict: bool | None = None, from_attributes: bool | None = None,
+                       context: dict[str, Any] | None = None, **kwargs: Any) -> GPUPool:
+        # How Prefect loads a saved pool (Block.load): a bad or misspelt key of a saved document is
+        # the same PoolConfigError, naming it, as from Python. The validators learn that the input
+        # is a document from a context variable: a model with its own __init__ is validated
+        # through it, where pydantic's validation context does not reach.
+        token = LOADING_DOCUMENT.set(True)
+        try:
+            return super().model_validate(obj, strict=strict, from_attributes=from_attributes, context=context,
+                                          **kwargs)
+        except ValidationError as exc:
+            raise PoolConfigError(field_errors(exc)) from None
+        finally:
+            LOADING_DOCUMENT.reset(token)
 
     @model_validator(mode="before")
     @classmethod
-    def _nested_blocks_by_their_field(cls, data: Any) -> Any:
+    def _settings_and_nested_blocks(cls, data: Any) -> Any:
+        # The contract's flat keywords (`provider="ssh", hosts=[...]`), and a document saved before
+        # the settings existed (flat, every field at its default or value), become `settings`;
+        # a key nothing takes is an error naming it and the nearest field (blocks/pool_settings.py).
+        if not isinstance(data, dict):
+            return data
+        data = settings_from_flat(data, list(cls.model_fields), document=LOADING_DOCUMENT.get())
         # A saved pool's nested blocks come back with their block type's slug, by which Prefect
         # would look their class up among every installed Prefect collection, importing them all
         # (prefect-kubernetes for a local pool): the field's type already names the class.
-        if not isinstance(data, dict):
-            return data
         for name, info in cls.model_fields.items():
             value, block = data.get(name), _block_class(info.annotation)
             if isinstance(value, dict) and block is not None and value.get("block_type_slug") == block.get_block_type_slug():
@@ -129,10 +156,9 @@ def train(epochs: int = 3) -> dict:
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise ValueError(f"min_nodes: {self.min_nodes} is more than nodes={self.nodes} (nodes is the most the "
                              "pool asks for, min_nodes the fewest it runs on)")
-        for field, readers in readers_of_fields().items():
-            if self.provider not in readers and getattr(self, field) != _default(field):
-                raise ValueError(f"{field}: only provider {_either(readers)} takes it, not provider={self.provider!r} "
-                                 "(a field of another provider is never ignored silently)")
+        for field, readers in readers_of_fields().items():  # the pool's own fields of one provider (credentials)
+            if field in type(self).model_fields and self.provider not in readers and getattr(self, field) != _default(field):
+                raise ValueError(foreign_field(field, self.provider))
         self.spec()  # the provider's own checks, naming the field
         return self
 
@@ -147,7 +173,13 @@ def train(epochs: int = 3) -> dict:
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
         _type_block_fields(cls)
-        return super().model_json_schema(*args, **kwargs)
+        schema = super().model_json_schema(*args, **kwargs)
+        # A pool saved over one saved before the settings existed keeps its flat keys (Prefect's
+        # update merges the stored data's top level): its old key is still obfuscated in the API.
+        secret = schema.get("secret_fields")
+        if isinstance(secret, list):
+            schema["secret_fields"] = list(dict.fromkeys([*secret, *STALE_SECRETS]))
+        return schema
 
     @classmethod
     def register_type_and_schema(cls, *args: Any, **kwargs: Any) -> Any:
@@ -164,6 +196,24 @@ def train(epochs: int = 3) -> dict:
         # provider's block type to print a local pool): the fields are known without one.
         return [(k, v) for k, v in BaseModel.__repr_args__(self) if k is None or k in type(self).model_fields]
 
+    # -- the contract's flat names, read through the settings ----------------------------
+
+    @property
+    def provider(self) -> str:
+        """The provider's name ("local", "ssh", "aws", "slurm", "kubernetes"): its settings' tag."""
+        return str(self.settings.provider)
+
+    def __getattr__(self, name: str) -> Any:
+        # `pool.hosts`, `pool.k8s_image`: a provider setting by its flat name, as before the
+        # settings had a model of their own; one the pool's provider does not take reads as its
+        # default (a local pool's hosts are []), as it did then.
+        if name in FLAT:
+            settings = self.__dict__.get("settings")
+            if settings is not None and name in type(settings).model_fields:
+                return getattr(settings, name)
+            return flat_default(name)
+        return super().__getattr__(name)  # type: ignore[misc]
+
     # -- what it is, frozen ---------------------------------------------------------------
 
     @property
@@ -179,10 +229,12 @@ def train(epochs: int = 3) -> dict:
     def spec(self) -> PoolSpec:
         """The validated fields as the frozen, typed spec the runtime and providers use."""
         own = plugin(self.provider)
-        part = own.build({name: getattr(self, name) for name in (*SHAPE_FIELDS, *own.reads)})
+        env: dict[str, str] = self.env.get_secret_value()  # plain strings from here on: the ranks' environment
+        fields = {name: getattr(self, name) for name in (*SHAPE_FIELDS, *own.reads)}
+        part = own.build({**fields, "env": env})
         return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
-                        env={**aws_environment(self.aws_credentials), **self.env}, part=part,
+                        env={**aws_environment(self.aws_credentials), **env}, part=part,
                         reattach_seconds=self.reattach_seconds, keep_warm_minutes=self.keep_warm_minutes)
 
     def reshaped(self, **shape: int | None) -> GPUPool:
@@ -263,36 +315,3 @@ def _block_class(annotation: Any) -> type[Block] | None:
 def _default(field: str) -> Any:
     info = GPUPool.model_fields[field]
     return info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
-
-
-def _either(names: tuple[str, ...]) -> str:
-    quoted = [repr(n) for n in names]
-    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-
-
-def pool_field_errors(exc: ValidationError) -> str:
-    """pydantic's errors as `field: what is wrong (got value)`, one per line, the field first."""
-    lines = []
-    for e in exc.errors():
-        field = ".".join(str(part) for part in e["loc"])
-        text = e["msg"].removeprefix("Value error, ")
-        if field and not text.startswith((field + ":", field + ".")):  # a nested block's error names its part
-            got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
-            text = f"{field}: {text}{got}"
-        lines.append(text)
-    return "; ".join(lines)
-
-
-def aws_environment(creds: AwsCredentials) -> dict[str, str]:
-    """The pool's AWS credentials as the standard variables boto3 reads on a rank (for
-    `skytasks.Checkpointer("s3://...")` and the user's own boto3 calls). Only what is set: an
-    unset block leaves the node's own chain (an instance profile) in charge. Never logged."""
-    secret = creds.aws_secret_access_key
-    values = {
-        "AWS_ACCESS_KEY_ID": creds.aws_access_key_id,
-        "AWS_SECRET_ACCESS_KEY": secret.get_secret_value() if secret is not None else None,
-        "AWS_SESSION_TOKEN": creds.aws_session_token,
-        "AWS_DEFAULT_REGION": creds.region_name,
-        "AWS_ENDPOINT_URL": creds.aws_client_parameters.endpoint_url if creds.aws_client_parameters else None,
-    }
-    return {k: str(v) for k, v in values.items() if v}

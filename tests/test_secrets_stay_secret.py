@@ -263,3 +263,77 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
     leaks = [(what, where) for what, value in secrets.items() for where, text in places.items() if value in text]
     shown = {w: [line[:300] for line in places[w].splitlines() if any(v in line for v in secrets.values())][:3] for _, w in leaks}
     assert leaks == [], shown
+
+
+def _env_digest(name: str) -> str:
+    """What a rank has in `name`, as a digest: the flow's result says the value arrived without
+    holding it (a result is persisted, and this test searches everything Prefect persisted)."""
+    import hashlib
+    import os
+
+    return hashlib.sha256(os.environ[name].encode()).hexdigest()
+
+
+def _env_value(name: str) -> str:
+    import os
+
+    return os.environ[name]
+
+
+def _prefect_files() -> dict[str, bytes]:
+    """Every file of the test Prefect server's database (the sqlite file, its WAL and shared
+    memory) and of the Prefect home (results, local storage, logs), by path."""
+    from prefect.settings import PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_DATABASE_CONNECTION_URL
+
+    database = Path(PREFECT_SERVER_DATABASE_CONNECTION_URL.value().split(":///", 1)[1])
+    roots = {database.parent, Path(PREFECT_HOME.value()), Path(PREFECT_LOCAL_STORAGE_PATH.value())}
+    found: dict[str, bytes] = {}
+    for root in roots:
+        for f in root.rglob("*") if root.exists() else []:
+            try:
+                if f.is_file():
+                    found[str(f)] = f.read_bytes()
+            except OSError:
+                pass
+    return found
+
+
+def test_a_saved_pool_s_env_is_secret_at_rest_in_the_api_and_the_records_and_still_reaches_the_ranks(capfd):
+    import hashlib
+    import uuid
+
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+
+    marker = f"env-at-rest-{uuid.uuid4().hex}"
+    name = f"secret-env-{uuid.uuid4().hex[:8]}"
+    GPUPool(nodes=2, env={"SKYTASKS_TEST_MARKER": marker}).save(name)
+
+    @flow(name="secret-env-at-rest")
+    def run() -> list:
+        pool = GPUPool.load(name)
+        return distributed_task(_env_digest, pool=pool, init_torch=False)("SKYTASKS_TEST_MARKER")
+
+    state = run(return_state=True)
+    assert state.result() == [hashlib.sha256(marker.encode()).hexdigest()] * 2  # every rank has the value
+    # Outside a flow nothing is recorded: the ranks may hand the value itself back.
+    assert distributed_task(_env_value, pool=GPUPool.load(name), init_torch=False)("SKYTASKS_TEST_MARKER") == [marker] * 2
+
+    async def stored() -> Any:
+        async with get_client() as client:
+            return await client.read_block_document_by_name(name, "gpu-pool", include_secrets=False)
+
+    shown = asyncio.run(stored())
+    assert set(shown.data["env"]) == {"SKYTASKS_TEST_MARKER"} and marker not in json.dumps(shown.data)  # obfuscated
+    assert "env.*" in shown.block_schema.fields["secret_fields"]
+    time.sleep(1.5)  # the event worker's last batch
+    records = asyncio.run(_records(state.state_details.flow_run_id))
+    console = capfd.readouterr()
+    files = _prefect_files()
+    database = Path(PREFECT_SERVER_DATABASE_CONNECTION_URL.value().split(":///", 1)[1])
+    in_database = b"".join(v for k, v in files.items() if k.startswith(str(database)))
+    assert name.encode() in in_database  # the search reads the database it means to (a name is no secret)
+    assert state.state_details.flow_run_id.hex[:8] in records.replace("-", "")  # and the records
+    leaks = [path for path, content in files.items() if marker.encode() in content]
+    leaks += [where for where, text in {"records": records, "console": console.out + console.err,
+                                        "cache": cache_files(time.time() - 600)}.items() if marker in text]
+    assert leaks == []

@@ -100,7 +100,10 @@ def test_the_block_gives_a_frozen_spec_with_only_its_providers_part():
     from skytasks.providers.ssh.spec import SSHSpec
 
     local = GPUPool(nodes=3, procs_per_node=2, env={"A": "1"}).spec()
-    assert (local.provider, local.nodes, local.procs_per_node, local.part) == ("local", 3, 2, None)
+    from skytasks.providers.local.spec import LocalSpec
+
+    assert (local.provider, local.nodes, local.procs_per_node) == ("local", 3, 2)
+    assert local.own(LocalSpec).ready_timeout_seconds == 900  # a warm pool's wait in line, its only part
     assert local.env["A"] == "1" and local.name == "local-pool"
     with pytest.raises(AttributeError):
         local.nodes = 4  # frozen

@@ -1,5 +1,6 @@
-"""The block fields that more than one provider reads: how to log in to a node, which Python runs
-there, and how long a node may take to come up or sit idle. Each provider's `reads` says which
+"""The settings that more than one provider reads (how to log in to a node, which Python runs
+there, how long a node may take to come up or sit idle), as annotated types each provider's
+settings model (`skytasks/providers/<name>/spec.py`) declares. Each provider's `READS` says which
 of them it takes; set on a pool whose provider does not, one is a PoolConfigError naming it.
 
 Also the lease that the providers whose resources can outlive their controller (aws, slurm) write
@@ -10,25 +11,49 @@ from __future__ import annotations
 import re
 import threading
 from datetime import datetime, timedelta, timezone
-from typing import Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BeforeValidator, Field, SecretStr, WithJsonSchema
 
 HOST_PATTERN = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>\d{1,5}))?$")
 
 
-class RemoteFields(BaseModel):
-    ssh_user: Optional[str] = None
-    ssh_private_key: Optional[SecretStr] = Field(None, description="Private key (PEM/OpenSSH text) for ssh and aws.")
-    known_hosts: Optional[str] = Field(None, description="known_hosts text or path; host keys are always checked.")
-    remote_python: Optional[str] = Field(
-        None, description='Python on the nodes: ssh default "python3"; aws default the venv its bootstrap builds.')
-    pip_packages: list[str] = Field(default_factory=list, description="Extra packages installed on launched nodes.")
-    ready_timeout_seconds: float = Field(900, gt=0)
-    idle_minutes: float = Field(15, gt=0)
-    max_lifetime_minutes: Optional[float] = Field(
-        None, gt=0, description="Launched nodes end at this age. None (default): no cap; idle_minutes ends nodes "
-                                "whose controller is gone, so orphans are still guarded against.")
+def blank_is_none(value: Any) -> Any:
+    """An empty input of an optional field (Prefect's form sends "" for a box left empty) means unset."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+def shown_as(json_type: str) -> WithJsonSchema:
+    """An optional field's form input, without Prefect's "type | null" toggle: the box, left empty,
+    is None (the field's description says what None means)."""
+    return WithJsonSchema({"type": json_type})
+
+
+def one_choice(provider: str) -> WithJsonSchema:
+    """A settings model's `provider` tag as the form shows it: a choice of one, already made (the
+    tab says which provider; the tag makes a saved document say it too)."""
+    return WithJsonSchema({"type": "string", "enum": [provider]})
+
+
+OptionalStr = Annotated[Optional[str], BeforeValidator(blank_is_none), shown_as("string")]
+OptionalInt = Annotated[Optional[int], BeforeValidator(blank_is_none), shown_as("integer")]
+OptionalFloat = Annotated[Optional[float], BeforeValidator(blank_is_none), shown_as("number")]
+
+# The fields more than one provider reads, as each provider's settings model declares them (a
+# provider's `READS` says which it takes): one definition, so ssh, aws and slurm agree.
+SSHUser = Annotated[OptionalStr, Field(description="The user the pool logs in as (slurm: on slurm_login).")]
+SSHPrivateKey = Annotated[Optional[SecretStr], BeforeValidator(blank_is_none), WithJsonSchema(
+    {"type": "string", "format": "password", "writeOnly": True}), Field(
+    description="Private key (PEM/OpenSSH text) the pool logs in with; stored encrypted, shown obfuscated.")]
+KnownHosts = Annotated[OptionalStr, Field(description="known_hosts text or path; host keys are always checked.")]
+RemotePython = Annotated[OptionalStr, Field(
+    description='Python on the nodes; empty: "python3" (aws: the venv its bootstrap builds).')]
+PipPackages = Annotated[list[str], Field(description="Extra packages installed on launched nodes.")]
+ReadyTimeout = Annotated[float, Field(gt=0, description="Seconds launched nodes may take to become reachable.")]
+IdleMinutes = Annotated[float, Field(gt=0, description="Launched nodes end after their controller is silent this long.")]
+MaxLifetime = Annotated[Optional[Annotated[float, Field(gt=0)]], BeforeValidator(blank_is_none), shown_as("number"),
+                        Field(description="Launched nodes end at this age; empty (default): no cap, idle_minutes "
+                              "still ends orphans.")]
 
 
 def host_field(field: str, text: str) -> str:

@@ -1,14 +1,17 @@
-"""provider="aws": its block fields (what is launched, how it is reached, when it ends itself),
-their validation, and its frozen part of the spec. The credentials stay on the block: they are a
-prefect-aws block, and every provider's ranks get them as AWS variables."""
+"""provider="aws": its settings (`AWSSettings`: what is launched, how it is reached, when it ends
+itself), their validation, and its frozen part of the spec. The credentials stay among the pool's
+own fields: they are a prefect-aws block, and every provider's ranks get them as AWS variables."""
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from skytasks.providers.remote_fields import (IdleMinutes, MaxLifetime, OptionalStr, PipPackages, ReadyTimeout,
+                                              RemotePython, SSHPrivateKey, SSHUser, one_choice)
 
 OWN = ("instance_type", "image_id", "subnet_id", "security_group_ids", "key_name", "spot", "root_volume_gb",
        "iam_instance_profile", "tags", "ssh_ingress_cidr", "torch_version", "torch_cuda", "torchvision", "torchaudio")
@@ -16,21 +19,34 @@ READS = OWN + ("ssh_user", "ssh_private_key", "remote_python", "pip_packages", "
                "max_lifetime_minutes")
 
 
-class AWSFields(BaseModel):
-    torch_version: str = Field("latest", description='aws: "latest", a bare version (pinned with ==) or a constraint.')
-    torch_cuda: str = Field("cu128", description="aws: CUDA wheel index suffix, used when the accelerator has CUDA.")
-    torchvision: Optional[str] = None
-    torchaudio: Optional[str] = None
-    instance_type: Optional[str] = None
-    image_id: Optional[str] = None
-    subnet_id: Optional[str] = None
-    security_group_ids: list[str] = Field(default_factory=list)
-    key_name: Optional[str] = None
-    spot: bool = False
-    root_volume_gb: int = Field(100, ge=8)
-    iam_instance_profile: Optional[str] = None
-    tags: dict[str, str] = Field(default_factory=dict)
-    ssh_ingress_cidr: Optional[str] = Field(None, description="aws: who may reach SSH on launched nodes.")
+class AWSSettings(BaseModel):
+    """aws: EC2 instances the pool launches and terminates."""
+
+    model_config = ConfigDict(title="aws", extra="forbid")
+
+    provider: Annotated[Literal["aws"], one_choice("aws")] = Field("aws", description="The provider these settings are for.")
+    instance_type: OptionalStr = Field(None, description="EC2 instance type; empty: follows from the accelerator.")
+    image_id: OptionalStr = Field(None, description="AMI; empty: the region's Ubuntu (CPU) or Deep Learning base AMI (GPU).")
+    subnet_id: OptionalStr = Field(None, description="Subnet; empty: a default subnet of the region.")
+    security_group_ids: list[str] = Field(default_factory=list, description="Further security groups for the nodes.")
+    key_name: OptionalStr = Field(None, description="Your own EC2 key pair (give its private key too); empty: one per pool.")
+    spot: bool = Field(False, description="Spot instances (a reclaim is a preemption notice).")
+    root_volume_gb: int = Field(100, ge=8, description="Root volume size in GB.")
+    iam_instance_profile: OptionalStr = Field(None, description="Instance profile the nodes run with.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags on everything the pool launches.")
+    ssh_ingress_cidr: OptionalStr = Field(
+        None, description="Who may reach SSH on launched nodes; empty: this controller's public address.")
+    ssh_user: SSHUser = None
+    ssh_private_key: SSHPrivateKey = None
+    remote_python: RemotePython = None
+    pip_packages: PipPackages = Field(default_factory=list)
+    torch_version: str = Field("latest", description='"latest", a bare version (pinned with ==) or a constraint.')
+    torch_cuda: str = Field("cu128", description="CUDA wheel index suffix, used when the accelerator has CUDA.")
+    torchvision: OptionalStr = Field(None, description="torchvision to install; empty: none.")
+    torchaudio: OptionalStr = Field(None, description="torchaudio to install; empty: none.")
+    ready_timeout_seconds: ReadyTimeout = 900
+    idle_minutes: IdleMinutes = 15
+    max_lifetime_minutes: MaxLifetime = None
 
     @field_validator("ssh_ingress_cidr")
     @classmethod

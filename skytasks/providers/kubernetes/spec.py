@@ -1,5 +1,5 @@
-"""provider="kubernetes": its block fields (the pods' image, namespace, scheduling and resources,
-the cluster's credentials), their validation, and its frozen part of the spec.
+"""provider="kubernetes": its settings (`KubernetesSettings`: the pods' image, namespace, scheduling
+and resources) and the cluster's credentials field, their validation, and its frozen part of the spec.
 
 The credentials field holds prefect-kubernetes' `KubernetesCredentials` block (`pip install
 "skytasks[kubernetes]"`), so a saved pool refers to a saved credentials block as Prefect's own blocks
@@ -16,10 +16,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 # (the block's own schema is given the real class: blocks/gpu_pool.py, from the plugin's `block_fields`)
 from skytasks.providers.kubernetes import CREDENTIALS_BLOCK
+from skytasks.providers.remote_fields import (IdleMinutes, MaxLifetime, OptionalInt, OptionalStr, ReadyTimeout,
+                                              RemotePython, one_choice)
 
 OWN = ("kubernetes_credentials", "k8s_namespace", "k8s_image", "k8s_service_account", "k8s_image_pull_secrets",
        "k8s_node_selector", "k8s_tolerations", "k8s_cpu", "k8s_memory", "k8s_shm_size", "k8s_pod_template",
@@ -72,35 +74,39 @@ else:
     CredentialsBlock = Annotated[Any, BeforeValidator(_as_credentials_block)]
 
 
-class KubernetesFields(BaseModel):
-    kubernetes_credentials: Optional[CredentialsBlock] = Field(
-        None, description="kubernetes: a KubernetesCredentials block; None: in-cluster config or the default kubeconfig.")
-    k8s_namespace: str = Field("default", description="kubernetes: the namespace of the pool's pods.")
-    k8s_image: Optional[str] = Field(
-        None, description="kubernetes: the image of every pod (Python with torch and cloudpickle); required.")
-    k8s_service_account: Optional[str] = Field(None, description="kubernetes: the pods' service account.")
-    k8s_image_pull_secrets: list[str] = Field(
-        default_factory=list, description="kubernetes: names of Secrets for pulling the image.")
-    k8s_node_selector: dict[str, str] = Field(default_factory=dict, description="kubernetes: node labels pods require.")
-    k8s_tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, description="kubernetes: tolerations, as in a pod spec.")
-    k8s_cpu: Optional[str] = Field(None, description='kubernetes: each pod\'s CPU (request and limit), e.g. "8".')
-    k8s_memory: Optional[str] = Field(None, description='kubernetes: each pod\'s memory (request and limit), e.g. "64Gi".')
-    k8s_shm_size: Optional[str] = Field(None, description="kubernetes: the cap of every pod's memory-backed /dev/shm.")
+class KubernetesSettings(BaseModel):
+    """kubernetes: one pod per node in a Kubernetes cluster, created and deleted by the pool."""
+
+    model_config = ConfigDict(title="kubernetes", extra="forbid")
+
+    provider: Annotated[Literal["kubernetes"], one_choice("kubernetes")] = Field(
+        "kubernetes", description="The provider these settings are for.")
+    k8s_image: OptionalStr = Field(
+        None, description="The image of every pod (Python with torch and cloudpickle); required.")
+    k8s_namespace: str = Field("default", description="The namespace of the pool's pods.")
+    k8s_service_account: OptionalStr = Field(None, description="The pods' service account.")
+    k8s_image_pull_secrets: list[str] = Field(default_factory=list, description="Names of Secrets for pulling the image.")
+    k8s_node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
+    k8s_tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations, as in a pod spec.")
+    k8s_cpu: OptionalStr = Field(None, description='Each pod\'s CPU (request and limit), e.g. "8".')
+    k8s_memory: OptionalStr = Field(None, description='Each pod\'s memory (request and limit), e.g. "64Gi".')
+    k8s_shm_size: OptionalStr = Field(None, description="The cap of every pod's memory-backed /dev/shm.")
     k8s_pod_template: dict[str, Any] = Field(
-        default_factory=dict, description="kubernetes: a partial pod manifest merged into every pod the pool makes.")
+        default_factory=dict, description="A partial pod manifest merged into every pod the pool makes.")
     k8s_autoscaler: Literal["auto", "none", "wait"] = Field(
-        "auto", description="kubernetes: a pod no node can take yet: 'auto' waits while a node autoscaler adds one "
-        "(and fails when it says it will not); 'none': a fixed cluster, fail at once; 'wait': wait to the timeout.")
-    k8s_gpu_label: Optional[str] = Field(
-        None, description="kubernetes: the node label naming the GPU product, when the cluster uses one skytasks "
-        "does not know.")
-    k8s_pods_per_host: Optional[int] = Field(
-        None, ge=1, description="kubernetes: how many of the pool's pods may share a Kubernetes node; None: 1 with "
-        "an accelerator, else no limit.")
-    k8s_queue: Optional[str] = Field(
-        None, description="kubernetes: a Kueue LocalQueue that admits the pool's pods as one group.")
-    k8s_priority_class: Optional[str] = Field(None, description="kubernetes: the pods' priorityClassName.")
+        "auto", description="A pod no node can take yet: 'auto' waits while a node autoscaler adds one (and fails "
+        "when it says it will not); 'none': a fixed cluster, fail at once; 'wait': wait to the timeout.")
+    k8s_gpu_label: OptionalStr = Field(
+        None, description="The node label naming the GPU product, when the cluster uses one skytasks does not know.")
+    k8s_pods_per_host: OptionalInt = Field(
+        None, ge=1, description="How many of the pool's pods may share a Kubernetes node; empty: 1 with an "
+        "accelerator, else no limit.")
+    k8s_queue: OptionalStr = Field(None, description="A Kueue LocalQueue that admits the pool's pods as one group.")
+    k8s_priority_class: OptionalStr = Field(None, description="The pods' priorityClassName.")
+    remote_python: RemotePython = None
+    ready_timeout_seconds: ReadyTimeout = 900
+    idle_minutes: IdleMinutes = 15
+    max_lifetime_minutes: MaxLifetime = None
 
     @field_validator("k8s_namespace")
     @classmethod

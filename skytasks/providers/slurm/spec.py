@@ -1,14 +1,15 @@
-"""provider="slurm": its block fields (what the allocation asks for, where SLURM's commands run),
-their validation, and its frozen part of the spec."""
+"""provider="slurm": its settings (`SlurmSettings`: what the allocation asks for, where SLURM's
+commands run), their validation, and its frozen part of the spec."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from skytasks.providers.remote_fields import host_field
+from skytasks.providers.remote_fields import (IdleMinutes, KnownHosts, MaxLifetime, OptionalStr, ReadyTimeout,
+                                              RemotePython, SSHPrivateKey, SSHUser, host_field, one_choice)
 
 OWN = ("slurm_login", "slurm_partition", "slurm_account", "slurm_qos", "slurm_constraint", "slurm_gres",
        "slurm_extra_args")
@@ -16,16 +17,29 @@ READS = OWN + ("ssh_user", "ssh_private_key", "known_hosts", "remote_python", "r
                "max_lifetime_minutes")
 
 
-class SlurmFields(BaseModel):
-    slurm_login: Optional[str] = Field(
-        None, description='slurm: "[user@]host[:port]" of a login node where SLURM commands run over SSH; None: here.')
-    slurm_partition: Optional[str] = Field(None, description="slurm: the allocation's --partition.")
-    slurm_account: Optional[str] = Field(None, description="slurm: the allocation's --account.")
-    slurm_qos: Optional[str] = Field(None, description="slurm: the allocation's --qos.")
-    slurm_constraint: Optional[str] = Field(None, description="slurm: the allocation's --constraint.")
-    slurm_gres: Optional[str] = Field(
-        None, description='slurm: GPUs per node as SLURM names them ("gpu:h100:8"); None: gpu:<accelerators_per_node>.')
-    slurm_extra_args: list[str] = Field(default_factory=list, description="slurm: further sbatch arguments, as written.")
+class SlurmSettings(BaseModel):
+    """slurm: the nodes of a SLURM allocation the pool requests and cancels."""
+
+    model_config = ConfigDict(title="slurm", extra="forbid")
+
+    provider: Annotated[Literal["slurm"], one_choice("slurm")] = Field(
+        "slurm", description="The provider these settings are for.")
+    slurm_login: OptionalStr = Field(
+        None, description='"[user@]host[:port]" of a login node where SLURM commands run over SSH; empty: here.')
+    slurm_partition: OptionalStr = Field(None, description="The allocation's --partition.")
+    slurm_account: OptionalStr = Field(None, description="The allocation's --account.")
+    slurm_qos: OptionalStr = Field(None, description="The allocation's --qos.")
+    slurm_constraint: OptionalStr = Field(None, description="The allocation's --constraint.")
+    slurm_gres: OptionalStr = Field(
+        None, description='GPUs per node as SLURM names them ("gpu:h100:8"); empty: gpu:<accelerators_per_node>.')
+    slurm_extra_args: list[str] = Field(default_factory=list, description="Further sbatch arguments, as written.")
+    ssh_user: SSHUser = None
+    ssh_private_key: SSHPrivateKey = None
+    known_hosts: KnownHosts = None
+    remote_python: RemotePython = None
+    ready_timeout_seconds: ReadyTimeout = Field(900, description="Seconds the allocation may stay pending.")
+    idle_minutes: IdleMinutes = 15
+    max_lifetime_minutes: MaxLifetime = Field(None, description="The allocation's --time; empty: the partition's limit.")
 
     @field_validator("slurm_login")
     @classmethod

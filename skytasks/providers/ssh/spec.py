@@ -1,20 +1,33 @@
-"""provider="ssh": its block field (`hosts`), their validation, and its frozen part of the spec."""
+"""provider="ssh": its settings (`SSHSettings`: the hosts and how to log in), their validation, and its
+frozen part of the spec."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from skytasks.providers.remote_fields import host_field
+from skytasks.providers.remote_fields import (KnownHosts, PipPackages, ReadyTimeout, RemotePython, SSHPrivateKey,
+                                              SSHUser, host_field, one_choice)
 
 READS = ("hosts", "ssh_user", "ssh_private_key", "known_hosts", "remote_python", "pip_packages",
          "ready_timeout_seconds")
 
 
-class SSHFields(BaseModel):
-    hosts: list[str] = Field(default_factory=list, description='ssh: "[user@]host[:port]" per node, head first.')
+class SSHSettings(BaseModel):
+    """ssh: machines you already have, reached over SSH."""
+
+    model_config = ConfigDict(title="ssh", extra="forbid")
+
+    provider: Annotated[Literal["ssh"], one_choice("ssh")] = Field("ssh", description="The provider these settings are for.")
+    hosts: list[str] = Field(default_factory=list, description='"[user@]host[:port]" per node, head first.')
+    ssh_user: SSHUser = None
+    ssh_private_key: SSHPrivateKey = None
+    known_hosts: KnownHosts = None
+    remote_python: RemotePython = None
+    pip_packages: PipPackages = Field(default_factory=list)
+    ready_timeout_seconds: ReadyTimeout = 900
 
     @field_validator("hosts")
     @classmethod

@@ -1,0 +1,124 @@
+"""A pool saved before the provider settings had models of their own (a flat document: every field of
+every provider at the top) still loads, and gives the pool it gave. The documents in
+tests/data/gpu_pool_v1.json were saved to a real Prefect API by the block as it was at the commit
+they name (tests/data/save_gpu_pool_v1.py, run with that commit's code), with the block schema
+they were saved under and the PoolSpec repr that code made of each."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import BlockDocumentCreate, BlockSchemaCreate
+from prefect.exceptions import ObjectAlreadyExists
+
+from skytasks import GPUPool, PoolConfigError
+from skytasks.pool_spec import PoolSpec
+
+SAVED = json.loads((Path(__file__).parent / "data" / "gpu_pool_v1.json").read_text())
+POOLS = sorted(SAVED["pools"])
+
+
+def _comparable(spec: PoolSpec) -> PoolSpec:
+    """A spec whose nested credential blocks compare by their fields (a loaded block carries
+    Prefect's private bookkeeping a made one lacks)."""
+    part = spec.part
+    if part is not None and hasattr(part, "credentials") and part.credentials is not None:
+        part = dataclasses.replace(part, credentials=part.credentials.model_dump())
+    return dataclasses.replace(spec, part=part, name="pool")
+
+
+def _made_today(name: str) -> GPUPool:
+    return GPUPool(**SAVED["pools"][name]["kwargs"])
+
+
+@pytest.mark.parametrize("name", POOLS)
+def test_the_contract_s_keywords_make_the_spec_they_made_before(name):
+    spec, before = _made_today(name).spec(), SAVED["pools"][name]["spec_repr"]
+    if name == "local":  # a local pool's own part came after these were saved (warm pools' wait in line)
+        before = before.replace("part=None", f"part={spec.part!r}")
+    assert repr(spec) == before
+
+
+@pytest.mark.parametrize("name", POOLS)
+def test_a_flat_document_saved_before_the_change_validates_to_the_same_pool(name):
+    data = SAVED["pools"][name]["data"]
+    assert "settings" not in data and "provider" in data  # the old form, not one made today
+    loaded = GPUPool.model_validate(data)
+    assert loaded.provider == SAVED["pools"][name]["kwargs"]["provider"]
+    assert _comparable(loaded.spec()) == _comparable(_made_today(name).spec())
+
+
+def _old_schema_id(client, block_type_id):
+    schema = SAVED["schema"]
+    try:
+        return client.create_block_schema(BlockSchemaCreate(
+            fields=schema["fields"], block_type_id=block_type_id, capabilities=schema["capabilities"],
+            version=schema["version"])).id
+    except ObjectAlreadyExists:
+        return client.read_block_schema_by_checksum(schema["checksum"], version=schema["version"]).id
+
+
+def _store(name: str, data: dict, schema_id=None) -> str:
+    """A block document of the gpu-pool type, stored as Prefect stores one (under the old schema,
+    or today's), returned by the name it was stored as."""
+    GPUPool.register_type_and_schema()
+    stored = f"{name}-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        block_type = client.read_block_type_by_slug("gpu-pool")
+        schema_id = schema_id or _old_schema_id(client, block_type.id)
+        client.create_block_document(BlockDocumentCreate(name=stored, data=data, block_schema_id=schema_id,
+                                                         block_type_id=block_type.id))
+    return stored
+
+
+@pytest.mark.parametrize("name", POOLS)
+def test_a_pool_saved_before_the_change_loads_from_the_api_and_saves_in_today_s_form(name):
+    stored = _store(name, SAVED["pools"][name]["data"])
+    loaded = GPUPool.load(stored)
+    assert loaded.saved_name == stored
+    assert _comparable(loaded.spec()) == _comparable(_made_today(name).spec())
+    kwargs = SAVED["pools"][name]["kwargs"]
+    if "ssh_private_key" in kwargs:  # its secrets came back whole
+        assert loaded.ssh_private_key.get_secret_value() == kwargs["ssh_private_key"]
+    assert loaded.spec().env == {**_made_today(name).spec().env}
+
+    loaded.save(stored, overwrite=True)  # saved again: today's form, its secrets secret
+    with get_client(sync_client=True) as client:
+        shown = client.read_block_document_by_name(stored, "gpu-pool", include_secrets=False).data
+    assert shown["settings"]["provider"] == kwargs["provider"]
+    for value in kwargs.get("env", {}).values():  # env values obfuscated, now that env is secret
+        assert json.dumps(value) not in json.dumps(shown["env"]), shown["env"]
+    if "ssh_private_key" in kwargs:
+        assert kwargs["ssh_private_key"] not in json.dumps(shown)
+    assert _comparable(GPUPool.load(stored).spec()) == _comparable(loaded.spec())
+
+
+def test_a_misspelt_key_in_a_saved_document_is_an_error_naming_it():
+    flat = {**SAVED["pools"]["local"]["data"], "nodess": 3}
+    with pytest.raises(PoolConfigError, match=r"^nodess: no such field; did you mean nodes\?$"):
+        GPUPool.load(_store("typo-flat", flat))
+    GPUPool.register_type_and_schema()
+    today = GPUPool._block_schema_id
+    nested = {"settings": {"provider": "slurm", "slurm_partitio": "gpu"}}
+    with pytest.raises(PoolConfigError, match=r"^slurm_partitio: no such field; did you mean slurm_partition\?$"):
+        GPUPool.load(_store("typo-nested", nested, schema_id=today))
+
+
+def test_a_pool_saved_over_a_flat_one_is_what_its_settings_say():
+    # Prefect's update merges the stored data's top level: the flat document's keys stay beside
+    # the new settings, and must neither win over them nor show a secret.
+    old = SAVED["pools"]["aws"]
+    stored = _store("over", old["data"])
+    GPUPool(provider="ssh", nodes=2, hosts=["a", "b"], ssh_private_key="NEW-KEY").save(stored, overwrite=True)
+    with get_client(sync_client=True) as client:
+        shown = client.read_block_document_by_name(stored, "gpu-pool", include_secrets=False).data
+    assert shown["provider"] == "aws" and shown["instance_type"] == "g5.xlarge"  # the merge this is about
+    assert old["kwargs"]["ssh_private_key"] not in json.dumps(shown) and "NEW-KEY" not in json.dumps(shown)
+    loaded = GPUPool.load(stored)
+    assert loaded.provider == "ssh" and loaded.hosts == ["a", "b"]
+    assert loaded.ssh_private_key.get_secret_value() == "NEW-KEY" and loaded.instance_type is None
