@@ -7,7 +7,9 @@ documents the API then held. Run with that commit's code first on the path:
 
 (the `spec_repr` of each pool was added with that code too: repr(GPUPool(**kwargs).spec())).
 Not a test: pytest does not collect it."""
-import json, subprocess, sys
+import json
+import subprocess
+import sys
 from prefect.testing.utilities import prefect_test_harness
 
 KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nold-pool-key-material\n-----END OPENSSH PRIVATE KEY-----\n"
