@@ -107,3 +107,39 @@ def test_describe_gives_epoch_times():
     unheld = h.describe(120.0, 2_000_000.0)
     assert unheld["holding"] == UNHELD and unheld["holder"] == ""
     assert unheld["unheld_since"] == 1_999_990.0 and unheld["expires_at"] == 2_000_050.0
+
+
+# -- the watchdogs read a heartbeat file's mtime of 1 as "end now" ------------------------------
+
+def test_the_aws_watchdog_ends_a_node_whose_agent_set_mtime_1_at_once():
+    from skytasks.providers.aws.watchdog import verdict
+
+    assert verdict(1000.0, 900.0, 990.0, 600.0, None) is None  # heard 10 s ago: wanted
+    assert "keep_warm" in (verdict(1000.0, 900.0, 1.0, 600.0, None) or "")
+
+
+def test_the_slurm_batch_script_ends_the_allocation_when_the_beat_says_1(tmp_path):
+    import os
+    import subprocess
+    import time
+
+    from skytasks.providers.slurm.job import batch_script
+
+    job = f"holding{os.getpid()}"
+    script = tmp_path / "batch.sh"
+    script.write_text(batch_script(10.0))  # idle 10 minutes: only the mtime ends it
+    proc = subprocess.Popen(["bash", str(script)], env={**os.environ, "SLURM_JOB_ID": job}, stderr=subprocess.PIPE,
+                            text=True)
+    beat = f"/tmp/skytasks-slurm-{job}.beat"
+    try:
+        time.sleep(0.5)
+        assert proc.poll() is None
+        with open(beat, "w"):
+            pass
+        os.utime(beat, (1, 1))
+        _, said = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        if os.path.exists(beat):
+            os.unlink(beat)
+    assert proc.returncode == 0 and "keep_warm_minutes" in said

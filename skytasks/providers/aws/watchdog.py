@@ -7,6 +7,8 @@ shutdown behaviour "terminate") is gone. Two rules:
 
 - idle: the node agent writes the heartbeat file whenever the controller is heard. When it is
   older than `--idle-seconds` (or was never written, counting from boot) the node is unwanted.
+- done: a heartbeat file with mtime 1 is the agent saying the node is no longer wanted (a warm
+  pool's keep-warm time ran out): the machine ends now.
 - lifetime: past `--max-lifetime-seconds` from boot the node goes, whatever else is happening.
   Without the flag (the pool's `max_lifetime_minutes` is None) there is no lifetime rule: a node
   with a live controller runs as long as the work does, and idleness alone ends it.
@@ -39,7 +41,11 @@ def node_started_at() -> float:
 
 def verdict(now: float, started_at: float, heartbeat_at: float | None, idle: float,
             max_lifetime: float | None) -> str | None:
-    """Why the node should end now, or None while it is wanted. `max_lifetime` None: no cap."""
+    """Why the node should end now, or None while it is wanted. `max_lifetime` None: no cap.
+    A heartbeat file whose mtime is 1 is the agent's own word that the node is done (a warm pool
+    nobody held for keep_warm_minutes): the node ends now, not idle_minutes later."""
+    if heartbeat_at == 1:
+        return "the node's agent ended it (a warm pool nobody held for keep_warm_minutes)"
     if max_lifetime is not None and now - started_at >= max_lifetime:
         return f"reached max lifetime ({max_lifetime:.0f}s)"
     last = max(started_at, heartbeat_at or 0.0)

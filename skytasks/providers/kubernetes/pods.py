@@ -72,6 +72,9 @@ while True:
             print("skytasks: no controller reached this pod within %%ds of its start (the pool's start window: "
                   "ready_timeout_seconds + idle); ending the pod" %% window, flush=True)
             sys.exit(0)
+    elif last == 1:  # the agent's word: a warm pool nobody held for keep_warm_minutes
+        print("skytasks: nobody held the warm pool for its keep_warm_minutes; ending the pod", flush=True)
+        sys.exit(0)
     else:
         if not heard:
             heard = True

@@ -37,7 +37,11 @@ start=$(date +%%s)
 trap 'rm -f "$beat"' EXIT
 while :; do
   now=$(date +%%s); last=$start
-  if [ -f "$beat" ]; then m=$(stat -c %%Y "$beat" 2>/dev/null || echo 0); [ "$m" -gt "$last" ] && last=$m; fi
+  if [ -f "$beat" ]; then m=$(stat -c %%Y "$beat" 2>/dev/null || echo 0); [ "$m" -gt "$last" ] && last=$m
+    if [ "$m" = 1 ]; then
+      echo "skytasks: nobody held the warm pool for its keep_warm_minutes; ending the allocation" >&2; exit 0
+    fi
+  fi
   if [ $((now - last)) -ge "$idle" ]; then
     echo "skytasks: the controller was silent for $((now - last))s (idle limit ${idle}s); ending the allocation" >&2
     exit 0
