@@ -95,11 +95,15 @@ class Lease:
     def __init__(self, idle_minutes: float, max_lifetime_minutes: Optional[float]):
         self.idle_minutes, self.max_lifetime_minutes = idle_minutes, max_lifetime_minutes
         self.started_at = datetime.now(timezone.utc)
+        # A warm pool's nodes outlive their holder for keep_warm_minutes after its last renewal:
+        # its lease covers that too, so gc does not take a released warm pool for an orphan.
+        self.keep_warm_minutes = 0.0
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def expiry(self) -> datetime:
-        return lease_expiry(datetime.now(timezone.utc), self.started_at, self.idle_minutes, self.max_lifetime_minutes)
+        return lease_expiry(datetime.now(timezone.utc), self.started_at, self.idle_minutes + self.keep_warm_minutes,
+                            self.max_lifetime_minutes)
 
     def keep(self, renew: Callable[[datetime], None], warn: Callable[[str], None], name: str) -> None:
         self._thread = threading.Thread(target=self._run, args=(renew, warn), daemon=True, name=name)
