@@ -3,6 +3,12 @@
 Configuration plus a few verbs, after prefect-aws: the fields are validated at construction (a
 bad pool never launches anything), and `with pool:` / `async with pool:` keeps its nodes up
 across calls and always tears them down.
+
+Its fields are the pool's own (shape, environment, credential blocks, timings) and `settings`, one
+provider's settings model (blocks/pool_settings.py says why models in a plain Union): Prefect's
+form shows the common fields and a tab per provider. The contract's flat keywords and attributes
+(`provider="ssh", hosts=[...]`, `pool.hosts`) map onto the settings, and so do documents saved
+before the settings existed.
 """
 
 from __future__ import annotations
