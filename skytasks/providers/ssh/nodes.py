@@ -100,6 +100,7 @@ class SSHNodes:
         self._conns: dict[int, Any] = {}  # node id (its target's index) -> its connection
         self._closers: list[Any] = []
         self._workdirs: dict[str, str] = {}  # tree digest -> its path on the nodes
+        self._adopted: set[int] = set()  # a warm pool's nodes another process started (adopt)
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -320,7 +321,7 @@ class SSHNodes:
         for node_id in range(len(self._login.targets)):
             if len(links) == count:
                 break
-            if node_id in self._conns:
+            if node_id in self._conns or node_id in self._adopted:
                 continue
             try:
                 # Bounded: a host that drops packets must not hold the call for the OS's TCP timeout.
@@ -330,6 +331,7 @@ class SSHNodes:
         return links
 
     def release(self, node_id: int) -> None:
+        self._adopted.discard(node_id)
         conn = self._conns.pop(node_id, None)
         if conn is not None:
             self._loop.call_soon_threadsafe(conn.close)
@@ -342,12 +344,37 @@ class SSHNodes:
         result = self._run(self._conns[head].run(f"{python} -c {shlex.quote(port_snippet())}", check=True), timeout=60)
         return int(result.stdout.strip())
 
+    # -- warm pools: this process lets go, another takes over ------------------------------------
+
+    def handle(self) -> dict[str, Any]:
+        """Where the pool's nodes are, for another process's `adopt`: the hosts and the node ids
+        in use. No credential: the login key stays in the pool's block."""
+        return {"targets": [list(t) for t in self._login.targets], "peer_addresses": self._login.peer_addresses,
+                "nodes": sorted(set(self._conns) | self._adopted)}
+
+    def adopt(self, handle: dict[str, Any]) -> None:
+        """The nodes of `handle`, their agents running: `reattach` opens a session to each."""
+        if handle.get("targets"):
+            self._login.targets = [(u, h, int(p)) for u, h, p in handle["targets"]]
+        if handle.get("peer_addresses") is not None:
+            self._login.peer_addresses = list(handle["peer_addresses"])
+        self._adopted = {int(i) for i in handle.get("nodes", range(len(self._login.targets)))}
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def leave_running(self) -> None:
+        """This process's sessions and connections close; the agents run on (a warm pool's)."""
+        self._shut(wait_for_agents=False)
+
     def stop(self) -> None:
+        self._shut(wait_for_agents=True)
+
+    def _shut(self, wait_for_agents: bool) -> None:
         if not self._thread.is_alive():
             return
 
         async def close_all() -> None:
-            # What the controller wrote last (END to each agent) reaches the channels first.
+            # What the controller wrote last (END or RELEASE to each agent) reaches the channels first.
             forwarding = [p for _proc, pumps in self._closers for p in pumps if isinstance(p, Forwarding)]
             deadline = time.monotonic() + 5
             while not all(f.drained() for f in forwarding) and time.monotonic() < deadline:
@@ -357,8 +384,9 @@ class SSHNodes:
                     proc.stdin.write_eof()
             # Each agent ends by itself (END, or EOF without a lease) before its connection
             # closes: cut first, an agent could find its stdout broken before it read END, and
-            # wait out its re-attach window instead. Bounded: a dead node never answers.
-            if self._closers:
+            # wait out its re-attach window instead. Bounded: a dead node never answers. A
+            # released agent stays: its channel closes when the connection does.
+            if self._closers and wait_for_agents:
                 await asyncio.wait([asyncio.ensure_future(proc.wait_closed()) for proc, _ in self._closers], timeout=5)
             for conn in self._conns.values():
                 conn.close()

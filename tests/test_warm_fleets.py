@@ -1,0 +1,182 @@
+"""Warm pools across processes on the real fleets (issue 52, part 3): a saved pool with
+keep_warm_minutes, used by one controller process that then exits, is attached to by the next
+process (the same agents, the same pods) instead of being started again; a node lost while nobody
+held the pool is replaced before the next holder's first call; and an unheld pool ends itself,
+leaving nothing.
+
+Each controller is a process of its own (tests/programs/warm_fleet_call.py, a Prefect flow run),
+as a deployment's runs are: the real sshd on loopback and the Kubernetes test cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psutil
+import pytest
+from prefect.client.orchestration import get_client
+
+from skytasks import GPUPool
+from tests.conftest import gone
+from tests.sshd import SSHServer, free_port
+
+PROGRAM = Path(__file__).parent / "programs" / "warm_fleet_call.py"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
+def use(name: str, out: Path, timeout: float = 300) -> dict:
+    """One controller process uses the saved pool once, and exits."""
+    proc = subprocess.run([sys.executable, str(PROGRAM), name, str(out)], env=_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return json.loads(out.read_text())
+
+
+def pools_down(name: str) -> None:
+    subprocess.run([sys.executable, "-m", "skytasks.cli", "pools", "down", name], env=_env(), cwd=ROOT,
+                   capture_output=True, timeout=180)
+
+
+def events(name: str, since: datetime, kind: str, timeout: float = 20) -> list[dict]:
+    """The pool's `skytasks.pool.<kind>` events since `since`, once there is one."""
+    async def read() -> list[dict]:
+        async with get_client() as client:
+            resp = await client._client.post("/events/filter", json={
+                "filter": {"event": {"name": [f"skytasks.pool.{kind}"]}, "occurred": {"since": since.isoformat()}},
+                "limit": 50})
+            resp.raise_for_status()
+            return resp.json()["events"]
+
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [e for e in asyncio.run(read()) if e["resource"]["prefect.resource.id"] == f"skytasks.pool.{name}"]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.3)
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} not within {timeout:g}s"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def pool_name():
+    name = f"warm-fleet-{uuid.uuid4().hex[:8]}"
+    yield name
+    pools_down(name)
+
+
+# -- ssh ----------------------------------------------------------------------------------------
+
+HOSTS = ("127.0.0.1", "127.0.0.2")
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
+    yield server
+    server.stop()
+
+
+def save_ssh(server: SSHServer, name: str, **fields) -> None:
+    GPUPool(provider="ssh", nodes=2, hosts=[f"root@{h}:{server.port}" for h in HOSTS],
+            ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable,
+            ready_timeout_seconds=60, reattach_seconds=5, **{"keep_warm_minutes": 2.0, **fields}).save(name, overwrite=True)
+
+
+def test_ssh_the_next_process_attaches_to_the_same_agents_and_a_node_lost_unheld_is_replaced(sshd, pool_name, tmp_path):
+    save_ssh(sshd, pool_name)
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
+    first = use(pool_name, tmp_path / "first.json")
+    assert first["ranks"] == [0, 1]
+    assert all(not gone(pid) for pid in first["pids"]), "the agents ended with their process"
+    second = use(pool_name, tmp_path / "second.json")
+    assert second["pids"] == first["pids"] and second["ranks"] == [0, 1]  # the same agents, and they work
+    attached = events(pool_name, since, "attached")
+    assert any(e["related"] and any(r["prefect.resource.id"] == f"prefect.flow-run.{second['flow_run_id']}"
+                                    for r in e["related"]) for e in attached), attached
+    # node 1's agent dies while nobody holds the pool: the next holder replaces it before its call
+    lost = first["pids"][1]
+    os.kill(lost, signal.SIGKILL)
+    wait_until(lambda: gone(lost), 10, "the killed agent gone")
+    third = use(pool_name, tmp_path / "third.json")
+    assert third["ranks"] == [0, 1]
+    assert third["pids"][0] == first["pids"][0] and third["pids"][1] != lost and not gone(third["pids"][1])
+
+
+def test_ssh_an_unheld_pool_ends_itself_after_keep_warm(sshd, pool_name, tmp_path):
+    save_ssh(sshd, pool_name, keep_warm_minutes=0.05)  # 3 s
+    first = use(pool_name, tmp_path / "first.json")
+    pids = first["pids"]
+    wait_until(lambda: all(gone(p) for p in pids), 30, "the unheld agents' end")
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "skytasks.node" in " ".join(p.info["cmdline"] or [])
+                and any(p.pid == q or q in [a.pid for a in p.parents()] for q in pids)]
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
+    again = use(pool_name, tmp_path / "again.json")  # started afresh, quietly
+    assert again["ranks"] == [0, 1] and set(again["pids"]).isdisjoint(pids)
+    assert events(pool_name, since, "expired")
+
+
+# -- kubernetes ---------------------------------------------------------------------------------
+
+def save_kubernetes(k8s_cluster, name: str, **fields) -> None:
+    from tests.test_provider_conformance import KubernetesFleet
+
+    KubernetesFleet(k8s_cluster).pool(nodes=2, **{"reattach_seconds": 10, "keep_warm_minutes": 2.0, **fields}).save(
+        name, overwrite=True)
+
+
+def pod_of(where: str) -> str:
+    return where.split()[1]  # "pod NAME on node X"
+
+
+def pods_of(k8s_cluster, pool_pods: list[str]) -> dict[str, str]:
+    """Each of these pods that still exists, and its phase."""
+    listed = json.loads(k8s_cluster.kubectl("get", "pods", "-n", "default", "-o", "json").stdout)["items"]
+    found = {p["metadata"]["name"]: p["status"].get("phase", "") for p in listed}
+    return {name: found[name] for name in pool_pods if name in found}
+
+
+def test_kubernetes_the_next_process_attaches_to_the_same_pods_and_a_deleted_pod_is_replaced(k8s_cluster, pool_name,
+                                                                                              tmp_path):
+    save_kubernetes(k8s_cluster, pool_name)
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
+    first = use(pool_name, tmp_path / "first.json")
+    pods = [pod_of(w) for w in first["where"]]
+    assert first["ranks"] == [0, 1] and set(pods_of(k8s_cluster, pods).values()) == {"Running"}
+    second = use(pool_name, tmp_path / "second.json")
+    assert [pod_of(w) for w in second["where"]] == pods and second["pids"] == first["pids"]
+    assert second["ranks"] == [0, 1]
+    assert events(pool_name, since, "attached")
+    k8s_cluster.kubectl("delete", "pod", pods[1], "-n", "default", "--grace-period=0", "--force")
+    wait_until(lambda: pods[1] not in pods_of(k8s_cluster, pods), 60, "the deleted pod gone")
+    third = use(pool_name, tmp_path / "third.json")
+    now = [pod_of(w) for w in third["where"]]
+    assert third["ranks"] == [0, 1] and now[0] == pods[0] and now[1] != pods[1]
+
+
+def test_kubernetes_an_unheld_pool_ends_its_pods_after_keep_warm(k8s_cluster, pool_name, tmp_path):
+    save_kubernetes(k8s_cluster, pool_name, keep_warm_minutes=0.05)
+    first = use(pool_name, tmp_path / "first.json")
+    pods = [pod_of(w) for w in first["where"]]
+    wait_until(lambda: "Running" not in pods_of(k8s_cluster, pods).values(), 60, "the unheld pods' end")
+    pools_down(pool_name)  # what the next process (or skytasks pools) does with an expired pool
+    wait_until(lambda: not pods_of(k8s_cluster, pods), 60, "the ended pods deleted")
