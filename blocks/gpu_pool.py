@@ -220,6 +220,21 @@ def train(epochs: int = 3) -> dict:
             return flat_default(name)
         return super().__getattr__(name)  # type: ignore[misc]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `pool.hosts = [...]` sets the provider's setting, checked, in a settings model of its own
+        # (a copy of the pool keeps the settings it had); another provider's is refused, naming it.
+        if name in FLAT:
+            settings = self.settings
+            if name not in type(settings).model_fields:
+                raise PoolConfigError(foreign_field(name, self.provider))
+            values = {k: getattr(settings, k) for k in type(settings).model_fields}
+            try:
+                value = type(settings).model_validate({**values, name: value})
+            except ValidationError as exc:
+                raise PoolConfigError(field_errors(exc)) from None
+            name = "settings"
+        super().__setattr__(name, value)
+
     # -- what it is, frozen ---------------------------------------------------------------
 
     @property

@@ -153,3 +153,14 @@ def test_what_the_form_sends_loads():
     assert GPUPool.model_validate({"settings": {}}).provider == "local"
     assert GPUPool.model_validate({"settings": {"k8s_image": "reg/t:1"}}).provider == "kubernetes"
     assert isinstance(GPUPool().settings, LocalSettings)
+
+
+def test_a_provider_setting_set_by_its_flat_name_is_checked_and_leaves_copies_alone():
+    pool = GPUPool(provider="ssh", nodes=2, hosts=["a", "b"])
+    copy = pool.reshaped(nodes=2)
+    pool.hosts = ["c", "d"]
+    assert pool.spec().part.hosts == ("c", "d") and copy.hosts == ["a", "b"]
+    with pytest.raises(PoolConfigError, match=r"^hosts: 'two words' is not of the form"):
+        pool.hosts = ["two words", "b"]
+    with pytest.raises(PoolConfigError, match=r"^k8s_image: only provider 'kubernetes' takes it, not provider='ssh'"):
+        pool.k8s_image = "reg/train:1"
