@@ -5,6 +5,9 @@ Shakespeare's sonnets (public domain, shipped in flows/data/). Every rank runs o
 code; skytasks sets up the process group and hands back each rank's metrics.
 
     python flows/ddp_train.py            # 2 local nodes, Prefect's embedded default server
+
+Deployed (deployments/), its `pool` parameter is a GPU Pool block: the deployment's custom run form
+in Prefect's UI offers a picker of the saved pools.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
+from pydantic import ValidatorFunctionWrapHandler, WrapValidator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone, no install needed
 
@@ -165,14 +170,25 @@ def summarize(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _or_a_saved_pools_name(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """From Python a saved pool's name still works (`ddp_train(pool="my-pool")`), and finds the pool
+    a `with pool:` around the call keeps up; the run form's schema stays that of a GPU Pool block."""
+    return value if isinstance(value, str) else handler(value)
+
+
+# A GPU Pool block parameter: Prefect's custom run form shows a picker of the saved GPU Pools (and
+# an "Add" button), and sends the one picked as a reference that the flow run loads.
+SavedPool = Annotated[GPUPool | None, WrapValidator(_or_a_saved_pools_name)]
+
+
 @flow(name="ddp-train", log_prints=True)
 def ddp_train(epochs: int = 10, nodes: int = 2, samples: int = 1536, fail_once_at_epoch: int | None = None,
-              pool: str | None = None, checkpoint_dir: str = "checkpoints") -> list[dict]:
-    """`pool`: a saved GPUPool block to train on (its own nodes); None: the local pool of `nodes`."""
+              pool: SavedPool = None, checkpoint_dir: str = "checkpoints") -> list[dict]:
+    """`pool`: a saved GPU Pool to train on (its own nodes); None: a local pool of `nodes`."""
     from prefect.runtime import flow_run
 
     text = TEXT_PATH.read_text()
-    task = train.with_options(pool=pool) if pool else train.with_options(nodes=nodes)
+    task = train.with_options(pool=pool) if pool is not None else train.with_options(nodes=nodes)
     results = task(text, epochs=epochs, samples=samples, run_id=flow_run.get_id(), checkpoint_dir=checkpoint_dir,
                    fail_once_at_epoch=fail_once_at_epoch)
     losses = results[0]["epoch_losses"]

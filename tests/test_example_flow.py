@@ -158,3 +158,25 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
                      lambda found: any("the attempt ended for a preemption" in log.message for log in found))
     assert any(log.level == 30 and "the attempt ended for a preemption" in log.message for log in head), head
     assert not any(log.level >= 40 or "Traceback" in log.message for log in head), head
+
+
+def test_example_flow_takes_a_saved_pool_as_a_block_parameter(tmp_path, monkeypatch):
+    """`pool` is a GPU Pool block parameter: the flow's parameter schema refers to the block type
+    (what gives a deployment's run form its picker of saved pools), a reference to a saved pool (what
+    the form sends) trains on that pool, and from Python the block or its name work as before."""
+    from skytasks import GPUPool
+
+    monkeypatch.chdir(tmp_path)
+    schema = ddp_train.parameters.model_dump()
+    [ref] = [s["$ref"] for s in schema["properties"]["pool"]["anyOf"] if "$ref" in s]
+    assert schema["definitions"][ref.rsplit("/", 1)[1]]["block_type_slug"] == "gpu-pool"
+
+    name = f"example-one-node-{__import__('os').getpid()}"
+    GPUPool(provider="local", nodes=1).save(name, overwrite=True)  # the default would be 2 nodes
+    picked = ddp_train(epochs=2, samples=64, pool={"$ref": {"block_document_slug": f"gpu-pool/{name}"}})
+    assert [(r["rank"], r["world_size"]) for r in picked] == [(0, 1)]
+    saved = GPUPool.load(name)
+    with saved:  # one node up for both calls: the name finds the pool the `with` keeps up
+        by_block = ddp_train(epochs=2, samples=64, pool=saved)
+        by_name = ddp_train(epochs=2, samples=64, pool=name)
+    assert [r["world_size"] for r in by_block + by_name] == [1, 1]
