@@ -140,6 +140,15 @@ class AdoptedAgent:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def end(self, wait: float = 10.0) -> None:
+        """As `end_child` ends a child: it was told END over its door's stream (or cannot hear):
+        given `wait` seconds, then SIGKILL."""
+        try:
+            self.wait(wait)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self._wait(wait)
+
 
 def boot_id() -> str:
     """This boot of this machine: a pid means nothing on another."""

@@ -81,7 +81,7 @@ class LocalProvider(NodeProvider):
     def release(self, node_id: int) -> None:
         old = self._procs.pop(node_id, None)
         if old is not None:
-            end_child(old)
+            _end(old)
 
     def _start_node(self, node_id: int) -> NodeLink:
         env = {**os.environ, "PYTHONPATH": self._path}
@@ -197,12 +197,16 @@ class LocalProvider(NodeProvider):
     def stop(self) -> None:
         procs, self._procs = self._procs, {}
         for p in procs.values():
-            end_child(p)
+            _end(p)
         links, self._links = self._links, []
         for link in links:
             link.close()
         if self._log_dir:
             shutil.rmtree(self._log_dir, ignore_errors=True)
+
+
+def _end(proc: subprocess.Popen | AgentProcess | AdoptedAgent) -> None:
+    proc.end() if isinstance(proc, AdoptedAgent) else end_child(proc)
 
 
 def _close_files(*files: Any) -> None:
