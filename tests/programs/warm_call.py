@@ -1,0 +1,50 @@
+"""A controller process that uses a saved warm pool once, as a flow run, for tests/test_warm_pools.py.
+
+    python warm_call.py POOL_NAME OUT_JSON [SECONDS]
+
+Inside `with pool:` it runs one call whose ranks sleep SECONDS (0: none), writing READY to
+OUT_JSON.ready once the ranks are inside it, then writes what it saw to OUT_JSON: the agents' pids,
+how long the pool took to come up and its first call, and its flow run's id.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from prefect import flow  # noqa: E402
+from prefect.context import FlowRunContext  # noqa: E402
+
+from skytasks import GPUPool, distributed_task, rank_info  # noqa: E402
+
+NAME, OUT = sys.argv[1], Path(sys.argv[2])
+SECONDS = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+
+
+@distributed_task
+def work(seconds: float) -> int:
+    if seconds:
+        (OUT.parent / f"{OUT.name}.ready{rank_info().rank}").write_text(str(os.getpid()))
+        time.sleep(seconds)
+    return rank_info().rank
+
+
+@flow(name="warm-call")
+def use_pool() -> dict:
+    pool = GPUPool.load(NAME)
+    started = time.monotonic()
+    with pool:
+        up = time.monotonic() - started
+        ranks = work(SECONDS)
+        first = time.monotonic() - started
+        pids = [n.pid for n in pool.runtime().session.nodes]
+    run = FlowRunContext.get().flow_run
+    return {"pids": pids, "up_seconds": up, "first_call_seconds": first, "ranks": ranks, "flow_run_id": str(run.id),
+            "flow_run_name": run.name}
+
+
+if __name__ == "__main__":
+    OUT.write_text(json.dumps(use_pool()))
