@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, get_args
 from prefect.blocks.core import Block
 from prefect.plugins import load_prefect_collections
 from prefect_aws import AwsCredentials
-from prefect.types import SecretDict
+from prefect.blocks.fields import SecretDict
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 

@@ -22,7 +22,7 @@ import difflib
 from contextvars import ContextVar
 from typing import Annotated, Any, Literal, Mapping, Union
 
-from prefect.types import SecretDict
+from prefect.blocks.fields import SecretDict
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Secret, ValidationError
 
 from skytasks.providers.aws.spec import AWSSettings

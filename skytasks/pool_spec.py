@@ -20,7 +20,9 @@ class PoolSpec:
     nodes: int  # the most nodes the pool asks for
     procs_per_node: int
     accelerators_per_node: Optional[int]
-    env: Mapping[str, str] = field(default_factory=dict)  # every rank's environment (AWS variables included)
+    # Every rank's environment (AWS variables included): plain strings for the ranks, never in a
+    # repr (the block holds them as secrets; a spec in a log or an error message must not show them).
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
     # The provider's own part, built by its folder's spec (`skytasks.providers.<name>.spec`):
     # an SSHSpec, AWSSpec or SlurmSpec; None for a provider that needs none (local).
     part: object = None
