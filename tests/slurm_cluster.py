@@ -245,6 +245,11 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
         self.run("scontrol", "update", f"nodename={name}", "state=resume", check=False)
         self.wait_idle(names=[name])
 
+    def capture(self) -> Capture:
+        """Every frame on the cluster's links (the host end of each namespace's veth: slurmctld's
+        and every node's) from now until the capture is closed, read with AF_PACKET sockets."""
+        return Capture([link for link in self._links if link != self.bridge])
+
     def logs(self) -> str:
         parts = []
         for p in sorted((self.folder / "log").glob("*")):
@@ -279,3 +284,95 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
         for link in reversed(self._links):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         self._made_ns, self._links = [], []
+
+
+class Capture:
+    """Raw frames off network interfaces (AF_PACKET, root), as tcpdump would take them, kept in
+    memory; `tcp_streams()` puts each TCP connection's payload back together, one byte string per
+    direction, so a secret cut across two segments is still found."""
+
+    def __init__(self, interfaces: list[str]):
+        import socket
+        import threading
+
+        self.frames: list[bytes] = []
+        self._socks = []
+        for name in interfaces:
+            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+            sock.setsockopt(socket.SOL_SOCKET, 33, 256 << 20)  # SO_RCVBUFFORCE: no drops while busy
+            sock.bind((name, 0))
+            self._socks.append(sock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        import select
+
+        while not self._stop.is_set():
+            ready, _, _ = select.select(self._socks, [], [], 0.1)
+            for sock in ready:
+                self.frames.append(sock.recv(1 << 17))
+
+    def close(self) -> None:
+        time.sleep(0.3)  # the last frames in flight
+        self._stop.set()
+        self._thread.join()
+        for sock in self._socks:
+            while True:  # what is queued still
+                try:
+                    self.frames.append(sock.recv(1 << 17, 0x40))  # MSG_DONTWAIT
+                except BlockingIOError:
+                    break
+        self.drops = sum(self._dropped(s) for s in self._socks)
+        for sock in self._socks:
+            sock.close()
+
+    @staticmethod
+    def _dropped(sock) -> int:
+        import struct
+
+        packets, drops = struct.unpack("II", sock.getsockopt(263, 6, 8))  # SOL_PACKET, PACKET_STATISTICS
+        return drops
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def tcp_streams(self) -> dict[tuple, bytes]:
+        """(source, source port, destination, destination port) -> the payload sent that way, in
+        order (sequence numbers; a segment seen on two links, or sent again, counts once)."""
+        import ipaddress
+        import struct
+
+        segments: dict[tuple, dict[int, bytes]] = {}
+        bases: dict[tuple, int] = {}
+        for frame in self.frames:
+            if len(frame) < 34 or frame[12:14] != b"\x08\x00":  # IPv4 only: the cluster's subnet is
+                continue
+            ip_header = (frame[14] & 0x0F) * 4
+            total = struct.unpack("!H", frame[16:18])[0]
+            if frame[23] != 6:  # TCP
+                continue
+            src, dst = (str(ipaddress.IPv4Address(frame[26:30])), str(ipaddress.IPv4Address(frame[30:34])))
+            tcp = 14 + ip_header
+            sport, dport, seq = struct.unpack("!HHI", frame[tcp:tcp + 8])
+            payload = frame[tcp + (frame[tcp + 12] >> 4) * 4:14 + total] if total else frame[tcp + (frame[tcp + 12] >> 4) * 4:]
+            if payload:
+                flow = segments.setdefault((src, sport, dst, dport), {})
+                base = bases.setdefault((src, sport, dst, dport), seq)
+                offset = (seq - base) % (1 << 32)  # from the first segment seen: past a wrap-around too
+                flow.setdefault(offset - (1 << 32) if offset >= 1 << 31 else offset, payload)
+        streams = {}
+        for flow, parts in segments.items():
+            out, end = bytearray(), None
+            for seq in sorted(parts):
+                data = parts[seq]
+                if end is not None and seq < end:
+                    data = data[end - seq:]
+                out += data
+                end = max(end or 0, seq + len(parts[seq]))
+            streams[flow] = bytes(out)
+        return streams

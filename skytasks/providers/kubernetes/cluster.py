@@ -76,3 +76,11 @@ def refused(exc: BaseException, doing: str, namespace: str) -> Exception:
     if status is None:
         return PoolStartError(f"kubernetes: cannot reach the API server ({doing}): {said}")
     return PoolStartError(f"kubernetes: {doing} failed (HTTP {status}): {said}")
+
+
+def private_stream(cfg: Any) -> bool:
+    """Whether an exec stream through this configuration is private: https with the server's
+    certificate verified. A kubeconfig with `insecure-skip-tls-verify`, or an `http://` server
+    (kubectl proxy, an insecure port), lets whoever is in between read and rewrite it: the
+    pool's streams are then sealed (skytasks.stream_seal)."""
+    return str(cfg.host or "").lower().startswith("https://") and bool(cfg.verify_ssl)

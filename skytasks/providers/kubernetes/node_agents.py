@@ -16,11 +16,12 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from skytasks import stream_seal
 from skytasks.errors import PoolStartError
 from skytasks.node import attach
 from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink
-from skytasks.providers.kubernetes import exec_stream
+from skytasks.providers.kubernetes import cluster, exec_stream
 from skytasks.providers.kubernetes.pods import CONTAINER
 from skytasks.providers.package_in import PACKAGE_IN, read_line
 from skytasks.providers.ssh import python_check
@@ -36,6 +37,7 @@ base = next((d for d in ("/tmp", "/dev/shm") if os.access(d, os.W_OK)), None)
 if base is None:
     sys.exit("skytasks: neither /tmp nor /dev/shm is writable in the pod")
 _package_in(os.path.join(base, "skytasks", sys.argv[1]), int(sys.argv[2]))
+os.environ.pop("SKYTASKS_STREAM_SEALED", None)  # the agent's stream is sealed; its ranks need not know
 try:
     os.chdir(os.path.expanduser("~"))  # where a workdir is synced, as on ssh and slurm nodes
 except OSError:
@@ -73,6 +75,10 @@ class PodAgents:
     def __init__(self, cfg: Any, namespace: str, python: str, timeout: float):
         self._cfg, self._namespace, self._python, self._timeout = cfg, namespace, python, timeout
         self.streams: dict[str, exec_stream.PodExec] = {}
+        # A kubeconfig that skips TLS verification, or http: each stream sealed (stream_seal),
+        # its plain ends kept here by the exec they run over.
+        self.sealed = stream_seal.wanted(cluster.private_stream(cfg))
+        self._plain: dict[int, stream_seal.SealedEnds] = {}
         self._bundle: tuple[bytes, str] | None = None
         self._workdirs: dict[str, str] = {}
 
@@ -81,14 +87,22 @@ class PodAgents:
             self._bundle = package_bundle()
         bundle, digest = self._bundle
         where = f"node {node_rank} (pod {pod})"
+        seal = stream_seal.identity() if self.sealed else None
+        code = (stream_seal.node_prelude(seal.pin) if seal else "") + BOOTSTRAP
         try:
             stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER,
-                                         [self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *agent])
+                                         [self._python, "-c", code, digest, str(len(bundle)), *agent])
         except Exception as exc:  # noqa: BLE001 - the API server's refusal, in its words
-            from skytasks.providers.kubernetes.cluster import refused
-            raise refused(exc, f"exec into pod {pod} (pods/exec)", self._namespace) from exc
+            raise cluster.refused(exc, f"exec into pod {pod} (pods/exec)", self._namespace) from exc
         self.streams[pod] = stream
-        checked = python_check.parse(read_line(stream.inbound, self._timeout, stream.close))
+        ends: Any = stream
+        if seal is not None:
+            try:
+                ends = self._seal(stream, seal, self._timeout)
+            except stream_seal.SealFailed:
+                raise PoolStartError(python_check.did_not_start(where, self._python, stream.last_words() or
+                                                                "the stream ended before its TLS handshake")) from None
+        checked = python_check.parse(read_line(ends.inbound, self._timeout, stream.close))
         here = python_check.this_controller()
         # Another Python (or cloudpickle) in the image first, as it is what to fix; then a lack.
         # Before the package is sent and before any rank.
@@ -96,18 +110,24 @@ class PodAgents:
             stream.close()
             wrong = python_check.wrong_image(where, self._image(pod), self._python, checked, here)
             raise PoolStartError(wrong or python_check.cannot_import(where, self._python, checked))
-        answer = read_line(stream.inbound, self._timeout, stream.close) if checked is not None else b""
+        answer = read_line(ends.inbound, self._timeout, stream.close) if checked is not None else b""
         if answer == b"need\n":
-            stream.outbound.write(bundle)
-            stream.outbound.flush()
+            ends.outbound.write(bundle)
+            ends.outbound.flush()
         elif answer != b"have\n":
             stream.close()
             raise PoolStartError(python_check.did_not_start(where, self._python, stream.last_words() or repr(answer)))
         return self._link(node_rank, pod, address, stream)
 
+    def _seal(self, stream: exec_stream.PodExec, seal: stream_seal.Identity, timeout: float) -> stream_seal.SealedEnds:
+        ends = stream_seal.seal_controller_end(stream.inbound, stream.outbound, seal, timeout, stream.close)
+        self._plain[id(stream)] = ends
+        return ends
+
     def _link(self, node_rank: int, pod: str, address: str, stream: exec_stream.PodExec) -> NodeLink:
         # Closing a link ends its own stream, never a newer one the pod was reached by since.
-        return NodeLink(node_rank=node_rank, address=address, inbound=stream.inbound, outbound=stream.outbound,
+        ends: Any = self._plain.get(id(stream), stream)
+        return NodeLink(node_rank=node_rank, address=address, inbound=ends.inbound, outbound=ends.outbound,
                         machine=pod, close=lambda: self._end_stream(pod, stream))
 
     def attach(self, node_rank: int, pod: str, address: str, door: str, timeout: float) -> NodeLink:
@@ -115,14 +135,17 @@ class PodAgents:
         (an exec'd process outlives its exec stream: an API server restart, a proxy's cut). It
         becomes the pod's stream once the door spoke; NodeGone when nothing is behind the door."""
         started = time.monotonic()
-        stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER, attach.argv(self._python, door),
-                                     timeout=timeout)
+        seal = stream_seal.identity() if self.sealed else None
+        client = stream_seal.attach_argv(self._python, seal.pin, door) if seal else attach.argv(self._python, door)
+        stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER, client, timeout=timeout)
         try:
             await_answer(stream.inbound, timeout - (time.monotonic() - started),
                          lambda: stream.exit_code() if stream.ended.is_set() else None, stream.last_words,
                          f"node {node_rank} (pod {pod})")
+            if seal is not None:  # a fresh agreement for each new stream
+                self._seal(stream, seal, max(1.0, timeout - (time.monotonic() - started)))
         except BaseException:
-            stream.close()
+            self._close(stream)
             raise
         self.streams[pod] = stream
         return self._link(node_rank, pod, address, stream)
@@ -130,6 +153,12 @@ class PodAgents:
     def _end_stream(self, pod: str, stream: exec_stream.PodExec) -> None:
         if self.streams.get(pod) is stream:
             del self.streams[pod]
+        self._close(stream)
+
+    def _close(self, stream: exec_stream.PodExec) -> None:
+        ends = self._plain.pop(id(stream), None)
+        if ends is not None:
+            ends.close()
         stream.close()
 
     def _image(self, pod: str) -> str | None:
@@ -149,7 +178,7 @@ class PodAgents:
     def end(self, pod: str) -> None:
         stream = self.streams.pop(pod, None)
         if stream is not None:
-            stream.close()
+            self._close(stream)
 
     def end_all(self) -> None:
         for pod in list(self.streams):

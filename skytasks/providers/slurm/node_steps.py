@@ -19,10 +19,11 @@ import asyncio
 import shlex
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from skytasks.errors import PoolStartError
 from skytasks.node import attach
+from skytasks import stream_seal
 from skytasks.node.ports import port_snippet
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.slurm.spec import SlurmSpec
@@ -43,6 +44,7 @@ if not _python_ok():
     sys.exit(3)
 os.chdir(os.path.expanduser("~"))
 _package_in(os.path.join(".cache", "skytasks", sys.argv[1]), int(sys.argv[2]))
+os.environ.pop("SKYTASKS_STREAM_SEALED", None)  # the agent's stream is sealed; its ranks need not know
 os.execv(sys.executable, [sys.executable] + sys.argv[3:])
 """
 
@@ -72,15 +74,26 @@ class NodeSteps:
             self._bundle = package_bundle()
         bundle, digest = self._bundle
         env = self._spec.env
-        argv = [*srun(job_id, name), *self._paths(), self._python, "-c", BOOTSTRAP, digest, str(len(bundle)), *args]
+        # munge authenticates srun's I/O, nothing encrypts it: sealed (skytasks.stream_seal)
+        # before the env, the pool's key or a call crosses the cluster's network.
+        seal = stream_seal.identity() if stream_seal.wanted(private=False) else None
+        code = (stream_seal.node_prelude(seal.pin) if seal else "") + BOOTSTRAP
+        argv = [*srun(job_id, name), *self._paths(), self._python, "-c", code, digest, str(len(bundle)), *args]
         step = self._steps[name] = self._agents[name] = self._shell.open(argv, f"node {node_rank} {name}")
+        timeout = self._spec.own(SlurmSpec).ready_timeout_seconds
+        where = f"node {node_rank} ({name}, job {job_id})"
+        if seal is not None:
+            try:
+                step = self._steps[name] = self._agents[name] = _sealed(step, seal, timeout)
+            except stream_seal.SealFailed as exc:  # the node's Python did not start, most likely
+                said = self._said_at_the_end(name) or str(exc)
+                raise PoolStartError(python_check.did_not_start(where, self._python, f"srun: {said}",
+                                                                self._python_default)) from None
         try:
             step.outbound.write(env_in.frame(dict(env)))
             step.outbound.flush()
-        except OSError:  # the step ended already: its own words come below
+        except (OSError, ValueError):  # the step ended already: its own words come below
             pass
-        timeout = self._spec.own(SlurmSpec).ready_timeout_seconds
-        where = f"node {node_rank} ({name}, job {job_id})"
         first = read_line(step.inbound, timeout, step.close)
         found = python_check.parse(first)
         # Another Python (or cloudpickle) first, as it is what to fix; then a lack. Before any rank
@@ -123,11 +136,15 @@ class NodeSteps:
         """A new stream to the node's running agent: a step beside it in the same allocation
         (`srun --overlap`) running `python -c attach.CLIENT DOOR`. Ending this step never touches
         the agent's own. NodeGone when nothing is behind the door (the agent ended)."""
-        argv = [*srun(job_id, name), *self._paths(), *attach.argv(self._python, door)]
-        step = self._shell.open(argv, f"node {node_rank} {name} attach")
+        seal = stream_seal.identity() if stream_seal.wanted(private=False) else None
+        client = stream_seal.attach_argv(self._python, seal.pin, door) if seal else attach.argv(self._python, door)
+        started = time.monotonic()
+        step = self._shell.open([*srun(job_id, name), *self._paths(), *client], f"node {node_rank} {name} attach")
         try:
             await_answer(step.inbound, timeout, step.exit_code, lambda: " / ".join(step.stderr_tail),
                          f"node {node_rank} ({name}, job {job_id})")
+            if seal is not None:  # a fresh agreement for each new stream
+                step = _sealed(step, seal, max(1.0, timeout - (time.monotonic() - started)))
         except BaseException:
             step.close()
             raise
@@ -180,6 +197,20 @@ class NodeSteps:
     def end_all(self) -> None:
         for name in list(self._steps) + list(self._agents):
             self.end(name)
+
+
+def _sealed(step: Step, seal: stream_seal.Identity, timeout: float) -> Step:
+    """The step with its stream sealed: the same step to its users, plain bytes on its ends."""
+    ends = stream_seal.seal_controller_end(step.inbound, step.outbound, seal, timeout, step.close)
+
+    def closing(end: Callable[[], None]) -> Callable[[], None]:
+        def both() -> None:
+            ends.close()  # the pump ends the stream (srun's stdin) after the last sealed bytes
+            end()
+        return both
+
+    return Step(ends.inbound, ends.outbound, closing(step.close), closing(step.close_lost), step.stderr_tail,
+                step.exit_code, also_let_go=closing(step.let_go))
 
 
 class _StepShell:

@@ -42,6 +42,9 @@ class Step:
     close_lost: Callable[[], None]
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
     exit_code: Callable[[], Optional[int]] = lambda: None  # srun's status once it ended, else None
+    # A sealed step (skytasks.stream_seal): the seal's plain end is `inbound`/`outbound`, and
+    # letting go also ends the seal's pump and srun's own streams (`also_let_go`).
+    also_let_go: Optional[Callable[[], None]] = None
 
     def let_go(self) -> None:
         """Close this end of the streams and nothing more: srun lives on, and with it its step.
@@ -52,6 +55,8 @@ class Step:
                 f.close()
             except OSError:
                 pass
+        if self.also_let_go is not None:
+            self.also_let_go()
 
 
 class SlurmShell:
