@@ -135,6 +135,44 @@ def test_ssh_an_unheld_pool_ends_itself_after_keep_warm(sshd, pool_name, tmp_pat
     assert events(pool_name, since, "expired")
 
 
+# -- slurm --------------------------------------------------------------------------------------
+
+def save_slurm(name: str, **fields) -> None:
+    GPUPool(provider="slurm", nodes=2, remote_python=sys.executable, ready_timeout_seconds=60, reattach_seconds=10,
+            **{"keep_warm_minutes": 2.0, **fields}).save(name, overwrite=True)
+
+
+def skytasks_jobs(cluster) -> list[str]:
+    return [ln for ln in cluster.run("squeue", "-h", "-o", "%i %j").stdout.splitlines() if "skytasks" in ln]
+
+
+def test_slurm_the_next_process_attaches_to_the_same_agents_in_the_same_job_and_a_lost_one_is_replaced(
+        cluster, pool_name, tmp_path):
+    save_slurm(pool_name)
+    first = use(pool_name, tmp_path / "first.json")
+    assert first["ranks"] == [0, 1] and all(not gone(pid) for pid in first["pids"])
+    jobs = skytasks_jobs(cluster)
+    second = use(pool_name, tmp_path / "second.json")  # its srun steps beside the agents, its own ended
+    assert second["pids"] == first["pids"] and second["ranks"] == [0, 1] and skytasks_jobs(cluster) == jobs
+    lost = first["pids"][1]
+    os.kill(lost, signal.SIGKILL)
+    wait_until(lambda: gone(lost), 10, "the killed agent gone")
+    third = use(pool_name, tmp_path / "third.json")
+    assert third["ranks"] == [0, 1]
+    assert third["pids"][0] == first["pids"][0] and third["pids"][1] != lost and not gone(third["pids"][1])
+    pools_down(pool_name)
+    wait_until(lambda: not skytasks_jobs(cluster), 60, "the pool's jobs cancelled")
+    assert all(gone(p) for p in third["pids"])
+
+
+def test_slurm_an_unheld_pool_ends_its_allocation_after_keep_warm(cluster, pool_name, tmp_path):
+    save_slurm(pool_name, keep_warm_minutes=0.05, idle_minutes=2)
+    first = use(pool_name, tmp_path / "first.json")
+    assert skytasks_jobs(cluster)
+    wait_until(lambda: all(gone(p) for p in first["pids"]), 30, "the unheld agents' end")
+    wait_until(lambda: not skytasks_jobs(cluster), 45, "the allocation's end")  # long before idle_minutes
+
+
 # -- kubernetes ---------------------------------------------------------------------------------
 
 def save_kubernetes(k8s_cluster, name: str, **fields) -> None:

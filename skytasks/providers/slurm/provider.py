@@ -23,7 +23,8 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
+from typing import Any
 
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
@@ -70,6 +71,7 @@ class SlurmProvider(NodeProvider):
         self._aborted = threading.Event()
         self._stop_lock = threading.Lock()
         self._lease = Lease(self._slurm.idle_minutes, self._slurm.max_lifetime_minutes)
+        self._lease.keep_warm_minutes = spec.keep_warm_minutes  # a released warm pool is no orphan
         self._ended: set[str] = set()  # jobs gone from the queue: their lease is not renewed
 
     def abort(self) -> None:
@@ -225,6 +227,50 @@ class SlurmProvider(NodeProvider):
         link.node_id = node_id
         link.loss_detail = lambda: self.node_condition(node.name, node.job_id)
         return link
+
+    # -- warm pools: this process lets go, another takes over ------------------------------------
+
+    def handle(self) -> dict[str, Any]:
+        """The pool's jobs and which node runs where, for another process's `adopt` (no credential)."""
+        return {"pool_id": self.pool_id, "jobs": list(self.jobs), "lost": sorted(self.lost),
+                "started_at": self._lease.started_at.timestamp(),
+                "nodes": {str(i): [n.name, n.address, n.job_id] for i, n in self.nodes.items()}}
+
+    def adopt(self, handle: dict[str, Any]) -> None:
+        """The allocation of another process's pool, its agents running in their steps: each is
+        reached by a step beside it (`reattach`). PoolStartError when none of its jobs runs."""
+        self.pool_id = self.reporter.key = str(handle["pool_id"])
+        self.jobs = [str(j) for j in handle.get("jobs", [])]
+        self.lost = set(handle.get("lost", []))
+        self.nodes = {int(i): AllocatedNode(*v) for i, v in handle.get("nodes", {}).items()}
+        self._lease.started_at = datetime.fromtimestamp(float(handle.get("started_at", time.time())), timezone.utc)
+        running = [j for j in self.jobs if self._queue(j).state == "RUNNING"]
+        if not running:
+            raise PoolStartError(f"{self.pool_id}: none of its jobs ({', '.join(self.jobs) or 'none'}) runs any more")
+        self._ended.update(j for j in self.jobs if j not in running)
+        self._lease.keep(self._renew_lease, lambda line: self.reporter.note(f"{self.pool_id}: {line}", logging.WARNING),
+                         name=f"skytasks-lease-{self.pool_id}")
+
+    def leave_running(self) -> None:
+        """This process lets go of its steps' streams without signalling any srun (a signalled
+        srun has its step cancelled, agent and all), and of the login connection; the jobs stay,
+        their lease renewed to cover idle_minutes plus keep_warm_minutes."""
+        with self._stop_lock:
+            self._lease.stop()
+            try:
+                self._renew_lease(self._lease.expiry())
+            except Exception as exc:  # noqa: BLE001 - the renewal before last still holds for a while
+                self.reporter.note(f"{self.pool_id}: could not renew its lease as it was released: {exc}")
+            # Each step's stream let go, no srun signalled; then the shell closes with no srun to
+            # end (SlurmShell.close would SIGTERM them, which srun passes on to the agent).
+            # TODO(owners of node_steps.py/shell.py): NodeSteps.let_go_all, SlurmShell.leave (requests.md).
+            steps = {id(s): s for s in [*self._steps._steps.values(), *self._steps._agents.values()]}
+            self._steps._steps.clear()
+            self._steps._agents.clear()
+            for step in steps.values():
+                step.let_go()
+            self.shell._procs = []
+            self.shell.close()
 
     # -- the calls' needs -------------------------------------------------------------------
 
