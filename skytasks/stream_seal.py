@@ -11,8 +11,10 @@ the standard library, whose `ssl` module speaks it, so nothing new is needed on 
 The controller is the TLS server, with a certificate made for this one stream; the node is the
 client and takes only the certificate whose SHA-256 the controller put on the node's command line
 (public, not a secret). So a reader of the stream learns nothing, and a man in the middle who
-cannot also rewrite the command line on its way to the node cannot take the controller's place.
-What the docs say an attacker can still do: /work/notes/private-docs.md.
+cannot also rewrite the command line cannot take the controller's place toward the node. The
+node has no key to prove, though: one who rewrites the stream from its first byte can answer the
+handshake in the node's place and read what the controller sends it (docs/security.md, "Streams
+that are authenticated but not private", says so).
 
 The sealing runs in its own small process on the node (`PUMP`, `python -c PUMP PIN FD` or
 `... PIN --door DOOR`): the agent, its resume and its door see plain bytes on pipes as

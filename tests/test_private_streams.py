@@ -157,3 +157,30 @@ def test_a_node_refuses_a_certificate_that_is_not_the_pinned_one():
     node.stdin.close()  # type: ignore[union-attr]
     node.wait(10)
     assert "not the controller's" in node.stderr.read().decode()  # type: ignore[union-attr]
+
+
+def test_a_kubernetes_pool_over_a_kubeconfig_that_skips_tls_verification_runs_sealed(k8s_cluster, tmp_path):
+    """The test cluster's admin kubeconfig with `insecure-skip-tls-verify` instead of its CA: the
+    agents' exec streams are sealed, and a call with a 4 MB argument goes through them whole."""
+    import json
+
+    from tests.kube import kube_pool
+
+    config = json.loads(k8s_cluster.admin_kubeconfig.read_text())
+    cluster_entry = config["clusters"][0]["cluster"]
+    del cluster_entry["certificate-authority"]
+    cluster_entry["insecure-skip-tls-verify"] = True
+    insecure = tmp_path / "insecure.kubeconfig"
+    insecure.write_text(json.dumps(config))
+    arg = os.urandom(4 << 20)
+    marker = f"skytasks-marker-{uuid.uuid4().hex}"
+    with kube_pool(k8s_cluster, kubeconfig=insecure, nodes=2, procs_per_node=1,
+                   env={"SKYTASKS_TEST_MARKER": marker}) as pool:
+        out = distributed_task(what_the_rank_got, pool=pool, init_torch=False)(arg)
+        session = pool.runtime().session
+        agents = session.provider._agents
+        sealed = [agents._plain.get(id(agents.streams[pod])) for pod in list(agents.streams)]
+        links = [node.link.inbound for node in session.nodes]
+    assert out == [(marker, hashlib.sha256(arg).hexdigest())] * 2
+    assert agents.sealed and len(sealed) == 2 and all(s is not None for s in sealed)
+    assert all(any(link is s.inbound for s in sealed) for link in links)  # the links read the plain ends
