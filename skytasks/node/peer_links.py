@@ -110,7 +110,7 @@ class PeerListener:
         self._pending: dict[socket.socket, float] = {}  # proving themselves, oldest first: since when
         self._lock = threading.Lock()
         self._closed = False
-        self._said_at = 0.0
+        self._said_at: dict[str, float] = {}  # each kind of trouble, when last said
         threading.Thread(target=self._accept, daemon=True, name="skytasks-peers").start()
 
     def _accept(self) -> None:
@@ -120,7 +120,7 @@ class PeerListener:
             except OSError as exc:  # EMFILE, ENOBUFS, ...: wait it out, go on
                 if self._closed:
                     return
-                self._trouble(f"accepting a peer failed ({exc}); trying again")
+                self._trouble("accept", f"accepting a peer failed ({exc}); trying again")
                 continue
             try:
                 if self._make_room(conn):
@@ -130,7 +130,7 @@ class PeerListener:
                     self._pending.pop(conn, None)
                     self.shed += 1
                 conn.close()
-                self._trouble(f"a peer's connection could not be taken ({exc}); it was closed")
+                self._trouble("take", f"a peer's connection could not be taken ({exc}); it was closed")
 
     def _make_room(self, conn: socket.socket) -> bool:
         """Count `conn` among the pending handshakes, making room by cutting the oldest one if it
@@ -149,11 +149,11 @@ class PeerListener:
             self._pending[conn] = now
         return True
 
-    def _trouble(self, what: str) -> None:
-        """Said at most every few seconds (a full table of files fails every accept), then a pause."""
+    def _trouble(self, kind: str, what: str) -> None:
+        """Said at most every few seconds for each kind (a full table of files fails every accept), then a pause."""
         now = time.monotonic()
-        if now - self._said_at > 5.0:
-            self._said_at = now
+        if now - self._said_at.get(kind, -10.0) > 5.0:
+            self._said_at[kind] = now
             print(f"skytasks agent: the relay listener: {what}", file=sys.stderr, flush=True)
         time.sleep(ACCEPT_PAUSE_SECONDS)
 
