@@ -43,9 +43,10 @@ def torchrun_environment(*, attempt: int, max_restarts: int, run_id: str, error_
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_RESTART_COUNT": str(attempt - 1),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        # torchrun's agent hosts the store on MASTER_PORT and says so with "True"; here no agent
-        # holds the port, so the script's own rank 0 must host it, as with a plain env:// launch.
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # As under torchrun: the store on MASTER_PORT is hosted outside the script (by rank 0's
+        # skytasks rank, `_StoreHost`) and every script rank, rank 0's too, is its client. Left to
+        # the script's rank 0, torch would listen on every interface.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TORCHELASTIC_ERROR_FILE": error_file,  # @record writes the script's exception here
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
@@ -71,28 +72,75 @@ def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restar
                                                      run_id=run_id, error_file=error_file), **extra_env}
         env.pop("SKYTASKS_CTRL_FD", None)  # the rank's own channel; the script must not write to it
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the UI as they are printed
-        # Same process group as this rank: when fail-fast stops the rank, the script goes with it.
-        proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        host = _StoreHost(info) if info.rank == 0 else None  # bound before the script starts: its port is ours
+        try:
+            # Same process group as this rank: when fail-fast stops the rank, the script goes with it.
+            proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
 
-        def relay(stream: Any, to: Any, keep: bool) -> None:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode("utf-8", "replace").rstrip("\n")
-                if keep:
-                    tail.append(line)
-                print(line, file=to, flush=True)
+            def relay(stream: Any, to: Any, keep: bool) -> None:
+                for raw in iter(stream.readline, b""):
+                    line = raw.decode("utf-8", "replace").rstrip("\n")
+                    if keep:
+                        tail.append(line)
+                    print(line, file=to, flush=True)
 
-        threads = [threading.Thread(target=relay, args=(proc.stdout, sys.stdout, False), daemon=True),
-                   threading.Thread(target=relay, args=(proc.stderr, sys.stderr, True), daemon=True)]
-        for t in threads:
-            t.start()
-        code = proc.wait()
-        for t in threads:
-            t.join(timeout=5)
+            threads = [threading.Thread(target=relay, args=(proc.stdout, sys.stdout, False), daemon=True),
+                       threading.Thread(target=relay, args=(proc.stderr, sys.stderr, True), daemon=True)]
+            for t in threads:
+                t.start()
+            if host is not None:
+                try:
+                    host.serve()  # while the script imports torch; its clients wait in the backlog meanwhile
+                except BaseException:
+                    proc.kill()
+                    raise
+            code = proc.wait()
+            for t in threads:
+                t.join(timeout=5)
+        finally:
+            if host is not None:
+                host.close()  # before the next call on this group binds the port again
         if code != 0:
             raise ScriptFailed(info.rank, code, "\n".join(tail), _recorded_error(error_file))
     return ScriptResult(info.rank, code)
+
+
+class _StoreHost:
+    """torchrun's agent's part, on rank 0's node: the TCPStore that a script's
+    `init_process_group` (env://, with TORCHELASTIC_USE_AGENT_STORE=True) connects to, listening on
+    the peers' interface only (`peer_listener`) and handed to torch as `master_listen_fd`.
+
+    Why here and not in the script: the script is unchanged user code, and torch reads no setting
+    that would make its rank 0 bind one address. Why this process: it outlives the script's rank
+    0 (as torchrun's agent does its workers), and it is already the rank 0 skytasks owns."""
+
+    def __init__(self, info: Any):
+        from skytasks.node.socket_interface import peer_listener
+
+        self._info = info
+        self._listener: Any = peer_listener(info.head_addr, info.head_port, list(info.peers))
+        self._store: Any = None
+
+    def serve(self) -> None:
+        try:
+            from torch.distributed import TCPStore
+        except ImportError:  # no torch on the node: the script makes no torch group either
+            self.close()
+            return
+        # torch owns the descriptor from here (detach: the store closes it, once). If the store
+        # cannot start, the call fails and its rank leaves, descriptor and all.
+        fd = self._listener.detach()
+        self._listener = None
+        self._store = TCPStore(self._info.head_addr, self._info.head_port, is_master=True,
+                               wait_for_workers=False, master_listen_fd=fd)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._store = None  # the last reference: the store's daemon stops and its port closes
 
 
 def _recorded_error(path: str) -> str | None:

@@ -10,6 +10,7 @@ process (the controller discards the group).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -27,7 +28,7 @@ from skytasks.node import socket_interface
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 from skytasks.node.control_channel import HandedFiles, serve_control_channel
 from skytasks.node.rank_channel import RankStream, RankWriter, ShipLogRecords
-from skytasks.rank import ENV_ATTEMPT
+from skytasks.rank import ENV_ATTEMPT, ENV_PEERS
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, mapped_buffer, release, shared_buffer
 from skytasks.protocol import Op, message
 from skytasks.wire import TO_AGENT, BlobRef, ChannelClosed, FrameWriter, read_frame
@@ -79,11 +80,23 @@ def _init_process_group(out: FrameWriter) -> None:
     # checkpoint on the head must not break a barrier. Fail-fast never waits on either.
     init_timeout = float(os.environ["SKYTASKS_INIT_TIMEOUT_SECONDS"]) + 10  # set by the controller, always
     out.send(message(Op.JOINING))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    listen_fd = None
+    if rank == 0:
+        # Bound here, to the peers' interface: torch's own bind is the wildcard, and whoever
+        # reaches the store can run code in the ranks. torch owns the descriptor from now on
+        # (detach: closed once, by the store); a failure here ends this rank anyway.
+        listen_fd = socket_interface.peer_listener(addr, port, store_peers()).detach()
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
-        timeout=timedelta(seconds=init_timeout), wait_for_workers=True,
+        addr, port, world, is_master=rank == 0,
+        timeout=timedelta(seconds=init_timeout), wait_for_workers=True, master_listen_fd=listen_fd,
     )
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+
+
+def store_peers() -> list[str]:
+    """The addresses of the group's nodes (SKYTASKS_PEERS), which the head's store must be reachable from."""
+    return list(json.loads(os.environ.get(ENV_PEERS, "[]")))
 
 
 _BLOBS: dict[str, Any] = {}  # this call's large arguments, kept for the next call
