@@ -111,22 +111,41 @@ def test_the_next_process_attaches_to_the_same_agents_and_its_first_call_is_fast
     second = _use(pool_name, tmp_path / "second.json")
     assert second["pids"] == first["pids"]
     assert second["ranks"] == [0, 1]
-    # Attach and first call (ranks forked anew from each agent's warm template) within a second: the
-    # best of up to three attached processes, as this 2-core machine is shared with other tests.
+    # Attach and first call (ranks forked anew from each agent's warm template) within a second on
+    # an idle machine. This 2-core machine is shared with other tests: the best of up to three
+    # attached processes, and the second stretched by how oversubscribed the CPUs are right now.
+    bound = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     fastest = second["first_call_seconds"]
     for again in range(2):
-        if fastest < 1.0:
+        if fastest < bound:
             break
         later = _use(pool_name, tmp_path / f"again{again}.json")
         assert later["pids"] == first["pids"]
         fastest = min(fastest, later["first_call_seconds"])
-    assert fastest < 1.0, second
+        bound = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    assert fastest < bound, (second, bound)
+    assert fastest < first["first_call_seconds"] / 2, (first, second)  # and far below starting the pool
     logs = _run_logs(second["flow_run_id"], "attached to warm pool")
     assert f"attached to warm pool {pool_name} (2 nodes, up 0 min, 1 call)" in logs
     attached = _events(pool_name, since, second["flow_run_id"])
     assert "skytasks.pool.attached" in {e["event"] for e in attached}
     released = _events(pool_name, since, first["flow_run_id"])
     assert "skytasks.pool.released" in {e["event"] for e in released}
+
+
+def test_skytasks_run_twice_on_a_warm_pool_attaches_the_second_time(pool_name, tmp_path):
+    _save(pool_name)
+    (tmp_path / "train.py").write_text("import os\nprint('RANK', os.environ['RANK'], flush=True)\n")
+    said = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "skytasks.cli", "run", "--pool", pool_name, "train.py"],
+                              cwd=tmp_path, env={**_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "[rank 0] RANK 0" in done.stdout and "[rank 1] RANK 1" in done.stdout
+        said.append(done.stdout + done.stderr)
+    assert "attached to warm pool" not in said[0]
+    assert f"attached to warm pool {pool_name} (2 nodes, up 0 min, 1 call)" in said[1], said[1][-3000:]
 
 
 def test_one_holder_at_a_time_and_the_next_waits_in_line_naming_it(pool_name, tmp_path):

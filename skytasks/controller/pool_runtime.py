@@ -118,11 +118,11 @@ class PoolRuntime:
         torn down at the end (`preload`: what that call's ranks import). Calls on one pool take
         turns (they cannot share a process group)."""
         with self._call_lock:
-            self._calls += 1
             sessions = CallSessions(self, preload)
             try:
                 yield sessions
             finally:
+                self._calls += 1  # counted before a call-scoped warm session is released
                 sessions.close()
 
     # -- with pool: ------------------------------------------------------------------------
