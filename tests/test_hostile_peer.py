@@ -9,7 +9,6 @@ import io
 import os
 import pickle
 import queue
-import struct
 import time
 import tracemalloc
 
@@ -245,3 +244,119 @@ def test_messages_out_of_order_or_for_another_nodes_ranks_fail_that_node_not_the
     call.handle(1, {"op": Op.STOPPED, "group": call.group.id, "stacks": {"5": "x"}}, now=1.2)  # a stop never asked
     assert any("not one of its ranks" in e.text() for e in heard.events), [e.text() for e in heard.events]
     assert call.outcomes[0].status.value in ("failed", "stopped")
+
+
+# -- a peer WITH the pool's key, against a real agent's relay parser (issue 53) ---------------------
+
+def _pids_and_digest(a):
+    import hashlib
+
+    from skytasks import rank_info
+
+    return rank_info().rank, os.getpid(), hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def _bad_tree(children) -> bool:
+    from skytasks.node.peers import check_tree
+
+    try:
+        check_tree(children)
+    except ValueError:
+        return True
+    return False  # a well-formed tree would send the agent connecting: not generated
+
+
+_CALL = message(Op.CALL, call=1, head=b"x", refs=[], blobs={}, attempt=1)
+_ROUTE = frame(message(Op.ROUTE, group=1, children=[]))
+_PEER_HOSTILE = {
+    "a RELAY with no ROUTE": frame(_CALL, flags=1),
+    "a large RELAY with no ROUTE": frame({**_CALL, "blobs": {"b": os.urandom(2 << 20)}}, flags=1),
+    "a ROUTE, then a relayed HEARTBEAT": _ROUTE + frame(message(Op.HEARTBEAT), flags=1),
+    "a ROUTE, then a relayed SPAWN": _ROUTE + frame({"op": "spawn", "group": 1, "ranks": [], "env": {}}, flags=1),
+    "a pickle past the cap": HEADER.pack(MAX_META + 1, 0, 0) + b"\x80" * 64,
+    "a relayed pickle past the cap": _ROUTE + HEADER.pack(MAX_META + 1, 0, 1) + b"\x80" * 64,
+    "too many buffers": HEADER.pack(10, MAX_BUFFERS + 1, 1) + b"\x80" * 64,
+    "a buffer past the cap": (lambda m: HEADER.pack(len(m), 1, 0) + m + LENGTH.pack(1 << 62))(
+        pickle.dumps({"op": "links", "children": []}, protocol=5)),
+    "a handed-file length from a peer": (lambda m: HEADER.pack(len(m), 1, 1) + m + LENGTH.pack((1 << 63) | 5))(
+        pickle.dumps({"op": "call"}, protocol=5)),
+    "a tree of shared branches": (lambda: (lambda node: frame(message(Op.LINKS, children=[node, node])))(
+        {"address": "127.0.0.1", "port": 1, "children": []}))(),
+    "a CALL where a ROUTE was due": frame(_CALL),
+}
+_peer_frames = st.one_of(
+    st.tuples(st.sampled_from(["links", "route"]), plain.filter(_bad_tree), st.integers(-5, 5)).map(
+        lambda t: frame({"op": t[0], "children": t[1], **({"group": t[2]} if t[0] == "route" else {})})),
+    st.tuples(ops.filter(lambda op: op != "call"), st.dictionaries(st.text(max_size=8), plain, max_size=3)).map(
+        lambda t: _ROUTE + frame({"op": t[0], **t[1]}, flags=1)),
+    st.tuples(ops, st.dictionaries(st.text(max_size=8), plain, max_size=3)).map(
+        lambda t: frame({"op": t[0], **t[1]}, flags=1)),  # relayed, no ROUTE
+    st.tuples(st.integers(MAX_META + 1, 1 << 62), st.integers(0, 255)).map(
+        lambda t: HEADER.pack(t[0], 0, t[1] & 1) + b"\x00" * 32),
+)
+
+
+def test_a_peer_with_the_key_is_cut_off_for_any_malformed_frame_and_the_agent_serves_on():
+    import socket as sockets
+    import ssl
+
+    import numpy as np
+    import psutil
+
+    from skytasks import GPUPool, distributed_task
+    from skytasks.node.peer_links import connect
+    from skytasks.node.tls_link import PeerTLS
+
+    with GPUPool(nodes=3) as pool:
+        task = distributed_task(_pids_and_digest, pool=pool, init_torch=False)
+        ranks_before = {r: pid for r, pid, _ in task(np.zeros(1, dtype=np.uint8))}
+        session = pool.runtime().session
+        node = session.nodes[1]
+        keys = session.relay.peers_message(node.link.address)
+        secret, tls = bytes.fromhex(keys["secret"]), PeerTLS(keys["cert"], keys["key"])
+        agent = psutil.Process(node.pid)
+        rss_before, threads_before = agent.memory_info().rss, agent.num_threads()
+        started = time.monotonic()
+
+        def cut_off(data: bytes) -> bool:
+            """Whether the agent ends the link after `data` (within 10 s), admitted first."""
+            writer = connect(node.link.address, node.peer_port, secret, tls=tls)
+            sock = writer._stream._sock  # the TLS socket under the frame writer
+            try:
+                sock.settimeout(10)
+                try:
+                    sock.sendall(data)
+                except OSError:
+                    return True  # cut off while it was still sending
+                try:
+                    return sock.recv(1) == b""
+                except (ssl.SSLError, ConnectionError):
+                    return True
+                except sockets.timeout:
+                    return False
+            finally:
+                sock.close()
+
+        for name, data in _PEER_HOSTILE.items():
+            assert cut_off(data), name
+
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(_peer_frames)
+        def fuzz(data):
+            assert cut_off(data)
+
+        fuzz()
+        assert time.monotonic() - started < 120
+        # it served on: the same ranks (none stopped), a large argument down the relay tree through it
+        arg = np.random.default_rng(5).integers(0, 255, size=4 << 20, dtype=np.uint8)
+        out = task(arg)
+        import hashlib
+
+        assert [h for *_, h in out] == [hashlib.sha256(arg.tobytes()).hexdigest()] * 3
+        assert {r: pid for r, pid, _ in out} == ranks_before
+        assert node.alive and agent.is_running()
+        assert agent.memory_info().rss - rss_before < 64 << 20
+        deadline = time.monotonic() + 10
+        while agent.num_threads() > threads_before + 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert agent.num_threads() <= threads_before + 4, (threads_before, agent.num_threads())
