@@ -209,6 +209,8 @@ def test_kubernetes_the_next_process_attaches_to_the_same_pods_and_a_deleted_pod
     third = use(pool_name, tmp_path / "third.json")
     now = [pod_of(w) for w in third["where"]]
     assert third["ranks"] == [0, 1] and now[0] == pods[0] and now[1] != pods[1]
+    pools_down(pool_name)
+    wait_until(lambda: not pods_of(k8s_cluster, [*pods, *now]), 60, "the pool's pods deleted")
 
 
 def test_kubernetes_an_unheld_pool_ends_its_pods_after_keep_warm(k8s_cluster, pool_name, tmp_path):
