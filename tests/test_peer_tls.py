@@ -5,6 +5,7 @@ on loopback; the pool's key as the controller makes it (controller/peer_tls.py).
 from __future__ import annotations
 
 import hashlib
+import logging
 import io
 import os
 import socket
@@ -560,3 +561,37 @@ def test_two_threads_that_need_one_link_make_one_and_a_failure_reaches_both(pool
         assert links.writer("127.0.0.1", lst.port) and len(opened) == 3  # asked again: opened anew
     finally:
         lst.close()
+
+
+class _Heard(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+
+
+def _keys_of_a_start(pool) -> tuple[str, str]:
+    with pool:
+        distributed_task(lambda: 1, pool=pool, init_torch=False)()
+        keys = pool.runtime().session.relay.peers_message("127.0.0.1")
+        return keys["secret"], keys["cert"]
+
+
+def test_every_pool_start_makes_a_fresh_key_and_warns_when_tls_is_off(monkeypatch):
+    heard = _Heard()
+    logging.getLogger("skytasks").addHandler(heard)
+    try:
+        pool = GPUPool(nodes=1)
+        first, again, other = _keys_of_a_start(pool), _keys_of_a_start(pool), _keys_of_a_start(GPUPool(nodes=1))
+        assert len({first[0], again[0], other[0]}) == 3 and len({first[1], again[1], other[1]}) == 3
+        assert not [s for s in heard.said if "SKYTASKS_PEER_TLS" in s]  # TLS on: nothing to say
+        monkeypatch.setenv("SKYTASKS_PEER_TLS", "0")
+        for _ in range(2):
+            secret, cert = _keys_of_a_start(pool)
+            assert cert == "" and secret not in (first[0], again[0])
+        warned = [s for s in heard.said if "SKYTASKS_PEER_TLS=0" in s]
+        assert len(warned) == 2 and "in the clear" in warned[0], heard.said  # at each start, not once
+    finally:
+        logging.getLogger("skytasks").removeHandler(heard)
