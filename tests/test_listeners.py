@@ -319,3 +319,85 @@ def test_kubernetes_pods_listen_on_their_node_address_only_during_a_call(k8s_clu
     head = set(results[0]["head"])
     assert not any(ipaddress.ip_address(a).is_loopback for a in head), head
     check(results, 2, head)
+
+
+# --- Trainer-style scripts, as clients of the store rank 0's skytasks rank hosts ---------------------
+
+def test_lightning_and_hugging_face_trainer_scripts_still_train_under_run_script(tmp_path):
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    project, out = tmp_path / "project", tmp_path / "out"
+    project.mkdir()
+    out.mkdir()
+    for name, text in (("lightning_fit.py", LIGHTNING_FIT), ("hf_trainer_fit.py", HF_TRAINER_FIT)):
+        (project / name).write_text(text)
+        assert run_script(name, [str(out)], workdir=project, pool=GPUPool(nodes=2)) == [
+            ScriptResult(rank=r, exit_code=0) for r in range(2)]
+    for kind in ("lightning", "hf"):
+        ranks = [json.loads((out / f"{kind}{r}.json").read_text()) for r in range(2)]
+        assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+        assert ranks[0]["weight"] == ranks[1]["weight"]  # DDP kept the replicas equal: the group worked
+
+
+# Scripts as people write them for torchrun: a Lightning Trainer and a Hugging Face Trainer.
+LIGHTNING_FIT = """\
+import json, os, sys
+import torch
+import lightning as L
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=1, num_nodes=int(os.environ["WORLD_SIZE"]),
+                    max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    default_root_dir=sys.argv[1])
+trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+with open(os.path.join(sys.argv[1], f"lightning{trainer.global_rank}.json"), "w") as f:
+    json.dump({"rank": trainer.global_rank, "world": trainer.world_size,
+               "weight": trainer.lightning_module.layer.weight.sum().item()}, f)
+"""
+
+HF_TRAINER_FIT = """\
+import json, os, sys
+import torch
+from transformers import Trainer, TrainingArguments
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.layer(x), labels)}
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"x": torch.randn(4, generator=g), "labels": torch.randn(1, generator=g)}
+
+
+args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, num_train_epochs=1, use_cpu=True,
+                         report_to=[], save_strategy="no", ddp_backend="gloo", disable_tqdm=True)
+trainer = Trainer(model=Tiny(), args=args, train_dataset=Data())
+trainer.train()
+import torch.distributed as dist
+with open(os.path.join(sys.argv[1], f"hf{dist.get_rank()}.json"), "w") as f:
+    json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "weight": trainer.model.layer.weight.sum().item()}, f)
+"""
