@@ -43,12 +43,16 @@ def _call_under_capture(cluster) -> dict:
     arg = (arg_marker * ((4 << 20) // len(arg_marker) + 1))[:4 << 20]
     pool = GPUPool(provider="slurm", nodes=2, procs_per_node=1, remote_python=sys.executable,
                    ready_timeout_seconds=60, env={"SKYTASKS_TEST_MARKER": marker})
-    with cluster.capture() as capture:
+    from tests.kube import Said
+
+    with cluster.capture() as capture, Said() as said:
         with pool:
             out = distributed_task(what_the_rank_got, pool=pool, init_torch=False)(arg)
             relay = pool.runtime().session.relay
             key, tls = relay._secret, relay._tls
     assert out == [(marker, hashlib.sha256(arg).hexdigest())] * 2  # the ranks got the env and the argument
+    # ... over the streams the pool started with: none broke and was mended on the way
+    assert not [line for _, line in said.lines if "its stream broke" in line or "was lost" in line], said.lines
     streams = capture.tcp_streams()
     tls_lines = [line for line in (tls.key if tls else "").splitlines() if line and "PRIVATE KEY" not in line]
     secrets = {"the env marker": marker.encode(), "the argument": arg_marker, "the pool's key": key,
