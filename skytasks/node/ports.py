@@ -32,7 +32,9 @@ def candidates(low: int, high: int) -> range:
 
 def free_port(address: str = "", tries: int = 64) -> int:
     """A port nothing listens on now, chosen outside the ephemeral range (`candidates`); the
-    kernel's own choice if none of `tries` was free."""
+    kernel's own choice if none of `tries` was free. The check binds `address` ("": every
+    interface, so the port is free on each of them) and never listens: nothing can connect to it,
+    and the head's store binds only the peers' interface later (`socket_interface.peer_listener`)."""
     pool = candidates(*ephemeral_range())
     for _ in range(tries if len(pool) else 0):
         port = random.choice(pool)
