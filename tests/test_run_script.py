@@ -93,14 +93,14 @@ def test_an_unchanged_torchrun_script_gets_exactly_torchruns_environment(project
     # What torchrun adds to the environment, every variable, compared rank by rank.
     added = {k for r in theirs.values() for k, v in r["env"].items() if os.environ.get(k) != v} - TERMINAL
     assert {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "ROLE_WORLD_SIZE"} <= added
-    differ_by_nature = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-                        # torchrun's agent hosts the store; without an agent, the script's rank 0 does
-                        "TORCHELASTIC_USE_AGENT_STORE"}
+    differ_by_nature = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
     for rank in range(4):
         mine, torchrun = ours[rank]["env"], theirs[rank]["env"]
         assert added <= set(mine), f"rank {rank} lacks {sorted(added - set(mine))}"
         assert {k: mine[k] for k in added - differ_by_nature} == {k: torchrun[k] for k in added - differ_by_nature}
-        assert mine["TORCHELASTIC_USE_AGENT_STORE"] == "False" and mine["TORCHELASTIC_RUN_ID"]
+        # As under torchrun, the store is hosted for the script (bound to the peers' interface) and
+        # every script rank, rank 0's too, connects to it as a client.
+        assert mine["TORCHELASTIC_USE_AGENT_STORE"] == "True" and mine["TORCHELASTIC_RUN_ID"]
         assert mine["NODE_RANK"] == torchrun["GROUP_RANK"] and "SKYTASKS_RANK" in mine
         assert ours[rank]["sum"] == 6.0 and Path(ours[rank]["cwd"]) == project
 
