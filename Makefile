@@ -8,18 +8,19 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # and `make run` failed before the flow began. Yours, if set, wins (`skytasks run` sets the same).
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 
-.PHONY: setup system-deps run test bench clean
+.PHONY: setup system-deps run test test-prefect-floor bench clean
 
 setup: $(VENV)/.installed
 
 # The ssh tests start a real OpenSSH server on loopback, and the multi-host tests put one in
 # each of two network namespaces (iproute2); the slurm tests start munged, slurmctld and a slurmd
-# per namespace (Debian's SLURM 22.05). Root, as on the dev and CI machines.
+# per namespace (Debian's SLURM 22.05); tests/test_prefect_ui_form.py looks at Prefect's UI in headless
+# Chromium. Root, as on the dev and CI machines.
 system-deps:
 	@(test -x /usr/sbin/sshd && command -v ip && test -x /usr/sbin/slurmctld && test -x /usr/sbin/slurmd && \
-		command -v sbatch && test -x /usr/sbin/munged) >/dev/null || (apt-get update -qq && \
+		command -v sbatch && test -x /usr/sbin/munged && command -v chromium) >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server iproute2 \
-		slurmctld slurmd slurm-client munge >/dev/null)
+		slurmctld slurmd slurm-client munge chromium >/dev/null)
 	@# The k8s tests run a real Kubernetes v1.20.2 (tests/k8s_cluster.py): its packages, and its
 	@# binaries built from Debian's source once per machine (about 5 min; cached in ~/.cache/skytasks).
 	@sh scripts/k8s/build.sh
@@ -45,6 +46,28 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(UV_INSTALL) --no-deps --target $(VENV)/cloudpickle-2 "cloudpickle==2.2.1"
 	touch $@
 
+# The Prefect-facing tests again on the oldest Prefect that pyproject.toml allows, in a second
+# environment: that Prefect with the libraries of its day (uv's --exclude-newer; Prefect 3.4.0's own
+# server fails on today's FastAPI, as a team on 3.4 never sees), torch excepted (the CPU build here).
+PREFECT_FLOOR = $(shell sed -n 's/.*"prefect>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+PREFECT_FLOOR_DAY ?= 2025-06-01
+FLOOR_VENV := $(VENV)/prefect-floor
+PREFECT_FACING_TESTS := tests/test_prefect_internals.py tests/test_prefect_native.py tests/test_rank_runs.py \
+	tests/test_cli_record.py tests/test_deployment.py tests/test_block_form.py tests/test_block_migration.py \
+	tests/test_example_flow.py::test_example_flow_takes_a_saved_pool_as_a_block_parameter
+
+$(FLOOR_VENV)/.installed: $(VENV)/.installed
+	rm -rf $(FLOOR_VENV)
+	$(UV) venv -q --python $(PY) $(FLOOR_VENV)
+	grep -v -E '^(prefect|fastapi)==' constraints.txt > $(FLOOR_VENV)/constraints.txt
+	$(UV) pip install --python $(FLOOR_VENV)/bin/python -q --compile-bytecode $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
+		--exclude-newer $(PREFECT_FLOOR_DAY) --exclude-newer-package torch=2100-01-01 -c $(FLOOR_VENV)/constraints.txt \
+		"prefect==$(PREFECT_FLOOR)" -e . pytest pytest-timeout psutil
+	touch $@
+
+test-prefect-floor: $(FLOOR_VENV)/.installed system-deps
+	$(FLOOR_VENV)/bin/python -m pytest -q $(PREFECT_FACING_TESTS)
+
 run: setup
 	$(PY) flows/ddp_train.py
 
@@ -52,6 +75,7 @@ test: setup system-deps
 	$(VENV)/bin/ruff check skytasks blocks
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-prefect-floor
 
 bench: setup
 	$(UV_INSTALL) "matplotlib>=3.8"  # docs/scale.png; not needed by the tests

@@ -29,7 +29,8 @@ def prefect_server(tmp_path):
 
 def prefect(env, *args, timeout=300) -> str:
     proc = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"prefect {' '.join(args)}\n{proc.stdout[:1500]}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    said = f"{proc.stdout[:1500]}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"  # the first lines say why
+    assert proc.returncode == 0, f"prefect {' '.join(args)}\n{said}"
     return proc.stdout + proc.stderr
 
 
