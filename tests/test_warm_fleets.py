@@ -135,6 +135,47 @@ def test_ssh_an_unheld_pool_ends_itself_after_keep_warm(sshd, pool_name, tmp_pat
     assert events(pool_name, since, "expired")
 
 
+# -- aws (moto's EC2 on loopback; each instance's sshd played by CloudInitStandIn) ----------------
+
+def test_aws_the_next_process_attaches_to_the_same_instances_and_pools_down_terminates_them(moto, tmp_path,
+                                                                                            monkeypatch, pool_name):
+    import asyncssh
+
+    from tests.test_aws_provider import leftovers
+    from tests.test_provider_conformance import AWSFleet
+
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    pair = f"warm-{uuid.uuid4().hex[:6]}"
+    moto["ec2"].import_key_pair(KeyName=pair, PublicKeyMaterial=key.export_public_key())
+    fleet = AWSFleet(moto, tmp_path, monkeypatch)
+    try:
+        fleet.pool(nodes=2, key_name=pair, ssh_private_key=key.export_private_key().decode(), reattach_seconds=10,
+                   keep_warm_minutes=2.0).save(pool_name, overwrite=True)
+        first = use(pool_name, tmp_path / "first.json")
+        assert first["ranks"] == [0, 1] and all(not gone(pid) for pid in first["pids"])
+        instances = leftovers(moto["ec2"])["instances"]
+        assert len(instances) == 2
+        second = use(pool_name, tmp_path / "second.json")
+        assert second["pids"] == first["pids"] and second["ranks"] == [0, 1]
+        assert leftovers(moto["ec2"])["instances"] == instances  # nothing launched again
+        pools_down(pool_name)
+        wait_until(lambda: not leftovers(moto["ec2"])["instances"], 60, "the instances terminated")
+        assert leftovers(moto["ec2"])["security_groups"] == [] and all(gone(p) for p in first["pids"])
+    finally:
+        moto["ec2"].delete_key_pair(KeyName=pair)
+        fleet.close()
+
+
+def test_an_aws_pool_with_its_own_login_key_cannot_keep_warm(moto):
+    from skytasks.errors import PoolConfigError
+    from skytasks.providers.registry import provider_for
+    from tests.test_aws_provider import aws_pool, leftovers
+
+    with pytest.raises(PoolConfigError, match="keep_warm_minutes: an aws pool stays warm only with your own key pair"):
+        provider_for(aws_pool(moto, keep_warm_minutes=1.0).spec())  # before anything is launched
+    assert leftovers(moto["ec2"]) == {"instances": [], "security_groups": [], "key_pairs": []}
+
+
 # -- slurm --------------------------------------------------------------------------------------
 
 def save_slurm(name: str, **fields) -> None:

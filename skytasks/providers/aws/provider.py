@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from skytasks.errors import PoolStartError
+from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.providers import NodeLink, NodeProvider
 from skytasks.providers.remote_fields import Lease
 from skytasks.providers.reporting import PoolReporter, flow_run_id
@@ -59,6 +59,12 @@ class AWSProvider(NodeProvider):
         self._teardown_lock = threading.Lock()
         self._aborted = threading.Event()
         self._lease = Lease(self._aws.idle_minutes, self._aws.max_lifetime_minutes)
+        self._lease.keep_warm_minutes = spec.keep_warm_minutes  # a released warm pool is no orphan
+        self._request: dict[str, Any] | None = None  # the launch request, for replacements alike
+        if spec.keep_warm_minutes > 0 and not self._aws.key_name:
+            # Another process must log in to the nodes, and a handle holds no credential.
+            raise PoolConfigError("keep_warm_minutes: an aws pool stays warm only with your own key pair (key_name "
+                                  "and ssh_private_key): the login key a pool makes for itself is never stored")
 
     def abort(self) -> None:
         """Cut a launch in progress short (from another thread): start() tears down and raises."""
@@ -114,7 +120,68 @@ class AWSProvider(NodeProvider):
     def _fresh_request(self) -> dict[str, Any]:
         """The launch request again, with tags made now: a replacement must not start with the
         lease its pool had at its start, long run out."""
+        if self._request is None:  # an adopted pool: planned again, a host key of its own
+            groups = [self.owned.security_group_id, *self._aws.security_group_ids]
+            self._plan = plan_launch(self._spec, self._ec2, self._ssm)
+            self._request = launch_request(self._spec, self._plan, self._host_key, self._tags,
+                                           [g for g in groups if g], self._aws.key_name, self.owned.placement_group)
+        assert self._request is not None
         return {**self._request, "TagSpecifications": self._tags("instance") + self._tags("volume")}
+
+    # -- warm pools: this process lets go, another takes over ------------------------------------
+
+    def handle(self) -> dict[str, Any]:
+        """The pool's instances and how to reach them (addresses, host keys' public halves); the
+        login key is the pool's own key_name's, kept in its block."""
+        assert self._nodes is not None
+        return {**self._nodes.handle(), "pool_id": self.pool_id,
+                "instances": {str(i): iid for i, iid in self._node_ids.items()},
+                "instance_ids": list(self.owned.instance_ids), "security_group_id": self.owned.security_group_id,
+                "placement_group": self.owned.placement_group,
+                "started_at": self._lease.started_at.timestamp()}
+
+    def adopt(self, handle: dict[str, Any]) -> None:
+        """Another process's instances, their agents running: reached by `reattach` over SSH;
+        `stop` terminates them and deletes the pool's group. PoolStartError when none runs."""
+        import asyncssh
+        from datetime import datetime, timezone
+
+        self.pool_id = self.reporter.key = str(handle["pool_id"])
+        self.owned = PoolResources(self._ec2, self.pool_id, instance_ids=list(handle.get("instance_ids", [])),
+                                   security_group_id=handle.get("security_group_id"),
+                                   placement_group=handle.get("placement_group"))
+        self._node_ids = {int(i): iid for i, iid in handle.get("instances", {}).items()}
+        self._lease.started_at = datetime.fromtimestamp(float(handle.get("started_at", time.time())), timezone.utc)
+        live = [i["InstanceId"] for i in self._describe_new_instances() if i["State"]["Name"] in ("pending", "running")]
+        if not any(iid in live for iid in self._node_ids.values()):
+            raise PoolStartError(f"{self.pool_id}: none of its instances runs any more")
+        private = self._aws.ssh_private_key
+        assert private is not None  # checked when the provider was made
+        self._login_key = asyncssh.import_private_key(private.get_secret_value())
+        self._host_key = asyncssh.generate_private_key("ssh-ed25519")  # a replacement's own
+        self._request = None
+        self._nodes = SSHNodes(SSHLogin(
+            targets=[], known_hosts=str(handle.get("known_hosts", "")), peer_addresses=handle.get("peer_addresses"),
+            private_key=private.get_secret_value(), python=self._python(), env=dict(self._spec.env),
+            heartbeat_file=HEARTBEAT_FILE, timeout=self._aws.ready_timeout_seconds,
+            notice_file=NOTICE_FILE if self._aws.spot else None), self.reporter)
+        self._nodes.adopt(handle)
+        self._lease.keep(lambda until: self.owned.renew_expiry(list(self._node_ids.values()), until),
+                         lambda line: self.reporter.note(f"{self.pool_id}: {line}", level=logging.WARNING),
+                         name=f"skytasks-lease-{self.pool_id}")
+
+    def leave_running(self) -> None:
+        """This process's SSH sessions and lease renewal end; the instances run on, their lease
+        (skytasks:expires-at) renewed once more to cover idle_minutes plus keep_warm_minutes."""
+        with self._teardown_lock:
+            self._lease.stop()
+            try:
+                self.owned.renew_expiry(list(self._node_ids.values()), self._lease.expiry())
+            except Exception as exc:  # noqa: BLE001 - the renewal before last still holds for a while
+                self.reporter.note(f"{self.pool_id}: could not renew its lease as it was released: {exc}")
+            if self._nodes is not None:
+                self._nodes.leave_running()
+                self._nodes = None
 
     def tags(self, resource_type: str) -> list[dict]:
         """The TagSpecifications every resource of this pool carries (skytasks gc finds them by it)."""

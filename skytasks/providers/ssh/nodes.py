@@ -347,10 +347,10 @@ class SSHNodes:
     # -- warm pools: this process lets go, another takes over ------------------------------------
 
     def handle(self) -> dict[str, Any]:
-        """Where the pool's nodes are, for another process's `adopt`: the hosts and the node ids
-        in use. No credential: the login key stays in the pool's block."""
+        """Where the pool's nodes are, for another process's `adopt`: the hosts, the node ids in
+        use and the host keys' public halves. No credential: the login key stays in the pool's block."""
         return {"targets": [list(t) for t in self._login.targets], "peer_addresses": self._login.peer_addresses,
-                "nodes": sorted(set(self._conns) | self._adopted)}
+                "nodes": sorted(set(self._conns) | self._adopted), "known_hosts": self._login.known_hosts}
 
     def adopt(self, handle: dict[str, Any]) -> None:
         """The nodes of `handle`, their agents running: `reattach` opens a session to each."""
