@@ -13,19 +13,15 @@ before the settings existed.
 
 from __future__ import annotations
 
-import sys
-import threading
-from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional, get_args
+from typing import TYPE_CHECKING, Any, Optional
 
 from prefect.blocks.core import Block
-from prefect.plugins import load_prefect_collections
 from prefect_aws import AwsCredentials
 from prefect.blocks.fields import SecretDict
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
-from pydantic.fields import FieldInfo
 
 import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
+from skytasks.blocks.nested_blocks import block_class, type_block_fields
 from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS, LocalSettings, ProviderSettings,
                                            SecretEnv, aws_environment, field_errors, flat_default, foreign_field,
                                            settings_from_flat)
@@ -33,31 +29,11 @@ from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import SHAPE_FIELDS
 from skytasks.providers.kubernetes.spec import CredentialsBlock
-from skytasks.providers.registry import block_fields, imported, plugin, readers_of_fields
+from skytasks.providers.registry import plugin, readers_of_fields
 from skytasks.providers.remote_fields import OptionalInt, OptionalStr
 
 if TYPE_CHECKING:
     from skytasks.controller.pool_runtime import PoolRuntime
-
-
-def _loaded_with_every_collection() -> bool:
-    """Whether Prefect is importing every installed collection now (as a server does before it
-    registers the block types it has, and `Block.load("gpu-pool/NAME")`): this module is one."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code is not load_prefect_collections.__code__:
-        frame = frame.f_back
-    return frame is not None
-
-
-if _loaded_with_every_collection():
-    # A server registers block types in the order they were defined, and a nested block's type
-    # must be there before a schema that refers to it: here the nested blocks' packages are
-    # imported anyway, so they come first (elsewhere only when a value or a schema needs them).
-    for _target in block_fields().values():
-        try:
-            imported(_target)
-        except ImportError:
-            pass
 
 
 # The form, in the order of the fields: the provider choice (`settings`: tabs, one per provider, with
@@ -150,7 +126,7 @@ def train(epochs: int = 3) -> dict:
         # would look their class up among every installed Prefect collection, importing them all
         # (prefect-kubernetes for a local pool): the field's type already names the class.
         for name, info in cls.model_fields.items():
-            value, block = data.get(name), _block_class(info.annotation)
+            value, block = data.get(name), block_class(info.annotation)
             if isinstance(value, dict) and block is not None and value.get("block_type_slug") == block.get_block_type_slug():
                 data = {**data, name: {k: v for k, v in value.items() if k != "block_type_slug"}}
         return data
@@ -178,7 +154,7 @@ def train(epochs: int = 3) -> dict:
 
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        _type_block_fields(cls)
+        type_block_fields(cls)
         schema = super().model_json_schema(*args, **kwargs)
         # A pool saved over one saved before the settings existed keeps its flat keys (Prefect's
         # update merges the stored data's top level): its old key is still obfuscated in the API.
@@ -189,12 +165,12 @@ def train(epochs: int = 3) -> dict:
 
     @classmethod
     def register_type_and_schema(cls, *args: Any, **kwargs: Any) -> Any:
-        _type_block_fields(cls)  # Prefect registers the nested block types it finds on the fields' types
+        type_block_fields(cls)  # Prefect registers the nested block types it finds on the fields' types
         return super().register_type_and_schema(*args, **kwargs)
 
     @classmethod
     async def aregister_type_and_schema(cls, *args: Any, **kwargs: Any) -> None:
-        _type_block_fields(cls)
+        type_block_fields(cls)
         await super().aregister_type_and_schema(*args, **kwargs)
 
     def __repr_args__(self) -> Any:
@@ -295,42 +271,6 @@ def train(epochs: int = 3) -> dict:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.runtime().aexit()
-
-
-_TYPING = threading.RLock()
-_TYPED: set[type] = set()
-
-
-def _type_block_fields(cls: type[GPUPool]) -> None:
-    """Each block field whose type a provider names lazily (`ProviderPlugin.block_fields`) given
-    its block class where that is installed, the model rebuilt once: Prefect reads nested blocks
-    off the fields' types (a schema's references and secret fields, the block types it registers
-    with the pool's), so the schema is the one the real type gives. Done when a schema is first
-    made or the block registered, never as the class is defined: until then a pool imports no
-    provider's package (a field's own validator imports it when a value is given)."""
-    with _TYPING:
-        if cls in _TYPED:
-            return
-        _TYPED.add(cls)
-        typed = False
-        for name, target in block_fields().items():
-            try:
-                block = imported(target)
-            except ImportError:
-                continue  # without the extra the field keeps its lazy type; its provider's pools are refused
-            annotation: Any = Optional[block]  # the class itself, not wrapped: Prefect finds nested blocks only so
-            cls.__pydantic_fields__[name] = FieldInfo.from_annotated_attribute(annotation, cls.model_fields[name])
-            typed = True
-        if typed:
-            cls.model_rebuild(force=True)
-
-
-def _block_class(annotation: Any) -> type[Block] | None:
-    """The Prefect block class a field holds (its type, or the type in its Optional), if any."""
-    for candidate in (annotation, *get_args(annotation)):
-        if Block.is_block_class(candidate):
-            return candidate
-    return None
 
 
 def _default(field: str) -> Any:
