@@ -193,7 +193,12 @@ class WarmPool:
         self.record = {"version": RECORD_VERSION, "pool": self.name, "state": "up", "provider": self.spec.provider,
                        "digest": spec_digest(self.spec), "up_since": now, "calls": 0,
                        "keep_warm_minutes": self.spec.keep_warm_minutes, **_keys(session.relay)}
-        self.store.save(self.name, self._refreshed(session))
+        try:  # e.g. a provider that cannot keep these nodes warm says so here: nothing is left running
+            self.store.save(self.name, self._refreshed(session))
+        except BaseException:
+            session.close()
+            self.store.delete(self.name)
+            raise
         return session
 
     def _attach(self, record: dict[str, Any]) -> PoolSession | None:
@@ -275,7 +280,14 @@ class WarmPool:
     def release(self, session: PoolSession, calls: int) -> None:
         """The ranks end, the agents stay for the next process; the record says where they are."""
         self.record["calls"] = int(self.record.get("calls", 0)) + calls
-        record = self._refreshed(session)
+        try:
+            record = self._refreshed(session)
+        except Exception as exc:  # noqa: BLE001 - nodes nobody could find again must not stay up
+            self.reporter.note(f"warm pool {self.name}: cannot be kept warm ({exc}); its nodes are ended",
+                               level=logging.WARNING)
+            session.close()
+            self._forget(self.record)
+            return
         try:
             self.store.save(self.name, record)  # before the agents are free: the next holder reads this
         except Exception as exc:  # noqa: BLE001 - the agents are released all the same: they end unheld
