@@ -434,6 +434,36 @@ def test_clients_that_never_speak_hold_the_doors_few_slots_not_the_door(controll
             time.sleep(0.2)
 
 
+def test_clients_that_trickle_bytes_lose_their_slots_when_the_whole_handshake_s_time_is_up(controllers):
+    """A client sending a byte every 2 s never lets one step time out, but the handshake as a whole
+    does: after HANDSHAKE_SECONDS the door is free for the holder again."""
+    from skytasks.node.door import HANDSHAKE_SECONDS
+
+    c = controllers()
+    c.lease()
+    script = ("import os, socket, sys, time\n"
+              "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.recv(4096)\n"
+              "try:\n"
+              "    for _ in range(60):\n"
+              "        s.sendall(b'x'); time.sleep(2)\n"
+              "except OSError:\n"
+              "    os._exit(7)\n")
+    tricklers = [subprocess.Popen([sys.executable, "-c", script, c.hello["door"]]) for _ in range(PENDING_HANDSHAKES)]
+    try:
+        time.sleep(1.0)
+        with pytest.raises(ChannelClosed):  # every slot held
+            c.attach(holder="someone else")
+        began = time.monotonic()
+        for p in tricklers:  # each cut off once its handshake's time is up, though it never paused 10 s
+            assert p.wait(HANDSHAKE_SECONDS + 10) == 7
+        assert time.monotonic() - began < HANDSHAKE_SECONDS + 5
+        assert c.attach(holder="someone else")["op"] == Op.REFUSED  # the door answers again
+    finally:
+        for p in tricklers:
+            p.kill()
+            p.wait()
+
+
 # -- the parts without processes: what is kept, and the proofs ---------------------------------
 
 def test_the_outbox_keeps_what_was_not_acknowledged_and_resends_from_any_count():

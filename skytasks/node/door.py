@@ -34,15 +34,20 @@ REATTACH_MARGIN_SECONDS = 2.0
 
 
 class _SocketReader:
-    """Exact reads from a socket for the handshake: nothing past the frame is taken from it."""
+    """Exact reads from a socket for the handshake: nothing past the frame is taken from it, and
+    nothing after `deadline` (a client trickling a byte at a time holds its slot no longer)."""
 
-    def __init__(self, sock: socket.socket, limit: int):
-        self.sock, self.left = sock, limit
+    def __init__(self, sock: socket.socket, limit: int, deadline: float):
+        self.sock, self.left, self.deadline = sock, limit, deadline
 
     def readinto(self, buffer: Any, /) -> int:
         view = memoryview(buffer).cast("B")
         if self.left <= 0:
             raise ChannelClosed("the ATTACH frame is too large")
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the door's handshake took too long")
+        self.sock.settimeout(left)
         n = self.sock.recv_into(view[:self.left])
         self.left -= n
         return n
@@ -62,6 +67,7 @@ class Door:
         self._key: bytes | None = None
         self.refused = 0  # connections that failed the handshake, the key or the uid check
         self.admitted = 0
+        self._said_at = 0.0  # when a failure to admit was last said (once a minute at most)
         self._pending = threading.BoundedSemaphore(PENDING_HANDSHAKES)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.path)
@@ -92,7 +98,16 @@ class Door:
                 self.refused += 1
                 conn.close()
                 continue
-            threading.Thread(target=self._admit, args=(conn,), daemon=True, name="skytasks-door-admit").start()
+            try:
+                threading.Thread(target=self._admit, args=(conn,), daemon=True, name="skytasks-door-admit").start()
+            except Exception as exc:  # noqa: BLE001 - no thread to be had now (memory): refuse this one, go on
+                self._pending.release()
+                self.refused += 1
+                conn.close()
+                if time.monotonic() - self._said_at > 60:
+                    self._said_at = time.monotonic()
+                    print(f"skytasks agent: the door could not admit a connection: {exc}", file=sys.stderr, flush=True)
+                time.sleep(0.1)
 
     def _same_user(self, conn: socket.socket) -> bool:
         try:
@@ -117,10 +132,12 @@ class Door:
         key = self._key
         if key is None:
             return False
-        conn.settimeout(HANDSHAKE_SECONDS)  # each step; the whole is bounded by the pending slots
+        deadline = time.monotonic() + HANDSHAKE_SECONDS  # the whole handshake, not each step
+        conn.settimeout(HANDSHAKE_SECONDS)
         nonce = new_nonce()
         conn.sendall(_frame(message(Op.CHALLENGE, nonce=nonce, instance=self.instance)))
-        msg = read_frame(_SocketReader(conn, MAX_ATTACH_BYTES))
+        msg = read_frame(_SocketReader(conn, MAX_ATTACH_BYTES, deadline))
+        conn.settimeout(HANDSHAKE_SECONDS)  # for what the agent writes back
         check(msg)
         if msg["op"] != Op.ATTACH:
             raise ValueError(f"{msg['op']} where ATTACH was due")
