@@ -233,5 +233,5 @@ def test_a_saved_pool_with_separately_saved_credentials_round_trips_and_keeps_se
             return await client.read_block_document_by_name("skytasks-test-aws-pool", "gpu-pool", include_secrets=False)
 
     doc = asyncio.run(stored())
-    assert doc.data["ssh_private_key"] != "-----PRIVATE KEY-----"  # obfuscated in the API
+    assert doc.data["settings"]["ssh_private_key"] != "-----PRIVATE KEY-----"  # obfuscated in the API
     assert "aws_credentials" in doc.block_document_references  # nested block saved separately
