@@ -122,6 +122,28 @@ def test_ssh_the_next_process_attaches_to_the_same_agents_and_a_node_lost_unheld
     assert third["pids"][0] == first["pids"][0] and third["pids"][1] != lost and not gone(third["pids"][1])
 
 
+def test_ssh_a_dead_holder_frees_the_pool_within_reattach_seconds(sshd, pool_name, tmp_path):
+    """The holder SIGKILLed in the middle of a call: its SSH connections drop, each agent waits its
+    re-attach window (5 s + 2), stops the dead holder's ranks and lets the next process hold it."""
+    save_ssh(sshd, pool_name)
+    holder = subprocess.Popen([sys.executable, str(Path(__file__).parent / "programs" / "warm_call.py"), pool_name,
+                               str(tmp_path / "holder.json"), "120"], env=_env(), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(list(tmp_path.glob("holder.json.ready*"))) == 2, 120, "the holder's ranks in its call")
+        ranks = [int(p.read_text()) for p in tmp_path.glob("holder.json.ready*")]
+        agents = [next(a.pid for a in psutil.Process(r).parents() if "skytasks.node.agent" in " ".join(a.cmdline()))
+                  for r in ranks]
+    finally:
+        holder.kill()
+        holder.wait()
+    killed = time.monotonic()
+    second = use(pool_name, tmp_path / "second.json")
+    assert time.monotonic() - killed < 5 + 2 + 20  # the window, and the second process's own start
+    assert sorted(second["pids"]) == sorted(agents) and second["ranks"] == [0, 1]
+    assert all(gone(r) for r in ranks)  # the dead holder's ranks were stopped, not left running
+
+
 def test_ssh_an_unheld_pool_ends_itself_after_keep_warm(sshd, pool_name, tmp_path):
     save_ssh(sshd, pool_name, keep_warm_minutes=0.05)  # 3 s
     first = use(pool_name, tmp_path / "first.json")
