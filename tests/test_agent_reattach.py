@@ -583,7 +583,11 @@ def test_an_unheld_agent_ends_after_keep_warm_and_tells_its_watchdog(controllers
     c.lease(keep_warm=2.0)
     c.send(message(Op.RELEASE))
     _drained(c)
-    deadline = time.monotonic() + 1.5
+    appeared = time.monotonic() + 1.5  # the agent's watcher touches it at its next tick (0.5 s here)
+    while not beat.exists():
+        assert time.monotonic() < appeared, "an unheld agent's heartbeat file was never touched"
+        time.sleep(0.05)
+    deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline and c.agent.poll() is None:
         assert beat.stat().st_mtime > time.time() - 3  # unheld, it is still wanted: touched
         time.sleep(0.2)
