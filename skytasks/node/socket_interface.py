@@ -84,7 +84,7 @@ def peer_listener(head_addr: str, port: int, peers: list[str] | None = None) -> 
         except OSError as exc:
             sock.close()
             if exc.errno == errno.EADDRINUSE:
-                raise
+                raise OSError(exc.errno, f"the rendezvous port {address}:{port} is taken: {exc.strerror}") from exc
             last = exc
     raise OSError(errno.EADDRNOTAVAIL, f"no address of this machine reaches the pool's peers at {head_addr}"
                                        f"{f' ({last})' if last else ''}; nothing listens on every interface")
