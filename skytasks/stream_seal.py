@@ -176,10 +176,11 @@ def _seal_node(pin):
 
 PUMP = PUMP_LIB + r'''
 import signal
-# SLURM signals every process of a step (preemption, `scancel --signal`, the time limit) and
-# Ctrl-C reaches a whole process group: the agent answers those with its NOTICE, which must
-# still cross this pump. It ends when either side of the stream does, not on a signal.
-for _sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+# SLURM signals every process of a step (preemption, `scancel --signal=TERM|USR1|USR2`, the time
+# limit) and Ctrl-C reaches a whole process group: the agent answers those with its NOTICE, which
+# must still cross this pump. It ends when either side of the stream does, not on a signal.
+for _sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGALRM):
     signal.signal(_sig, signal.SIG_IGN)
 pin = sys.argv[1]
 if sys.argv[2] == "--door":  # a new way to a running agent: its door, then the handshake
