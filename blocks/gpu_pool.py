@@ -236,10 +236,11 @@ def train(epochs: int = 3) -> dict:
 
     def reshaped(self, **shape: int | None) -> GPUPool:
         """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so
-        the copy has a runtime of its own."""
+        the copy has a runtime of its own, and is never warm: it would take the saved pool's warm
+        nodes for its own shape's and end them."""
         if self.min_nodes is not None and (shape.get("nodes") or self.nodes) < self.min_nodes:
             shape = {**shape, "min_nodes": None}  # a fixed count below the floor: exactly that many
-        copy = self.model_copy(update=shape)
+        copy = self.model_copy(update={**shape, "keep_warm_minutes": 0})
         copy._runtime = None
         return copy
 

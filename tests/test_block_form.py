@@ -167,3 +167,11 @@ def test_a_provider_setting_set_by_its_flat_name_is_checked_and_leaves_copies_al
         pool.hosts = ["two words", "b"]
     with pytest.raises(PoolConfigError, match=r"^k8s_image: only provider 'kubernetes' takes it, not provider='ssh'"):
         pool.k8s_image = "reg/train:1"
+
+
+def test_a_reshaped_copy_of_a_warm_pool_is_never_warm():
+    # A call of another shape gets a copy with a runtime of its own; were it warm, it would take the
+    # saved pool's warm nodes (same saved name) for its own shape's, and end them.
+    pool = GPUPool(provider="local", nodes=3, keep_warm_minutes=30)
+    copy = pool.reshaped(nodes=2)
+    assert (copy.nodes, copy.keep_warm_minutes) == (2, 0) and pool.keep_warm_minutes == 30
