@@ -27,6 +27,7 @@ and a pair of pipes whose ends become the link's inbound/outbound.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import ssl
 import threading
@@ -229,8 +230,16 @@ def _seal_stream(pin, pump):
 
 def wanted(private: bool) -> bool:
     """Whether a stream is to be sealed: every stream that is not private, unless a test turned
-    sealing off to show what its capture would find without it."""
-    return not private and os.environ.get(UNSEALED_FOR_TESTS) != "1"
+    sealing off to show what its capture would find without it (said each time, as loudly as
+    SKYTASKS_PEER_TLS=0: a pool's key and env then cross that stream in the clear)."""
+    if private:
+        return False
+    if os.environ.get(UNSEALED_FOR_TESTS) == "1":
+        logging.getLogger("skytasks").warning(
+            "%s=1: this stream is not private and is NOT sealed; the pool's key and env cross it in the clear "
+            "(a switch for tests only)", UNSEALED_FOR_TESTS)
+        return False
+    return True
 
 
 @dataclass

@@ -188,14 +188,25 @@ def test_aws_the_next_process_attaches_to_the_same_instances_and_pools_down_term
         fleet.close()
 
 
-def test_an_aws_pool_with_its_own_login_key_cannot_keep_warm(moto):
-    from skytasks.errors import PoolConfigError
-    from skytasks.providers.registry import provider_for
-    from tests.test_aws_provider import aws_pool, leftovers
+def test_an_aws_pool_that_makes_its_own_login_key_keeps_warm_and_pools_down_deletes_its_key_pair(
+        moto, tmp_path, monkeypatch, pool_name):
+    # The key the pool made travels in the warm record (a Prefect Secret), so the next holder logs in.
+    from tests.test_aws_provider import leftovers
+    from tests.test_provider_conformance import AWSFleet
 
-    with pytest.raises(PoolConfigError, match="keep_warm_minutes: an aws pool stays warm only with your own key pair"):
-        provider_for(aws_pool(moto, keep_warm_minutes=1.0).spec())  # before anything is launched
-    assert leftovers(moto["ec2"]) == {"instances": [], "security_groups": [], "key_pairs": []}
+    fleet = AWSFleet(moto, tmp_path, monkeypatch)
+    try:
+        fleet.pool(nodes=2, reattach_seconds=10, keep_warm_minutes=2.0).save(pool_name, overwrite=True)
+        first = use(pool_name, tmp_path / "first.json")
+        made = leftovers(moto["ec2"])
+        assert first["ranks"] == [0, 1] and len(made["instances"]) == 2 and len(made["key_pairs"]) == 1
+        second = use(pool_name, tmp_path / "second.json")
+        assert second["pids"] == first["pids"] and leftovers(moto["ec2"])["instances"] == made["instances"]
+        pools_down(pool_name)
+        wait_until(lambda: not leftovers(moto["ec2"])["instances"], 60, "the instances terminated")
+        assert leftovers(moto["ec2"]) == {"instances": [], "security_groups": [], "key_pairs": []}
+    finally:
+        fleet.close()
 
 
 # -- slurm --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from skytasks.errors import PoolConfigError, PoolStartError
+from skytasks.errors import PoolStartError
 from skytasks.providers import NodeLink, NodeProvider
 from skytasks.providers.remote_fields import Lease
 from skytasks.providers.reporting import PoolReporter, flow_run_id
@@ -61,10 +61,6 @@ class AWSProvider(NodeProvider):
         self._lease = Lease(self._aws.idle_minutes, self._aws.max_lifetime_minutes)
         self._lease.keep_warm_minutes = spec.keep_warm_minutes  # a released warm pool is no orphan
         self._request: dict[str, Any] | None = None  # the launch request, for replacements alike
-        if spec.keep_warm_minutes > 0 and not self._aws.key_name:
-            # Another process must log in to the nodes, and a handle holds no credential.
-            raise PoolConfigError("keep_warm_minutes: an aws pool stays warm only with your own key pair (key_name "
-                                  "and ssh_private_key): the login key a pool makes for itself is never stored")
 
     def abort(self) -> None:
         """Cut a launch in progress short (from another thread): start() tears down and raises."""
@@ -131,10 +127,14 @@ class AWSProvider(NodeProvider):
     # -- warm pools: this process lets go, another takes over ------------------------------------
 
     def handle(self) -> dict[str, Any]:
-        """The pool's instances and how to reach them (addresses, host keys' public halves); the
-        login key is the pool's own key_name's, kept in its block."""
+        """The pool's instances and how to reach them (addresses, host keys' public halves). With
+        your own key pair the login key stays in the pool's block; a key pair the pool made for
+        itself goes with the handle, which is kept only in the warm pool's Prefect Secret record
+        (encrypted at rest, obfuscated in the UI and the API), so the next holder can log in."""
         assert self._nodes is not None
-        return {**self._nodes.handle(), "pool_id": self.pool_id,
+        own = {} if not self.owned.key_name else {
+            "key_name": self.owned.key_name, "login_key": self._login_key.export_private_key().decode()}
+        return {**self._nodes.handle(), **own, "pool_id": self.pool_id,
                 "instances": {str(i): iid for i, iid in self._node_ids.items()},
                 "instance_ids": list(self.owned.instance_ids), "security_group_id": self.owned.security_group_id,
                 "placement_group": self.owned.placement_group,
@@ -155,14 +155,18 @@ class AWSProvider(NodeProvider):
         live = [i["InstanceId"] for i in self._describe_new_instances() if i["State"]["Name"] in ("pending", "running")]
         if not any(iid in live for iid in self._node_ids.values()):
             raise PoolStartError(f"{self.pool_id}: none of its instances runs any more")
-        private = self._aws.ssh_private_key
-        assert private is not None  # checked when the provider was made
-        self._login_key = asyncssh.import_private_key(private.get_secret_value())
+        self.owned.key_name = handle.get("key_name")  # the pool's own key pair: `stop` deletes it
+        private = handle.get("login_key") or (self._aws.ssh_private_key.get_secret_value()
+                                              if self._aws.ssh_private_key is not None else None)
+        if not private:
+            raise PoolStartError(f"{self.pool_id}: the warm pool's record holds no login key, and the pool no "
+                                 "ssh_private_key")
+        self._login_key = asyncssh.import_private_key(private)
         self._host_key = asyncssh.generate_private_key("ssh-ed25519")  # a replacement's own
         self._request = None
         self._nodes = SSHNodes(SSHLogin(
             targets=[], known_hosts=str(handle.get("known_hosts", "")), peer_addresses=handle.get("peer_addresses"),
-            private_key=private.get_secret_value(), python=self._python(), env=dict(self._spec.env),
+            private_key=private, python=self._python(), env=dict(self._spec.env),
             heartbeat_file=HEARTBEAT_FILE, timeout=self._aws.ready_timeout_seconds,
             notice_file=NOTICE_FILE if self._aws.spot else None), self.reporter)
         self._nodes.adopt(handle)
