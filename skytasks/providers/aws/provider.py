@@ -150,12 +150,12 @@ class AWSProvider(NodeProvider):
         self.owned = PoolResources(self._ec2, self.pool_id, instance_ids=list(handle.get("instance_ids", [])),
                                    security_group_id=handle.get("security_group_id"),
                                    placement_group=handle.get("placement_group"))
+        self.owned.key_name = handle.get("key_name")  # the pool's own key pair: `stop` deletes it, expired too
         self._node_ids = {int(i): iid for i, iid in handle.get("instances", {}).items()}
         self._lease.started_at = datetime.fromtimestamp(float(handle.get("started_at", time.time())), timezone.utc)
         live = [i["InstanceId"] for i in self._describe_new_instances() if i["State"]["Name"] in ("pending", "running")]
         if not any(iid in live for iid in self._node_ids.values()):
             raise PoolStartError(f"{self.pool_id}: none of its instances runs any more")
-        self.owned.key_name = handle.get("key_name")  # the pool's own key pair: `stop` deletes it
         private = handle.get("login_key") or (self._aws.ssh_private_key.get_secret_value()
                                               if self._aws.ssh_private_key is not None else None)
         if not private:
