@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -99,12 +100,44 @@ def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restar
             code = proc.wait()
             for t in threads:
                 t.join(timeout=5)
+            if code == 0:  # as torchrun's store outlives every worker, rank 0's waits for all scripts
+                _script_done(info, host)
         finally:
             if host is not None:
                 host.close()  # before the next call on this group binds the port again
         if code != 0:
             raise ScriptFailed(info.rank, code, "\n".join(tail), _recorded_error(error_file))
     return ScriptResult(info.rank, code)
+
+
+DONE_KEY = "skytasks/scripts-done"
+DONE_WAIT_SECONDS = 30.0  # how long rank 0 keeps the store for scripts still ending (destroying their group)
+
+
+def _script_done(info: Any, host: Any) -> None:
+    """Count this rank's script as ended in the store; rank 0 keeps the store up until every
+    script has (a script still in `destroy_process_group` aborts when the store it uses goes)."""
+    try:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+    except ImportError:
+        return
+    try:
+        if host is None:
+            client = TCPStore(info.head_addr, info.head_port, is_master=False, timeout=timedelta(seconds=5))
+            client.add(DONE_KEY, 1)
+            return
+        store = host._store
+        if store is None:
+            return
+        deadline = time.monotonic() + DONE_WAIT_SECONDS
+        done = store.add(DONE_KEY, 1)
+        while done < info.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = store.add(DONE_KEY, 0)
+    except Exception:  # noqa: BLE001 - the store already gone (a failed rank): nothing to wait for
+        pass
 
 
 class _StoreHost:
