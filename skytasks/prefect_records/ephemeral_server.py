@@ -12,12 +12,20 @@ have sent their last logs and events (they register their exit hooks later, so t
 Only when nothing configures an API: settings can come from the environment, the active profile,
 and `prefect.toml`, `pyproject.toml` or `.env` in the working directory; when any of them might
 say something about the API, Prefect is left to do as it always does.
+
+On a shared login node every local user reaches 127.0.0.1, and the server holds every block the
+run loads (SSH keys, `env`, cloud credentials, warm records) with `include_secrets`. So the
+server takes a random credential for this run only (Prefect's own API auth string: the server's
+`PREFECT_SERVER_API_AUTH_STRING`, this process's `PREFECT_API_AUTH_STRING`, which its children
+inherit, each readable by this user alone), and its home (PREFECT_HOME, the database) is made
+`0700`. Only its health check answers without the credential, as Prefect's middleware allows.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -30,6 +38,9 @@ from skytasks.prefect_records.prefect_internals import drain_workers, ephemeral_
 
 __all__ = ["EarlyServer", "flush_records", "nothing_configures_an_api", "start_early_server"]
 
+SERVER_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"  # the server requires it (HTTP basic auth) ...
+CLIENT_AUTH_ENV = "PREFECT_API_AUTH_STRING"  # ... and Prefect's clients send it
+
 
 class EarlyServer:
     """The subprocess, its address, and a way to wait for it."""
@@ -38,7 +49,10 @@ class EarlyServer:
         self.port = free_port("127.0.0.1")  # outside the ephemeral range: no connection can take it meanwhile
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self._log = tempfile.TemporaryFile()
+        self.credential = secrets.token_urlsafe(32)
+        private_home()
         command, env = ephemeral_server_command(self.port)
+        env[SERVER_AUTH_ENV] = self.credential
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, preexec_fn=_detach)
         atexit.register(self.stop)
@@ -70,6 +84,15 @@ class EarlyServer:
         self._log.close()
 
 
+def private_home() -> None:
+    """Prefect's home (its database, with every block of the run) made `0700`, when it is this
+    user's: created so, or narrowed."""
+    home = os.path.expanduser(os.environ.get("PREFECT_HOME", "~/.prefect"))
+    os.makedirs(home, mode=0o700, exist_ok=True)
+    if os.stat(home).st_uid == os.getuid():
+        os.chmod(home, 0o700)
+
+
 def _detach() -> None:
     """In the child: out of the terminal's process group (Ctrl-C is for the ranks; the record
     still has to be written), but killed with this process if it dies without stopping it.
@@ -84,6 +107,7 @@ def start_early_server() -> EarlyServer | None:
         return None
     server = EarlyServer()
     os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ[CLIENT_AUTH_ENV] = server.credential
     os.environ["PREFECT_UI_URL"] = ""  # no "View at" link: this server serves no UI and stops with the command
     return server
 
