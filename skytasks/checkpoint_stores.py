@@ -124,3 +124,40 @@ class S3Store(Store):
 
     def delete(self, name: str) -> None:
         self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    # -- sharded checkpoints: a folder of objects per step, each rank's own files -------------
+
+    def upload_file(self, local: str, name: str) -> None:
+        """One file, as `name` under the prefix; boto3 switches to a multipart upload for large
+        ones (8 MB parts, in parallel), which S3 shows whole once it completes."""
+        self._s3.upload_file(local, self.bucket, self._key(name))
+
+    def put_small(self, name: str, data: bytes) -> None:
+        self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+
+    def download_file(self, name: str, local: str) -> None:
+        self._s3.download_file(self.bucket, self._key(name), local)
+
+    def names_under(self, folder: str) -> list[str]:
+        """Every object under `folder/`, as names relative to the prefix (`folder/file`)."""
+        start = f"{self._key(folder)}/"
+        cut = len(f"{self.prefix}/") if self.prefix else 0
+        names = []
+        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+            names += [o["Key"][cut:] for o in page.get("Contents", [])]
+        return names
+
+    def folders(self) -> list[str]:
+        """The folders directly under the prefix (a sharded checkpoint's step folders)."""
+        start = f"{self.prefix}/" if self.prefix else ""
+        found: list[str] = []
+        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start,
+                                                                         Delimiter="/"):
+            found += [p["Prefix"][len(start):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return found
+
+    def delete_folder(self, folder: str) -> None:
+        names = self.names_under(folder)
+        for i in range(0, len(names), 1000):  # DeleteObjects takes at most 1,000 keys
+            self._s3.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": self._key(n)} for n in names[i:i + 1000]], "Quiet": True})
