@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from prefect.blocks.core import Block
-from prefect_aws import AwsCredentials
 from prefect.blocks.fields import SecretDict
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
+from skytasks.blocks.aws_credentials_field import UNSET, LazyAwsCredentials, default_aws_credentials
 from skytasks.blocks.nested_blocks import block_class, type_block_fields
 from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS, LocalSettings, ProviderSettings,
                                            SecretEnv, aws_environment, field_errors, flat_default, foreign_field,
@@ -72,8 +72,9 @@ def train(epochs: int = 3) -> dict:
     env: SecretEnv = Field(
         default_factory=lambda: SecretDict({}), description="Environment for every rank (values stored encrypted, "
         "shown obfuscated).")
-    aws_credentials: AwsCredentials = Field(
-        default_factory=AwsCredentials, description="AWS credentials: aws launches with them, and every rank gets them "
+    # (an AwsCredentials block: its type and default are named lazily, blocks/aws_credentials_field.py)
+    aws_credentials: LazyAwsCredentials = Field(
+        default_factory=default_aws_credentials, description="AWS credentials: aws launches with them, and every rank gets them "
         "as AWS variables (S3 checkpoints on any provider).")
     # A field of the pool, not of KubernetesSettings: Prefect saves a nested block as a reference
     # to a saved block (and the form offers a picker of them) only where it is the block's own field.
@@ -185,6 +186,22 @@ def train(epochs: int = 3) -> dict:
         """The provider's name ("local", "ssh", "aws", "slurm", "kubernetes"): its settings' tag."""
         return str(self.settings.provider)
 
+    def __getattribute__(self, name: str) -> Any:
+        # Credentials left at their default are made (prefect-aws imported) when first read: to a
+        # caller `pool.aws_credentials` is always an AwsCredentials block.
+        value = super().__getattribute__(name)
+        if value is UNSET and name == "aws_credentials":
+            value = self.__dict__[name] = UNSET.made()
+        return value
+
+    def model_dump(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.aws_credentials  # noqa: B018 - made before a dump: the document holds the real block's fields
+        return super().model_dump(*args, **kwargs)
+
+    def model_dump_json(self, *args: Any, **kwargs: Any) -> str:
+        self.aws_credentials  # noqa: B018
+        return super().model_dump_json(*args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         # `pool.hosts`, `pool.k8s_image`: a provider setting by its flat name, as before the
         # settings had a model of their own; one the pool's provider does not take reads as its
@@ -227,11 +244,14 @@ def train(epochs: int = 3) -> dict:
         """The validated fields as the frozen, typed spec the runtime and providers use."""
         own = plugin(self.provider)
         env: dict[str, str] = self.env.get_secret_value()  # plain strings from here on: the ranks' environment
-        fields = {name: getattr(self, name) for name in (*SHAPE_FIELDS, *own.reads)}
+        fields = {name: getattr(self, name) for name in (*SHAPE_FIELDS, *own.reads) if name != "aws_credentials"}
+        # Credentials left unset stay unmade (no prefect-aws) unless the provider itself uses them.
+        creds = self.__dict__["aws_credentials"]
+        fields["aws_credentials"] = self.aws_credentials if own.name == "aws" else creds
         part = own.build({**fields, "env": env})
         return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
-                        env={**aws_environment(self.aws_credentials), **env}, part=part,
+                        env={**({} if creds is UNSET else aws_environment(creds)), **env}, part=part,
                         reattach_seconds=self.reattach_seconds, keep_warm_minutes=self.keep_warm_minutes)
 
     def reshaped(self, **shape: int | None) -> GPUPool:

@@ -13,7 +13,12 @@ from prefect.blocks.core import Block
 from prefect.plugins import load_prefect_collections
 from pydantic.fields import FieldInfo
 
+from skytasks.blocks.aws_credentials_field import AWS_CREDENTIALS
 from skytasks.providers.registry import block_fields, imported
+
+# The pool's own block fields named lazily, with their "module:Class": required (never None),
+# unlike a provider's Optional ones (`block_fields()`).
+POOL_BLOCK_FIELDS = {"aws_credentials": AWS_CREDENTIALS}
 
 
 def _loaded_with_every_collection() -> bool:
@@ -29,7 +34,7 @@ if _loaded_with_every_collection():
     # A server registers block types in the order they were defined, and a nested block's type
     # must be there before a schema that refers to it: here the nested blocks' packages are
     # imported anyway, so they come first (elsewhere only when a value or a schema needs them).
-    for _target in block_fields().values():
+    for _target in (*POOL_BLOCK_FIELDS.values(), *block_fields().values()):
         try:
             imported(_target)
         except ImportError:
@@ -52,12 +57,15 @@ def type_block_fields(cls: type[Block]) -> None:
             return
         _TYPED.add(cls)
         typed = False
-        for name, target in block_fields().items():
+        lazy = [(name, target, False) for name, target in POOL_BLOCK_FIELDS.items()]
+        lazy += [(name, target, True) for name, target in block_fields().items()]
+        for name, target, optional in lazy:
             try:
                 block = imported(target)
             except ImportError:
                 continue  # without the extra the field keeps its lazy type; its provider's pools are refused
-            annotation: Any = Optional[block]  # the class itself, not wrapped: Prefect finds nested blocks only so
+            # the class itself, not wrapped: Prefect finds nested blocks only so
+            annotation: Any = Optional[block] if optional else block
             cls.__pydantic_fields__[name] = FieldInfo.from_annotated_attribute(annotation, cls.model_fields[name])
             typed = True
         if typed:

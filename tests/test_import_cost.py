@@ -192,3 +192,61 @@ def test_without_the_extra_the_block_still_makes_its_schema():
                                       "local": GPUPool(provider="local").spec().provider}))
     """)
     assert _tagged(_python(code).stdout, "SCHEMA") == {"refs": ["aws_credentials"], "field": True, "local": "local"}
+
+
+def test_a_fresh_local_pool_imports_no_aws_or_kubernetes_sdk_until_its_credentials_are_read():
+    code = textwrap.dedent("""
+        import json, sys
+        sdks = lambda: sorted(m for m in ("prefect_aws", "boto3", "botocore", "kubernetes", "prefect_kubernetes")
+                              if m in sys.modules)
+        import skytasks
+        from skytasks import GPUPool
+        pool = GPUPool(provider="local", nodes=2)
+        spec = pool.spec()
+        made = sdks()
+        copy = pool.reshaped(nodes=1)
+        same = pool == GPUPool(provider="local", nodes=2)
+        after = sdks()
+        creds = pool.aws_credentials  # the contract's default, made when read
+        print("SDKS " + json.dumps({"made": made, "after": after, "same": same, "env": sorted(spec.env),
+                                    "type": type(creds).__module__ + "." + type(creds).__name__,
+                                    "read": sdks()}))
+    """)
+    seen = _tagged(_python(code).stdout, "SDKS")
+    assert seen["made"] == [] and seen["after"] == [] and seen["same"] is True and seen["env"] == []
+    assert seen["type"] == "prefect_aws.credentials.AwsCredentials"
+    assert {"prefect_aws", "boto3"} <= set(seen["read"])
+
+
+def test_credentials_left_unset_stand_for_what_the_installed_prefect_aws_makes():
+    # A saved default (every pool saved before holds one) loads without prefect-aws only while the
+    # snapshot of its defaults matches the installed release's.
+    from prefect_aws import AwsCredentials
+
+    from skytasks.blocks.aws_credentials_field import _DEFAULTS, UNSET, _is_default
+
+    dumped = AwsCredentials().model_dump(mode="json")
+    dumped.pop("block_type_slug")
+    assert dumped == _DEFAULTS
+    assert UNSET == AwsCredentials() and AwsCredentials() == UNSET and UNSET != AwsCredentials(region_name="x")
+    assert not _is_default({**dumped, "region_name": "eu-west-1"}, _DEFAULTS)
+    assert not _is_default({**dumped, "aws_client_parameters": {"use_ssl": False}}, _DEFAULTS)
+
+
+def test_a_saved_local_pool_loads_without_prefect_aws_and_keeps_saved_credentials(prefect_api):
+    from prefect_aws import AwsCredentials
+
+    from skytasks import GPUPool
+
+    tag = uuid.uuid4().hex[:8]
+    GPUPool(provider="local", nodes=2).save(f"plain-{tag}")
+    GPUPool(provider="local", nodes=2, aws_credentials=AwsCredentials(region_name="eu-west-1")).save(f"s3-{tag}")
+    code = textwrap.dedent(f"""
+        import json, sys
+        from skytasks import GPUPool
+        GPUPool.load("plain-{tag}").spec()
+        plain = sorted(m for m in ("prefect_aws", "boto3") if m in sys.modules)
+        region = GPUPool.load("s3-{tag}").spec().env["AWS_DEFAULT_REGION"]
+        print("LOADED " + json.dumps({{"plain": plain, "region": region}}))
+    """)
+    assert _tagged(_python(code).stdout, "LOADED") == {"plain": [], "region": "eu-west-1"}
