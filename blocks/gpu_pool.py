@@ -27,6 +27,7 @@ from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS
                                            settings_from_flat)
 from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import PoolSpec
+from skytasks.preflight.fields import FLAT_LIMITS, Level, PreflightLimits, fold_flat_limits
 from skytasks.providers import SHAPE_FIELDS
 from skytasks.providers.kubernetes.spec import CredentialsBlock
 from skytasks.providers.registry import plugin, readers_of_fields
@@ -87,6 +88,11 @@ def train(epochs: int = 3) -> dict:
     keep_warm_minutes: float = Field(
         0, ge=0, description="A saved pool's nodes stay up after the process that holds them ends, for the next "
         "process to attach to, until nobody has held them this long; 0: they end with their process.")
+    preflight: Level = Field(
+        "basic", description='What every node must show before user code runs on it: "basic" (its ranks start, see '
+        'the promised GPUs, one small all-reduce), "full" (compute and bandwidth compared across nodes) or "off".')
+    preflight_limits: PreflightLimits = Field(
+        default_factory=PreflightLimits, description='For "full": when a node is unhealthy; how long checks may take.')
 
     _runtime: Any = PrivateAttr(default=None)
 
@@ -122,6 +128,7 @@ def train(epochs: int = 3) -> dict:
         # a key nothing takes is an error naming it and the nearest field (blocks/pool_settings.py).
         if not isinstance(data, dict):
             return data
+        data = fold_flat_limits(data)  # preflight_min_ratio=... is a preflight limit
         data = settings_from_flat(data, list(cls.model_fields), document=LOADING_DOCUMENT.get())
         # A saved pool's nested blocks come back with their block type's slug, by which Prefect
         # would look their class up among every installed Prefect collection, importing them all
@@ -206,6 +213,8 @@ def train(epochs: int = 3) -> dict:
         # `pool.hosts`, `pool.k8s_image`: a provider setting by its flat name, as before the
         # settings had a model of their own; one the pool's provider does not take reads as its
         # default (a local pool's hosts are []), as it did then.
+        if name in FLAT_LIMITS:
+            return getattr(self.__dict__["preflight_limits"], name)
         if name in FLAT:
             settings = self.__dict__.get("settings")
             if settings is not None and name in type(settings).model_fields:
@@ -252,7 +261,8 @@ def train(epochs: int = 3) -> dict:
         return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
                         env={**({} if creds is UNSET else aws_environment(creds)), **env}, part=part,
-                        reattach_seconds=self.reattach_seconds, keep_warm_minutes=self.keep_warm_minutes)
+                        reattach_seconds=self.reattach_seconds, keep_warm_minutes=self.keep_warm_minutes,
+                        preflight=self.preflight, accelerator=self.accelerator, **self.preflight_limits.model_dump())
 
     def reshaped(self, **shape: int | None) -> GPUPool:
         """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so

@@ -35,6 +35,14 @@ class PoolSpec:
     # A saved pool's nodes outlive the process that holds them for this long unheld (warm pools,
     # skytasks.controller.warm); 0: they end with the process, as without warm pools.
     keep_warm_minutes: float = 0.0
+    # What every node must show before user code runs on it (skytasks.preflight): "off", "basic"
+    # (ranks start, see the promised GPUs, one small all-reduce) or "full" (figures compared).
+    preflight: str = "basic"
+    preflight_timeout_seconds: float = 60.0
+    preflight_min_ratio: float = 0.5  # "full": below this share of the pool's median figure is unhealthy
+    preflight_min_tflops: Optional[float] = None  # "full": a floor for each rank's matmul
+    preflight_min_gbps: Optional[float] = None  # "full": a floor for each link's collective bandwidth
+    accelerator: Optional[str] = None  # the GPU product promised ("H100"), which "basic" checks
 
     def __post_init__(self) -> None:
         if self.min_nodes is None:
@@ -45,6 +53,7 @@ class PoolSpec:
             raise ValueError(f"reattach_seconds: must be 0 or more, got {self.reattach_seconds!r}")
         if not self.keep_warm_minutes >= 0:
             raise ValueError(f"keep_warm_minutes: must be 0 or more, got {self.keep_warm_minutes!r}")
+        _check_preflight(self)
 
     def own(self, kind: type[Part]) -> Part:
         """The provider's own part, as the type it expects: a pool built for another provider is
@@ -67,3 +76,25 @@ class PoolSpec:
     def node_count(self) -> str:
         """The count as people read it: "2", or "2-4" for an elastic pool."""
         return f"{self.min_nodes}-{self.nodes}" if self.elastic else str(self.nodes)
+
+
+PREFLIGHT_LEVELS = ("off", "basic", "full")
+
+
+def _check_preflight(spec: PoolSpec) -> None:
+    """The preflight fields, each named when wrong (the block turns the ValueError into PoolConfigError)."""
+    if spec.preflight not in PREFLIGHT_LEVELS:
+        raise ValueError(f"preflight: must be one of {', '.join(map(repr, PREFLIGHT_LEVELS))}, got {spec.preflight!r}")
+    if not _number(spec.preflight_timeout_seconds) or not spec.preflight_timeout_seconds > 0:
+        raise ValueError(f"preflight_timeout_seconds: must be more than 0, got {spec.preflight_timeout_seconds!r}")
+    if not _number(spec.preflight_min_ratio) or not 0 <= spec.preflight_min_ratio <= 1:
+        raise ValueError(f"preflight_min_ratio: must be between 0 and 1 (a share of the pool's median), "
+                         f"got {spec.preflight_min_ratio!r}")
+    for name in ("preflight_min_tflops", "preflight_min_gbps"):
+        value = getattr(spec, name)
+        if value is not None and (not _number(value) or not value > 0):
+            raise ValueError(f"{name}: must be more than 0, or None for no floor, got {value!r}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN is no number

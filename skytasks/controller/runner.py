@@ -119,6 +119,8 @@ def run_call(runtime: Runtime, payload: PackedCall, options: CallOptions, observ
                     # Timed from here: the attempt's deadline covers starting a call-scoped pool.
                     deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
                     ready = _nodes(sessions, observer, attempt)
+                    if not isinstance(ready, CallOutcome):  # new nodes pass the preflight before user code
+                        ready = _healthy(ready, spec, group_spec, options, observer)
                     if not isinstance(ready, CallOutcome):
                         world = ready.world_size  # an elastic pool runs on what it has
                     observer.on_attempt_start(attempt, world)
@@ -164,6 +166,24 @@ def _nodes(sessions: Sessions, observer: RunObserver, attempt: int) -> Session |
         return session
     except PoolStartError as exc:
         return CallOutcome(EndReason.POOL_START, error=exc)
+
+
+def _healthy(session: Session, spec: PoolSpec, group_spec: GroupSpec, options: CallOptions,
+             observer: RunObserver) -> Session | CallOutcome:
+    """The session once every node passed the pool's preflight (skytasks.preflight): unhealthy
+    ones dropped or replaced, from neither retries nor node_recoveries; or the attempt's outcome,
+    when the pool cannot be made healthy."""
+    if spec.preflight == "off":
+        return session
+    from skytasks.preflight.check import due, ensure_healthy
+
+    if not due(session, spec):
+        return session
+    try:
+        ensure_healthy(session, spec, group_spec, observer, replacements=options.node_recoveries)  # type: ignore[arg-type]
+    except PoolStartError as exc:
+        return CallOutcome(EndReason.POOL_START, error=exc)
+    return session
 
 
 def _attempt(session: Session, payload: PackedCall, group_spec: GroupSpec, options: CallOptions,

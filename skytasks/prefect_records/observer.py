@@ -231,6 +231,10 @@ class PrefectObserver:
         announce(event)
         log_at_its_time(self._parent_logger, level_of(event), "[skytasks] %s", event.text())
         emit_event(event, self.pool_name)
+        table = getattr(event, "table", None)  # an event with a table of its own (the preflight's figures)
+        if table is not None:
+            self._writes.append(write_table(table(), artifact_key(self.label, getattr(event, "ARTIFACT", "table")),
+                                            event.text(), **self._ids))
 
     def on_stacks(self, stacks: dict[int, str], why: str) -> None:
         """Each rank's whole stack into its own run's log; a row per rank in one artifact."""
