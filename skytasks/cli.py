@@ -64,6 +64,8 @@ def _gc_parser(commands: argparse._SubParsersAction) -> None:
 def _check_parser(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser("check", help="run a saved pool's pre-flight checks without starting anything")
     check.add_argument("--pool", required=True, help="name of a saved GPUPool block")
+    check.add_argument("--preflight", action="store_true",
+                       help='bring the nodes up, run the "full" node health checks, print the table, end them')
 
 
 def _utc_time(text: str):
@@ -144,6 +146,10 @@ def _check(args: argparse.Namespace) -> int:
         print(check.line(), flush=True)
         failed += check.passed is False
     print(f"skytasks check: {'all passed' if not failed else f'{failed} failed'}")
+    if args.preflight and not failed:
+        from skytasks.preflight import command
+
+        return command.run(pool, sys.stdout)
     return 1 if failed else 0
 
 

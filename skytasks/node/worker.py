@@ -81,6 +81,10 @@ def _init_process_group(out: FrameWriter) -> None:
     init_timeout = float(os.environ["SKYTASKS_INIT_TIMEOUT_SECONDS"]) + 10  # set by the controller, always
     out.send(message(Op.JOINING))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0 and os.environ.get("SKYTASKS_PREFLIGHT"):  # a node that cannot reach the head is named, not waited for
+        from skytasks.preflight.reach import reach_head
+
+        reach_head(addr, port, float(os.environ["SKYTASKS_PREFLIGHT"]))
     listen_fd = None
     if rank == 0:
         # Bound here, to the peers' interface: torch's own bind is the wildcard, and whoever

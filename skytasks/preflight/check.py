@@ -53,6 +53,9 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
     verdict; PoolStartError when the pool cannot be made healthy."""
     rules = rules_of(spec, level)
     started = time.monotonic()
+    # The ranks of the group the probe builds try the head first (skytasks.preflight.reach), for
+    # half the preflight's time: a node that cannot reach it fails, named, inside the probe's clock.
+    session.env["SKYTASKS_PREFLIGHT"] = f"{rules.timeout_seconds / 2:g}"
     while True:
         verdict = measure(session, rules, group_spec, observer)
         observer.on_event(PreflightTable(rules.level, tuple(verdict.rows())))
