@@ -44,6 +44,7 @@ class AWSProvider(NodeProvider):
     runs_on_this_machine = False  # a workdir travels to the nodes
     gpus_from_config = True
     reattaches = True  # a new SSH session to the instance reaches its running agent (ssh's reattach)
+    replaces_elsewhere = True  # a replacement is a new instance: a node that failed its preflight is not taken again
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec

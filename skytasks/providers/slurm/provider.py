@@ -56,6 +56,7 @@ class SlurmProvider(NodeProvider):
     # An agent's step lives on when srun's stream is lost (srun's own stdin and stdout closed, as
     # when the controller's link to slurm_login drops): a step beside it reaches it again.
     reattaches = True
+    replaces_elsewhere = True  # a replacement's allocation excludes every node lost (or found unhealthy) so far
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
