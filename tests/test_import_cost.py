@@ -250,3 +250,37 @@ def test_a_saved_local_pool_loads_without_prefect_aws_and_keeps_saved_credential
         print("LOADED " + json.dumps({{"plain": plain, "region": region}}))
     """)
     assert _tagged(_python(code).stdout, "LOADED") == {"plain": [], "region": "eu-west-1"}
+
+
+def test_the_users_modules_are_told_from_libraries_by_where_they_lie_without_reading_every_distribution(tmp_path):
+    # The project's folder (cwd), a plain folder on PYTHONPATH, and a `pip install --target`
+    # folder (distribution metadata beside the package) on PYTHONPATH too.
+    project, plain, target = tmp_path / "project", tmp_path / "plain", tmp_path / "target"
+    for folder in (project, plain, target / "fakelib"):
+        folder.mkdir(parents=True)
+    (project / "own_helper.py").write_text("X = 1\n")
+    (plain / "shared_helper.py").write_text("Y = 2\n")
+    (target / "fakelib" / "__init__.py").write_text("Z = 3\n")
+    meta = target / "fakelib-1.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: fakelib\nVersion: 1.0\n")
+    (meta / "top_level.txt").write_text("fakelib\n")
+    (meta / "RECORD").write_text("fakelib/__init__.py,,\n")
+    code = textwrap.dedent("""
+        import json, sys
+        import torch, prefect  # libraries, and torch.ops ("_ops.py", no file) among them
+        from skytasks.controller import project_modules as pm
+        import own_helper, shared_helper
+        first = sorted(m.__name__ for m in pm.project_modules())
+        scanned = pm._distribution_names.cache_info().currsize
+        import fakelib
+        after = sorted(m.__name__ for m in pm.project_modules())
+        print("KINDS " + json.dumps({"first": first, "scanned": scanned, "after": after,
+                                     "scanned_after": pm._distribution_names.cache_info().currsize}))
+    """)
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(plain), str(target)])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = _tagged(done.stdout, "KINDS")
+    assert seen["first"] == ["own_helper", "shared_helper"] and seen["scanned"] == 0
+    assert seen["after"] == ["own_helper", "shared_helper"] and seen["scanned_after"] == 1

@@ -6,75 +6,15 @@ their own, so a warm rank group that still holds the same bytes is not sent them
 
 from __future__ import annotations
 
-import os
-import site
-import sys
-import sysconfig
 import threading
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Callable
 
 import cloudpickle
 
+from skytasks.controller.project_modules import project_modules
 from skytasks.serialization import Blob, blob_size, dumps, dumps_out_of_band
 from skytasks.wire import BlobRef
-
-
-_INSTALLED_ROOTS = tuple(
-    os.path.realpath(p) + os.sep
-    for p in {*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_paths()["stdlib"],
-              sysconfig.get_paths()["platstdlib"]}
-)
-# Installed on every node (the controller's own version is what runs there).
-_SHIPPED_PACKAGES = {"skytasks"}
-
-
-def project_modules() -> list[ModuleType]:
-    """Modules of the user's own project: imported from files outside any installed location.
-
-    They are pickled by value, so a function that imports a helper from a sibling file works on a
-    node that does not have the project, and a rank does not re-import the caller's module (and
-    with it prefect, pytest, ...) just to find one function.
-    """
-    found = []
-    for name, module in sys.modules.copy().items():  # copy(): other threads may be importing
-        if name not in _IS_PROJECT:
-            file = getattr(module, "__file__", None)
-            top = name.partition(".")[0]
-            real = os.path.realpath(file) if file else ""
-            _IS_PROJECT[name] = bool(
-                file and name != "__main__" and top not in _SHIPPED_PACKAGES
-                and not _is_installed_file(real) and not _is_other_library(top, real)
-            )
-        if _IS_PROJECT[name]:
-            found.append(module)
-    return found
-
-
-_IS_PROJECT: dict[str, bool] = {}  # module name -> from the user's project (files never move)
-
-
-def _is_installed_file(path: str) -> bool:
-    # Any environment's site-packages counts, not only this interpreter's own: a venv can see
-    # another's through a .pth line or PYTHONPATH.
-    parts = path.split(os.sep)
-    return path.startswith(_INSTALLED_ROOTS) or "site-packages" in parts or "dist-packages" in parts
-
-
-def _is_other_library(top: str, path: str) -> bool:
-    """An editable install of someone else's library (pip install -e ~/src/lib) is a library:
-    pickling it by value would copy the whole library into every call. A distribution that
-    lives under the current directory is the user's own project, and travels by value."""
-    global _DISTRIBUTION_NAMES
-    if _DISTRIBUTION_NAMES is None:
-        from importlib.metadata import packages_distributions
-
-        _DISTRIBUTION_NAMES = set(packages_distributions())
-    return top in _DISTRIBUTION_NAMES and not path.startswith(os.path.realpath(os.getcwd()) + os.sep)
-
-
-_DISTRIBUTION_NAMES: set[str] | None = None
 
 
 # Top-level arguments whose pickle is at least this large travel as blobs of their own: once per
