@@ -73,6 +73,13 @@ class PoolStartError(RuntimeError):
     """The pool's nodes could not be brought up; the message names the provider's node."""
 
 
+class PoolGone(PoolStartError):
+    """A provider's answer to `adopt`: its definite word that a warm pool's nodes are gone (a job
+    SLURM no longer knows or that has ended, a 404 for the pool's owner object, every instance
+    terminated). Any other failure to read the provider (a failed `squeue`, a timeout, a 5xx) is
+    not this: the pool may still run, and it is asked again later, never taken for gone."""
+
+
 class NodeGone(Exception):
     """A provider's answer to `reattach`: the node itself is gone (its instance terminated, its pod
     deleted, its job ended), so there is no agent to reach again and it is a lost node at once.

@@ -3,8 +3,8 @@ and `skytasks pools down NAME` (end one now, once no process holds it).
 
 A warm pool is a saved pool with `keep_warm_minutes` whose nodes outlive the process that held
 them (skytasks.controller.warm). Its record is a Prefect secret; this command reads it, and asks
-a node's agent what it knows (who holds the pool, since when it is idle, when it ends). A pool
-whose nodes are all found gone is said so once (`skytasks.pool.expired`) and its record removed.
+a node's agent what it knows (who holds the pool, since when it is idle, when it ends). It only
+reads: it never writes a record or ends a node, and a provider that cannot be read now is said so.
 """
 
 from __future__ import annotations
@@ -54,20 +54,24 @@ def _warm_pool(name: str) -> Any:
 def probe(warm: Any) -> dict[str, Any] | None:
     """What a warm pool's first node that answers says of it (mode "probe": nothing is taken):
     its record's fields, with `holder`, `unheld_since`, `expires_at` where the agent says them.
-    None when every node is found gone: the pool is then said expired and its record removed."""
+    Only reads: a pool whose nodes are found gone is said so (`ended`), and the next process that
+    uses it clears its record; one that cannot be asked now is said so, never taken for gone."""
     from skytasks.controller.reconnect import HANDSHAKE_SECONDS, Refused, door_handshake
     from skytasks.controller.warm import REACH_SECONDS, who_am_i
-    from skytasks.errors import NodeGone, PoolStartError
+    from skytasks.errors import NodeGone, PoolConfigError, PoolGone
 
-    record = warm.store.load(warm.name)
+    _, record = warm.store.newest(warm.name)
     if record is None or record.get("state") == "starting":
         return record
     provider = warm.make_provider()
     try:
         provider.adopt(record.get("handle") or {})
-    except PoolStartError as exc:
-        warm.expire(record, provider, str(exc))
-        return None
+    except PoolGone as exc:
+        return {**record, "ended": str(exc)}
+    except PoolConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - not the provider's word that it is gone
+        return {**record, "holder": f"(cannot be asked now: {type(exc).__name__}: {exc})"}
     key, unreachable = bytes.fromhex(record["pool_key"]), ""
     try:
         for node in sorted(record.get("nodes", []), key=lambda n: n["node_id"]):
@@ -85,6 +89,7 @@ def probe(warm: Any) -> dict[str, Any] | None:
                                             time.monotonic() + HANDSHAKE_SECONDS).get("state") or {})
             except Refused as exc:
                 if not exc.holder:
+                    unreachable = str(exc)
                     continue
                 state = {"holder": exc.holder, "held_since": exc.since}
             except Exception as exc:  # noqa: BLE001
@@ -97,22 +102,13 @@ def probe(warm: Any) -> dict[str, Any] | None:
                     pass
             return {**record, **state}
     finally:
-        provider.leave_running()
+        try:
+            provider.leave_running()
+        except Exception:  # noqa: BLE001 - it let go of nothing this process holds
+            pass
     if unreachable:
         return {**record, "holder": f"(no node answered: {unreachable})"}
-    warm.expire(record, _adopted(warm, record), "none of its nodes runs any more")
-    return None
-
-
-def _adopted(warm: Any, record: dict[str, Any]) -> Any:
-    from skytasks.errors import PoolStartError
-
-    provider = warm.make_provider()
-    try:
-        provider.adopt(record.get("handle") or {})
-    except PoolStartError:
-        pass
-    return provider
+    return {**record, "ended": "none of its nodes runs any more"}
 
 
 def _row(name: str) -> tuple[str, ...] | None:
@@ -121,7 +117,10 @@ def _row(name: str) -> tuple[str, ...] | None:
     except Exception as exc:  # noqa: BLE001 - one pool that cannot be asked does not hide the others
         return (name, "?", "?", "?", f"cannot be asked: {exc}", "?")
     if info is None:
-        return None  # its nodes had ended: said as skytasks.pool.expired, record removed
+        return None  # its record was cleared meanwhile
+    if info.get("ended"):
+        return (name, str(info.get("provider", "?")), "0", _when(info.get("up_since")), f"ended: {info['ended']}",
+                "cleared by the next use")
     if info.get("state") == "starting":
         return (name, str(info.get("provider", "?")), "-", "starting", str(info.get("who", "")), "-")
     nodes = sum(1 for n in info.get("nodes", []) if n.get("door"))

@@ -10,7 +10,7 @@ other's `got`: nothing is lost, nothing arrives twice, and a frame cut in half g
 cut (a relayed CALL's head already sits in the ranks' pipes: it cannot be sent again whole).
 
 The handshake (protocol: CHALLENGE, ATTACH, ATTACHED) proves the pool's key both ways and never
-sends it: k = HMAC(pool key, "skytasks-attach"), the controller's proof binds both nonces, the
+sends it: k = the pool key's door subkey (HKDF, `subkey`), the controller's proof binds both nonces, the
 holder, the mode and its count, the agent's proof binds both nonces and its count.
 
 Standard library only: the node side imports it.
@@ -125,9 +125,24 @@ class Outbox:
 
 # -- proving the pool's key over a new transport --------------------------------------------------
 
+# Each use of the pool's key has a subkey of its own, named by a label: the relay's peer challenge
+# (node/peer_links.py, handed its subkey in PEERS) and the door's handshake. A party that can make
+# one of them compute a MAC of its choosing learns nothing about the other's key, whatever the
+# lengths of labels and nonces.
+DOOR_LABEL = b"skytasks door handshake v1"
+RELAY_LABEL = b"skytasks relay peers v1"
+_SALT = b"skytasks pool key"
+
+
+def subkey(pool_key: bytes, label: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869, one block) of the pool's key for the use `label` names."""
+    prk = hmac.new(_SALT, pool_key, hashlib.sha256).digest()
+    return hmac.new(prk, label + b"\x01", hashlib.sha256).digest()
+
+
 def attach_key(pool_key: bytes) -> bytes:
-    """The key the door handshake uses, derived from the pool's (never the pool's key itself)."""
-    return hmac.new(pool_key, b"skytasks-attach", hashlib.sha256).digest()
+    """The key the door handshake uses: the pool key's door subkey (never the pool's key itself)."""
+    return subkey(pool_key, DOOR_LABEL)
 
 
 def new_nonce() -> str:

@@ -18,6 +18,7 @@ from skytasks.controller.channel import RELAY_TREE_NODES, NodeChannel
 from skytasks.controller.peer_tls import PoolTLS, pool_tls
 from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, message
+from skytasks.resume import RELAY_LABEL, subkey
 from skytasks.providers.reporting import console_logger
 from skytasks.settings import settings
 
@@ -55,7 +56,12 @@ class PoolRelay:
         TLS both ways for the pool's members only, with the key handed over the controller's own
         channel. Its PEER_READY sets the channel's peer_port; calls go straight until it has."""
         cert, key = self._credentials()
-        return message(Op.PEERS, secret=self._secret.hex(), address=address, cert=cert, key=key)
+        return message(Op.PEERS, secret=subkey(self._secret, RELAY_LABEL).hex(), address=address, cert=cert, key=key)
+
+    @property
+    def key(self) -> str:
+        """The pool's key (hex): the LEASE's and a warm record's; the relay gets its subkey only."""
+        return self._secret.hex()
 
     def _credentials(self) -> tuple[str, str]:
         """The pool's TLS certificate and key, PEM; ("", "") with SKYTASKS_PEER_TLS=0 (measuring what

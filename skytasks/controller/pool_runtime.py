@@ -104,8 +104,8 @@ class PoolRuntime:
 
     def close_session(self, session: PoolSession) -> None:
         warm, calls_before = self._warm.pop(id(session), (None, 0))
-        if warm is not None and not session.evicted_by:
-            warm.release(session, self._calls - calls_before)  # the nodes stay up for the next process
+        if warm is not None:  # the nodes stay up for the next process; a lost pool is left to its new holder
+            warm.release(session, self._calls - calls_before)
             return
         try:
             session.close()

@@ -178,6 +178,7 @@ class Reconnector:
             try:
                 link = self.lease.provider.reattach(channel.link.node_id, channel.door, min(ATTEMPT_SECONDS, left))
             except NodeGone as exc:
+                setattr(channel, "gone_for_sure", True)  # the provider's word: a warm record drops its door
                 channel.mark_lost(f"{self.why}; the node is gone: {exc}")
                 return
             except Exception as exc:  # noqa: BLE001 - any other failure: try again until the deadline
@@ -227,7 +228,7 @@ def door_handshake(link: NodeLink, key: bytes, instance: str, holder: str, mode:
     reader = _TimedReader(link.inbound, deadline)
     challenge = _expect(read_frame(reader), Op.CHALLENGE)
     if instance and challenge["instance"] != instance:
-        raise _Refused("another agent answers at the node's door (its agent was restarted)")
+        raise _Refused("another agent answers at the node's door (its agent was restarted)", restarted=True)
     nonce = new_nonce()
     proof = controller_proof(key, challenge["nonce"], nonce, holder, mode, got)
     FrameWriter(link.outbound).send(message(Op.ATTACH, proof=proof, nonce=nonce, holder=holder, mode=mode, got=got,
@@ -247,9 +248,10 @@ class _Refused(Exception):
     """The node's door answered, but not as the node's own agent for this pool, or it is held by
     another controller (`holder`, since `since`): no use trying again now."""
 
-    def __init__(self, reason: str, holder: str = "", since: float | None = None):
+    def __init__(self, reason: str, holder: str = "", since: float | None = None, restarted: bool = False):
         super().__init__(reason)
         self.holder, self.since = holder, since
+        self.restarted = restarted  # not the agent the record names: that one is gone for sure
 
 
 Refused = _Refused  # what warm.py catches

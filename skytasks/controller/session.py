@@ -12,7 +12,7 @@ import queue
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from skytasks.controller.backlog import NodeEvents
 from skytasks.controller.call_run import CallRun
@@ -66,7 +66,7 @@ class PoolSession:
         self.holder = secrets.token_hex(8)  # this session, as the agents it leases know it
         # A warm pool's agents outlive this session, unheld this long (controller/warm.py).
         self.keep_warm_seconds = keep_warm_seconds
-        self.evicted_by = ""  # a warm pool taken over by another process while our stream was broken
+        self._evicted_by = ""  # a warm pool taken over by another process while our stream was broken
         self.who = ""  # this process in words (a warm pool's holder, as those waiting read it)
         self.procs_per_node = procs_per_node
         self.env = dict(env)
@@ -81,6 +81,12 @@ class PoolSession:
         self._grow_failed_at: float | None = None  # when an elastic pool last tried to grow and came up short
         self.policy: MembershipPolicy = policy_for(nodes)
         self.relay = relay or PoolRelay()  # the relay tree's key, and its links opened ahead of large calls
+
+    @property
+    def evicted_by(self) -> str:
+        """Who took this warm pool's nodes while this process's streams were broken ("": nobody),
+        as soon as any channel heard it: from then on this process ends nothing and writes no record."""
+        return self._evicted_by or next((getattr(n, "evicted_by") for n in self.nodes if getattr(n, "evicted_by", "")), "")
 
     @property
     def world_size(self) -> int:
@@ -119,18 +125,21 @@ class PoolSession:
                 peers = self.relay.peers_message(node.link.address)
                 node.send(peers)  # its relay listener
                 if (self.reattach_seconds > 0 or self.keep_warm_seconds > 0) and node.door and node.instance:
-                    node.lease_to(self.provider, peers["secret"], self.holder, self.reattach_seconds,
+                    node.lease_to(self.provider, self.relay.key, self.holder, self.reattach_seconds,
                                   self.keep_warm_seconds, self.who)
                 del waiting[node_rank]
             elif msg["op"] in NODE_FAILURES:
                 detail = msg.get("reason") or msg.get("error", "")
                 raise PoolStartError(f"node {node_rank} ({node.link.address}): the node agent did not start: {detail}")
 
-    def adopt(self, held: list[tuple[Any, dict[str, Any]]], gone: list[tuple[int, str, str]]) -> PoolSession:
+    def adopt(self, held: list[tuple[Any, dict[str, Any]]], gone: list[tuple[int, str, str]],
+              unread: Sequence[tuple[int, str, str]] = ()) -> PoolSession:
         """Instead of `start`, for a warm pool: the nodes another process started, whose agents
         this session now holds (`held`: each new stream's link and its ATTACHED state, the door
-        and instance in it) or found gone (`gone`: node id, address, why). A gone node is lost
-        from the start, so the first call's `prepare` replaces it (or an elastic pool drops it)."""
+        and instance in it), found gone (`gone`: node id, address, why) or not reached (`unread`).
+        Those are lost from the start, so the first call's `prepare` replaces them (or an elastic
+        pool drops them). Every held agent gets this session's key (LEASE, and PEERS: its relay
+        listener opens anew): the key the record held before reaches none of them any more."""
         try:
             for link, state in held:
                 node = self._channel(link)
@@ -138,21 +147,24 @@ class PoolSession:
                 node.gpus, node.pid = list(state.get("gpus") or []), state.get("pid")
                 node.peer_port = int(state.get("peer_port") or 0)
                 self.nodes.append(node)
-            for node_id, address, why in gone:
-                node = NodeChannel(NodeLink(node_id, address, io.BytesIO(), io.BytesIO(), node_id=node_id), self.events)
-                node.mark_lost(why)
-                node.said = False  # said once, before the first call (`_mend`)
-                self.nodes.append(node)
+            for definite, lost in ((True, gone), (False, unread)):
+                for node_id, address, why in lost:
+                    node = NodeChannel(NodeLink(node_id, address, io.BytesIO(), io.BytesIO(), node_id=node_id),
+                                       self.events)
+                    node.mark_lost(why)
+                    node.said = False  # said once, before the first call (`_mend`)
+                    setattr(node, "gone_for_sure", definite)
+                    self.nodes.append(node)
             self.nodes.sort(key=lambda n: n.link.node_id)
             self._renumber()
             keep_heartbeats([n for n in self.nodes if n.alive], self._closed)
-            key = self.relay.peers_message("")["secret"]
+            key = self.relay.key
             for node in self.nodes:
                 if node.alive:
                     node.lease_to(self.provider, key, self.holder, self.reattach_seconds, self.keep_warm_seconds,
                                   self.who)
-                    if not node.peer_port:  # its relay listener, if it has none open
-                        node.send(self.relay.peers_message(node.link.address))
+                    node.peer_port = 0  # calls go straight until its listener opens anew, on the new key
+                    node.send(self.relay.peers_message(node.link.address))
         except BaseException:
             self.close()
             raise
@@ -235,7 +247,7 @@ class PoolSession:
     def _mend(self, observer: CallObserver, *, before_call: bool) -> None:
         taker = next((getattr(n, "evicted_by", "") for n in self.nodes if getattr(n, "evicted_by", "")), "")
         if taker:  # its nodes are another process's now: never replaced from here
-            self.evicted_by = taker
+            self._evicted_by = taker
             raise PoolStartError(f"the warm pool was taken over by {taker} while this process was out of reach")
         status = self.status(before_call)
         for node in self.nodes:  # what happened to each gone node, once (a call may have said it)

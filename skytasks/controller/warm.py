@@ -12,27 +12,32 @@ another, so two processes never split a pool. No clock is compared across machin
 depends on the Prefect API mid-call. A holder that dies breaks its streams: its agents are free
 again within `reattach_seconds` (at once on local).
 
-**The record** (`WarmStore`, a Prefect Secret block: skytasks/prefect_records/warm_store.py) holds
-the pool's key and TLS key, the nodes' doors and the provider's handle; only the holder writes it.
-Claiming it is one atomic create, so two processes that find no pool do not both start one.
+**The record** (`WarmStore`: skytasks/controller/warm_claim.py, kept as Prefect secrets) holds the
+pool's key and TLS key, the nodes' doors and the provider's handle. Its writes are generations
+(compare-and-set): a process that lost the pool writes nothing, and ends nothing. A new holder
+writes a fresh key into the record's next generation, then hands it to every agent (LEASE, PEERS):
+the key a past holder or an old record knows reaches no rank. Only the provider's definite word
+(`PoolGone`, or every node's `NodeGone`) ends a pool found idle; anything else is asked again.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import os
 import socket
 import sys
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from skytasks.controller.pool_relay import PoolRelay
 from skytasks.controller.reconnect import HANDSHAKE_SECONDS, Refused, door_handshake
 from skytasks.controller.session import PoolSession
-from skytasks.errors import NodeGone, PoolConfigError, PoolStartError
+from skytasks.controller.warm_claim import (ASK_AGAIN, HELD_BACKOFF, NODE_GONE, POOL_GONE, RECORD_VERSION, STARTING,
+                                            UNREAD, UNREAD_BACKOFF, UP, Backoff, ClaimKeeper, ClaimWatch, NodeTries,
+                                            WarmStore, default_store, register_store, tombstone, verdict)
+from skytasks.errors import NodeGone, PoolConfigError, PoolGone, PoolStartError
 from skytasks.events import PoolAttached, PoolExpired, PoolReleased
 from skytasks.pool_spec import PoolSpec
 from skytasks.protocol import Op, message
@@ -40,42 +45,20 @@ from skytasks.providers import NodeLink, NodeProvider
 from skytasks.providers.reporting import PoolReporter
 from skytasks.wire import FrameWriter
 
-RECORD_VERSION = 1
-POLL_SECONDS = 0.5  # how often a process waiting in line asks again
+__all__ = ["WarmPool", "WarmStore", "default_store", "register_store", "spec_digest", "who_am_i"]
+
 REACH_SECONDS = 15.0  # the most one node's way in is given
 DEFAULT_WAIT_SECONDS = 900.0  # ready_timeout_seconds' default, for providers that have no such field
-
-
-class WarmStore(Protocol):
-    """Where warm pools' records are kept, by pool name (a secret store: they hold the pool's key)."""
-
-    def load(self, pool: str) -> dict[str, Any] | None: ...
-    def claim(self, pool: str, record: dict[str, Any]) -> bool: ...  # atomic create; False: one exists
-    def save(self, pool: str, record: dict[str, Any]) -> None: ...
-    def delete(self, pool: str) -> None: ...
-    def names(self) -> list[str]: ...
-
-
-_store: WarmStore | None = None
-
-
-def register_store(store: WarmStore) -> None:
-    """The Prefect side registers its store as it is imported (skytasks.prefect_records.warm_store)."""
-    global _store
-    _store = store
-
-
-def default_store() -> WarmStore:
-    if _store is None:  # registers itself; named, so the controller never imports Prefect
-        importlib.import_module("skytasks.prefect_records.warm_store")
-    assert _store is not None
-    return _store
 
 
 class HeldElsewhere(Exception):
     def __init__(self, holder: str, since: float | None):
         super().__init__(holder)
         self.holder, self.since = holder, since
+
+
+class Unread(Exception):
+    """The provider, or some of the pool's nodes, could not be read now: maybe only out of reach."""
 
 
 def spec_digest(spec: PoolSpec) -> str:
@@ -112,6 +95,7 @@ class WarmPool:
         self.make_provider, self._build = make_provider, build
         self.reporter = PoolReporter(spec.name, spec.provider)
         self.record: dict[str, Any] = {}
+        self.generation = 0  # the record's generation this process read or wrote last
         self.attached = False
 
     # -- taking the pool ---------------------------------------------------------------------
@@ -123,13 +107,14 @@ class WarmPool:
         while True:
             session = self._take(deadline)
             if session is None:
-                if self.store.claim(self.name, self._placeholder()):
-                    return self._start()
+                started = self._claim_and_start()
+                if started is not None:
+                    return started
                 continue  # another process claimed it first: wait for it in line
             if self.record.get("digest") != spec_digest(self.spec):
                 self.reporter.note(f"warm pool {self.name}'s nodes were of another shape: ending them, starting afresh")
                 session.close()
-                self._forget(self.record)
+                self._forget()
                 continue
             self.attached = True
             self.reporter.event(PoolAttached(self.name, len(session.nodes), time.time() - float(self.record["up_since"]),
@@ -145,107 +130,147 @@ class WarmPool:
         try:
             session.close()
         finally:
-            self._forget(self.record)
+            self._forget()
         return True
 
     def _take(self, deadline: float) -> PoolSession | None:
         """The pool's running nodes, held by this process (waiting in line for them); None when
-        it has none: no record, or they had all ended (then its record is gone too)."""
+        it has none: no record, or they had all ended (then its record is a tombstone)."""
+        held_wait, unread_wait, claim = Backoff(*HELD_BACKOFF), Backoff(*UNREAD_BACKOFF), ClaimWatch()
+        unread_since: float | None = None
         while True:
-            record = self.store.load(self.name)
+            self.generation, record = self.store.newest(self.name)
             if record is None:
                 return None
-            if record.get("state") == "starting":
-                if time.time() - float(record.get("claimed_at", 0)) > wait_limit(self.spec) + 60:
-                    self._forget(record)  # its starter died before saving the pool
+            if record.get("state") == STARTING:
+                if claim.abandoned(self.generation, time.monotonic()):
+                    self._forget()  # its starter stopped rewriting it: it died before saving the pool
                     continue
-                self._wait(record.get("who", "another process"), record.get("claimed_at"), deadline, "started")
+                self._wait(record.get("who", "another process"), record.get("claimed_at"), deadline, "started",
+                           held_wait)
                 continue
             try:
-                session = self._attach(record)
+                session = self._attach(record, unread_since)
             except HeldElsewhere as held:
-                self._wait(held.holder, held.since, deadline, "held")
+                unread_since = None
+                self._wait(held.holder, held.since, deadline, "held", held_wait)
+                continue
+            except Unread as exc:
+                held_some = bool(exc.args[1]) if len(exc.args) > 1 else False
+                unread_since = (unread_since or time.monotonic()) if held_some else None
+                self._unread(str(exc.args[0]), deadline, unread_wait)
                 continue
             if session is not None:
-                self.record = dict(record)
-            return session
+                return session
 
-    def _placeholder(self) -> dict[str, Any]:
-        return {"version": RECORD_VERSION, "pool": self.name, "state": "starting", "who": who_am_i(),
-                "claimed_at": time.time()}
-
-    def _wait(self, who: str, since: Any, deadline: float, how: str) -> None:
+    def _wait(self, who: str, since: Any, deadline: float, how: str, backoff: Backoff) -> None:
         when = time.strftime("%H:%M:%S", time.localtime(float(since))) if since else "a moment ago"
         if time.monotonic() > deadline:
             raise PoolStartError(f"warm pool {self.name} is {how} by {who} (since {when}); waited "
                                  f"{wait_limit(self.spec):g}s (ready_timeout_seconds) for it")
-        nodes = self.spec.nodes
-        self.reporter.progress(0, nodes, f"waiting for warm pool {self.name}, {how} by {who} since {when}")
-        time.sleep(POLL_SECONDS)
+        self.reporter.progress(0, self.spec.nodes, f"waiting for warm pool {self.name}, {how} by {who} since {when}")
+        time.sleep(min(backoff.wait(), max(0.0, deadline - time.monotonic()) + 0.05))
 
-    def _start(self) -> PoolSession:
+    def _unread(self, why: str, deadline: float, backoff: Backoff) -> None:
+        if time.monotonic() > deadline:
+            raise PoolStartError(f"warm pool {self.name}: could not tell whether its nodes still run ({why}); asked "
+                                 f"again for {wait_limit(self.spec):g}s (ready_timeout_seconds); nothing was ended")
+        self.reporter.note(f"warm pool {self.name}: {why}; not taken for gone, asking again", level=logging.WARNING)
+        time.sleep(min(backoff.wait(), max(0.0, deadline - time.monotonic()) + 0.05))
+
+    def _claim_and_start(self) -> PoolSession | None:
+        """Start the pool under a claim (its "starting" placeholder, rewritten while it starts);
+        None when another process claimed it first, or took this claim for abandoned."""
+        placeholder = {"version": RECORD_VERSION, "pool": self.name, "state": STARTING, "who": who_am_i(),
+                       "claimed_at": time.time(), "beat": 0}
+        if not self.store.write(self.name, placeholder, self.generation):
+            return None
+        keeper = ClaimKeeper(self.store, self.name, placeholder, self.generation + 1).start()
         try:
             session = self._build(self.make_provider(), None).start()
         except BaseException:
-            self.store.delete(self.name)
+            mine = keeper.stop()
+            if mine is not None:
+                self._write(tombstone(self.name), mine)
             raise
-        now = time.time()
-        self.record = {"version": RECORD_VERSION, "pool": self.name, "state": "up", "provider": self.spec.provider,
-                       "digest": spec_digest(self.spec), "up_since": now, "calls": 0,
+        mine = keeper.stop()
+        if mine is None:  # taken for abandoned while it started: these nodes are nobody's but ours
+            self.reporter.note(f"warm pool {self.name}: its claim was taken while it started; ending what it started",
+                               level=logging.WARNING)
+            session.close()
+            return None
+        self.generation = mine
+        self.record = {"version": RECORD_VERSION, "pool": self.name, "state": UP, "provider": self.spec.provider,
+                       "digest": spec_digest(self.spec), "up_since": time.time(), "calls": 0,
                        "keep_warm_minutes": self.spec.keep_warm_minutes, **_keys(session.relay)}
         try:  # e.g. a provider that cannot keep these nodes warm says so here: nothing is left running
-            self.store.save(self.name, self._refreshed(session))
+            written = self._write(self._refreshed(session), self.generation)
         except BaseException:
             session.close()
-            self.store.delete(self.name)
+            self._forget()
             raise
+        if not written:
+            session.close()
+            return None
+        self.generation += 1
         return session
 
-    def _attach(self, record: dict[str, Any]) -> PoolSession | None:
-        """Hold every node of the record, in node-id order; None when none runs any more."""
+    def _attach(self, record: dict[str, Any], unread_since: float | None) -> PoolSession | None:
+        """Hold every node of the record, in node-id order, then give the pool a fresh key; None
+        when none runs any more (the pool is then expired). HeldElsewhere, or Unread when the
+        provider or some nodes could not be read (nothing is ended then)."""
         provider = self.make_provider()
         try:
             provider.adopt(record.get("handle") or {})
-        except PoolStartError as exc:
-            self.expire(record, provider, str(exc))
+        except PoolGone as exc:
+            self.expire(provider, str(exc))
             return None
-        session = self._build(provider, PoolRelay.from_stored(record["pool_key"], record.get("tls_cert", ""),
-                                                              record.get("tls_key", "")))
+        except PoolConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed read is not the provider's word that it is gone
+            _leave(provider)
+            raise Unread(f"the provider could not be read: {type(exc).__name__}: {exc}", False) from None
+        session = self._build(provider, PoolRelay())  # the pool's next key: the agents get it once held
         held: list[tuple[NodeLink, dict[str, Any]]] = []
         gone: list[tuple[int, str, str]] = []
+        unread: list[tuple[int, str, str]] = []
         try:
             for node in sorted(record.get("nodes", []), key=lambda n: n["node_id"]):
-                taken = self._hold(provider, node, bytes.fromhex(record["pool_key"]), session.holder)
-                if isinstance(taken, str):
-                    gone.append((node["node_id"], node.get("address", ""), taken))
+                kind, taken = self._hold(provider, node, bytes.fromhex(record["pool_key"]), session.holder)
+                if kind == NODE_GONE or kind == UNREAD:
+                    (gone if kind == NODE_GONE else unread).append((node["node_id"], node.get("address", ""), taken))
                 else:
                     held.append(taken)
         except HeldElsewhere:
-            for link, _ in held:
-                _let_go_held(link)
-            provider.leave_running()
+            _give_back(held, provider)
             raise
-        if not held:
-            self.expire(record, provider, "none of its nodes runs any more")
+        decision = verdict(NodeTries(len(held), len(gone), len(unread)), unread_since, time.monotonic(),
+                           max(self.spec.reattach_seconds, 10.0))
+        if decision == ASK_AGAIN:
+            _give_back(held, provider)
+            raise Unread(f"node {unread[0][0]} ({unread[0][1]}) {unread[0][2]}", bool(held))
+        if decision == POOL_GONE:
+            self.expire(provider, "none of its nodes runs any more")
             return None
-        if (current := self.store.load(self.name)) is None or current.get("nodes") != record.get("nodes"):
-            for link, _ in held:  # its holder changed the pool as we took it: read it again
-                _let_go_held(link)
-            provider.leave_running()
-            raise HeldElsewhere("the process that just released it", time.time())
-        return session.adopt(held, gone)
+        fresh = {**{k: v for k, v in record.items() if k != "generation"}, **_keys(session.relay), "state": UP}
+        if not self._write(fresh, self.generation):  # the record moved on as we took the nodes: read it again
+            _give_back(held, provider)
+            raise HeldElsewhere("the process that just wrote the pool's record", time.time())
+        self.generation += 1
+        self.record = fresh
+        return session.adopt(held, gone, unread)
 
-    def _hold(self, provider: NodeProvider, node: dict[str, Any], key: bytes,
-              holder: str) -> tuple[NodeLink, dict[str, Any]] | str:
-        """One node's agent, held: its new stream and what it says of itself; or why it is gone."""
+    def _hold(self, provider: NodeProvider, node: dict[str, Any], key: bytes, holder: str) -> tuple[str, Any]:
+        """One node's agent, held: ("held", (its new stream, what it says of itself)); or
+        (NODE_GONE or UNREAD, why). HeldElsewhere when another process holds it."""
         if not node.get("door"):
-            return "it was lost before the pool was released"
+            return NODE_GONE, "it was lost before the pool was released"
         try:
             link = provider.reattach(node["node_id"], node["door"], REACH_SECONDS)
         except NodeGone as exc:
-            return f"found gone while the pool was warm: {exc}"
-        except Exception as exc:  # noqa: BLE001 - unreachable now is gone for this holder: replaced
-            return f"could not be reached: {type(exc).__name__}: {exc}"
+            return NODE_GONE, f"found gone while the pool was warm: {exc}"
+        except Exception as exc:  # noqa: BLE001 - out of reach now is not gone
+            return UNREAD, f"could not be reached: {type(exc).__name__}: {exc}"
         try:
             attached = door_handshake(link, key, node.get("instance", ""), holder, "hold", 0, who_am_i(),
                                       time.monotonic() + HANDSHAKE_SECONDS)
@@ -253,60 +278,95 @@ class WarmPool:
             _let_go(link)
             if exc.holder:
                 raise HeldElsewhere(exc.holder, exc.since) from None
-            return str(exc)
+            if exc.restarted:
+                return NODE_GONE, str(exc)
+            return UNREAD, str(exc)  # e.g. a key newer than the record read: read it again
         except Exception as exc:  # noqa: BLE001
             _let_go(link)
-            return f"its door did not answer: {type(exc).__name__}: {exc}"
+            return UNREAD, f"its door did not answer: {type(exc).__name__}: {exc}"
         link.address = node.get("address") or link.address
-        return link, {**attached.get("state", {}), "door": node["door"], "instance": node.get("instance", "")}
+        return "held", (link, {**attached.get("state", {}), "door": node["door"], "instance": node.get("instance", "")})
 
-    def expire(self, record: dict[str, Any], provider: NodeProvider, why: str) -> None:
-        """The pool's nodes are gone: clear what is left of them and its record, quietly."""
+    def expire(self, provider: NodeProvider, why: str) -> None:
+        """The provider said the pool's nodes are gone: its record becomes a tombstone (only if
+        nobody wrote it since it was read), then what is left of the nodes is cleared, quietly."""
+        if not self._forget():
+            _leave(provider)
+            return
         try:
             provider.stop()
         except Exception:  # noqa: BLE001 - what was left is the provider's gc's now
             pass
-        self._forget(record)
         self.reporter.event(PoolExpired(self.name, why))
 
-    def _forget(self, record: dict[str, Any]) -> None:
-        current = self.store.load(self.name)
-        if current is not None and current.get("pool_key") == record.get("pool_key") \
-                and current.get("claimed_at") == record.get("claimed_at"):
-            self.store.delete(self.name)  # not one that another process has made meanwhile
+    def _forget(self) -> bool:
+        """The record's next generation is a tombstone; False when another process wrote first."""
+        written = self._write(tombstone(self.name), self.generation)
+        if written:
+            self.generation += 1
+        return written
+
+    def _write(self, record: dict[str, Any], after: int) -> bool:
+        return self.store.write(self.name, record, after)
 
     # -- letting it go -----------------------------------------------------------------------
 
     def release(self, session: PoolSession, calls: int) -> None:
-        """The ranks end, the agents stay for the next process; the record says where they are."""
+        """The ranks end, the agents stay for the next process; the record says where they are.
+        A process that lost the pool meanwhile writes nothing and ends nothing: it lets go of
+        the streams it still has, and the nodes are their new holder's."""
+        if session.evicted_by:
+            self.reporter.note(f"warm pool {self.name} was taken over by {session.evicted_by}: this process leaves "
+                               f"it to them", level=logging.WARNING)
+            session.release()
+            return
         self.record["calls"] = int(self.record.get("calls", 0)) + calls
         try:
             record = self._refreshed(session)
         except Exception as exc:  # noqa: BLE001 - nodes nobody could find again must not stay up
             self.reporter.note(f"warm pool {self.name}: cannot be kept warm ({exc}); its nodes are ended",
                                level=logging.WARNING)
-            session.close()
-            self._forget(self.record)
+            if self._forget():
+                session.close()
+            else:
+                session.release()
             return
         try:
-            self.store.save(self.name, record)  # before the agents are free: the next holder reads this
+            written = self._write(record, self.generation)  # before the agents are free: the next holder reads this
         except Exception as exc:  # noqa: BLE001 - the agents are released all the same: they end unheld
             self.reporter.note(f"warm pool {self.name}: its record could not be saved ({exc}); the next process "
                                f"may start it afresh", level=logging.WARNING)
+            written = True
+        if not written:
+            self.reporter.note(f"warm pool {self.name}: another process wrote its record since this one took it; "
+                               f"it is theirs, and this process leaves it as it is", level=logging.WARNING)
+            session.release()
+            return
+        self.generation += 1
         session.release()
         self.reporter.event(PoolReleased(self.name, sum(1 for n in record["nodes"] if n["door"]),
                                          self.spec.keep_warm_minutes, time.time() + self.spec.keep_warm_minutes * 60))
 
     def _refreshed(self, session: PoolSession) -> dict[str, Any]:
-        nodes = [{"node_id": n.link.node_id, "address": n.link.address, "door": n.door if n.alive else "",
+        # A node this process lost may still run (only its stream was lost): its door stays in
+        # the record unless its provider said it is gone.
+        nodes = [{"node_id": n.link.node_id, "address": n.link.address,
+                  "door": n.door if (n.alive or not getattr(n, "gone_for_sure", False)) else "",
                   "instance": n.instance, "where": n.link.where} for n in session.nodes]
-        self.record.update(nodes=nodes, handle=session.provider.handle(), released_at=time.time(), state="up")
+        self.record.update(nodes=nodes, handle=session.provider.handle(), released_at=time.time(), state=UP)
         return dict(self.record)
 
 
 def _keys(relay: PoolRelay) -> dict[str, str]:
     peers = relay.peers_message("")
-    return {"pool_key": peers["secret"], "tls_cert": peers["cert"], "tls_key": peers["key"]}
+    return {"pool_key": relay.key, "tls_cert": peers["cert"], "tls_key": peers["key"]}
+
+
+def _leave(provider: NodeProvider) -> None:
+    try:
+        provider.leave_running()
+    except Exception:  # noqa: BLE001 - it let go of nothing this process holds
+        pass
 
 
 def _let_go(link: NodeLink) -> None:
@@ -316,10 +376,13 @@ def _let_go(link: NodeLink) -> None:
         pass
 
 
-def _let_go_held(link: NodeLink) -> None:
-    """A node taken and given back at once (another process holds the rest): RELEASE, then close."""
-    try:
-        FrameWriter(link.outbound).send(message(Op.RELEASE))
-    except Exception:  # noqa: BLE001 - its stream closing frees it too
-        pass
-    _let_go(link)
+def _give_back(held: list[tuple[NodeLink, dict[str, Any]]], provider: NodeProvider) -> None:
+    """Nodes taken and given back at once (another process holds the rest, or some could not be
+    read): RELEASE on each new stream, then close; the provider lets go, ending nothing."""
+    for link, _ in held:
+        try:
+            FrameWriter(link.outbound).send(message(Op.RELEASE))
+        except Exception:  # noqa: BLE001 - its stream closing frees it too
+            pass
+        _let_go(link)
+    _leave(provider)

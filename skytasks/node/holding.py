@@ -53,8 +53,8 @@ class Holding:
         """A LEASE: held by `holder` (the process that started the agent, or one just admitted)."""
         if holder != self.holder or self.state != HELD:
             self.held_since = now
-        if holder != self.holder:
-            self.who = who or f"controller {holder}"
+        if holder != self.holder:  # never its id: whoever holds the id may resume the holder's stream
+            self.who = who or "another controller"
         elif who:
             self.who = who
         self.holder = holder
@@ -103,7 +103,7 @@ class Holding:
             ticket = self.tickets[who] = Ticket(who, now, now)
         ticket.last_seen = now
         if self.state in (HELD, DETACHED):
-            return self.who or f"controller {self.holder}", self.held_since
+            return self.who or "another controller", self.held_since
         if self.state != UNHELD:
             return "nobody: the node is ending", now
         first = min(self.tickets.values(), key=lambda t: t.first_seen)

@@ -144,12 +144,19 @@ class RelayNode:
         self._broken, self._refused = broken, refused
         self._listener: PeerListener | None = None
         self._links: PeerLinks | None = None
+        self._secret = b""  # the key the listener and links were opened with
 
     def open(self, secret: bytes, address: str, tls: PeerTLS | None = None) -> int:
-        """Listen for this node's parent (once); the port."""
-        if self._listener is None:
-            self._links = PeerLinks(secret, tls)
-            self._listener = PeerListener(address, secret, self.serve_peer, tls)
+        """Listen for this node's parent; the port. A new key (a warm pool's next holder sends
+        one) opens a new listener and new links on it, and the old listener closes: the old key
+        is refused from then on."""
+        if self._listener is not None and self._secret == secret:
+            return self._listener.port
+        if self._listener is not None:
+            self._listener.close()
+        self._secret = secret
+        self._links = PeerLinks(secret, tls)
+        self._listener = PeerListener(address, secret, self.serve_peer, tls)
         return self._listener.port
 
     def open_links(self, children: list[dict[str, Any]]) -> None:

@@ -8,6 +8,7 @@ stream, until nobody held it for keep_warm_seconds. Probes are answered with the
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 import socket
@@ -202,7 +203,7 @@ class Reattach:
                 return message(Op.REFUSED, reason=f"mode {mode!r} is not served by this agent")
             elif holding.state not in (HELD, DETACHED):
                 return message(Op.REFUSED, reason="its holder let the node go (it was not re-attached in time)")
-            elif holding.holder != msg["holder"]:
+            elif not hmac.compare_digest(holding.holder.encode(), str(msg["holder"]).encode()):
                 return message(Op.REFUSED, reason=f"the node is held by {holding.who}", holder=holding.who,
                                since=_epoch(holding.held_since))
         transport = socket_transport(conn)

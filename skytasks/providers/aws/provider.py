@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from skytasks.errors import PoolStartError
+from skytasks.errors import PoolGone, PoolStartError
 from skytasks.providers import NodeLink, NodeProvider
 from skytasks.providers.remote_fields import Lease
 from skytasks.providers.reporting import PoolReporter, flow_run_id
@@ -143,7 +143,7 @@ class AWSProvider(NodeProvider):
 
     def adopt(self, handle: dict[str, Any]) -> None:
         """Another process's instances, their agents running: reached by `reattach` over SSH;
-        `stop` terminates them and deletes the pool's group. PoolStartError when none runs."""
+        `stop` terminates them and deletes the pool's group. PoolGone when EC2 says none runs."""
         import asyncssh
         from datetime import datetime, timezone
 
@@ -156,7 +156,7 @@ class AWSProvider(NodeProvider):
         self._lease.started_at = datetime.fromtimestamp(float(handle.get("started_at", time.time())), timezone.utc)
         live = [i["InstanceId"] for i in self._describe_new_instances() if i["State"]["Name"] in ("pending", "running")]
         if not any(iid in live for iid in self._node_ids.values()):
-            raise PoolStartError(f"{self.pool_id}: none of its instances runs any more")
+            raise PoolGone(f"{self.pool_id}: none of its instances runs any more (EC2 says so)")
         private = handle.get("login_key") or (self._aws.ssh_private_key.get_secret_value()
                                               if self._aws.ssh_private_key is not None else None)
         if not private:

@@ -19,7 +19,8 @@ from skytasks.providers.kubernetes.spec import KubernetesSpec
 
 # Every (verb, resource, subresource) the provider uses in the pool's namespace.
 NEEDED = (
-    ("create", "configmaps", ""), ("delete", "configmaps", ""), ("list", "configmaps", ""), ("patch", "configmaps", ""),
+    ("create", "configmaps", ""), ("get", "configmaps", ""), ("delete", "configmaps", ""), ("list", "configmaps", ""),
+    ("patch", "configmaps", ""),  # get: a warm pool's next holder reads the owner back (adopt)
     ("create", "pods", ""), ("get", "pods", ""), ("list", "pods", ""), ("watch", "pods", ""), ("delete", "pods", ""),
     ("deletecollection", "pods", ""), ("create", "pods", "exec"), ("get", "pods", "exec"),
     ("list", "events", ""), ("watch", "events", ""), ("get", "serviceaccounts", ""),

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from skytasks.errors import PoolStartError
+from skytasks.errors import PoolGone, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.providers.kubernetes import cluster, pod_status, pod_views, pods
@@ -257,8 +257,9 @@ class KubernetesProvider(NodeProvider):
                 "placed": {name: self.placed.get(name, "") for name in self.nodes.values()}}
 
     def adopt(self, handle: dict[str, Any]) -> None:
-        """The pods of another process's pool: its owner read back (PoolStartError when it is gone,
-        or none of its pods runs), the watch and the lease taken up; each agent is reached by
+        """The pods of another process's pool: its owner read back (PoolGone on a 404 for it, or
+        when the API lists none of its pods running; any other failure is raised as it is, and
+        the pool asked again later), the watch and the lease taken up; each agent is reached by
         `reattach`. A pod deleted while the pool was warm is NodeGone at once."""
         from datetime import datetime, timezone
 
@@ -271,8 +272,8 @@ class KubernetesProvider(NodeProvider):
         try:
             owner = self._core.read_namespaced_config_map(self.pool_id, self.namespace, _request_timeout=30)
         except Exception as exc:  # noqa: BLE001 - a 404 is a pool gone; anything else, unreachable
-            if getattr(exc, "status", None) == 404:
-                raise PoolStartError(f"{self.pool_id}: its owner object is gone (deleted, or taken by gc)") from None
+            if getattr(exc, "status", None) == 404:  # the API's own word; a timeout, 429 or 5xx is not
+                raise PoolGone(f"{self.pool_id}: its owner object is gone (deleted, or taken by gc)") from None
             raise cluster.refused(exc, "read configmaps", self.namespace) from exc
         self._owner_ref = pods.owner_reference({"metadata": {"name": owner.metadata.name, "uid": owner.metadata.uid}})
         self._made_owner = True  # from now on stop() deletes the owner, and with it every pod
@@ -291,7 +292,7 @@ class KubernetesProvider(NodeProvider):
             if gone:
                 self._lost[name] = gone
         if all(name in self._lost for name in self.nodes.values()):
-            raise PoolStartError(f"{self.pool_id}: none of its pods runs any more")
+            raise PoolGone(f"{self.pool_id}: none of its pods runs any more")
         if self._k8s.accelerator:
             self._node_labels = self._read_node_labels(self._k8s.accelerator)
         self._watcher = threading.Thread(target=self._watch_pods, name=f"skytasks-k8s-lost-{self.pool_id}", daemon=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
-from skytasks.errors import NodeGone, PoolStartError
+from skytasks.errors import NodeGone, PoolGone
 from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.node.rank_template import torch_import_env
 from skytasks.node.ports import free_port
@@ -139,14 +139,14 @@ class LocalProvider(NodeProvider):
 
     def adopt(self, handle: dict[str, Any]) -> None:
         if handle.get("machine") != boot_id():
-            raise PoolStartError("the warm pool's agents ran on another boot of this machine")
+            raise PoolGone("the warm pool's agents ran on another boot of this machine")
         self._setup()
         self._log_dir = str(handle.get("log_dir") or self._log_dir)
         self._next_id = max(int(handle.get("next_id", 0)), self._next_id)
         for node_id, agent in handle.get("nodes", {}).items():
             self._procs[int(node_id)] = AdoptedAgent(int(agent["pid"]), agent.get("started"))
         if all(proc.poll() is not None for proc in self._procs.values()):
-            raise PoolStartError("none of the warm pool's agents runs any more")
+            raise PoolGone("none of the warm pool's agents runs any more")
 
     def reattach(self, node_id: int, door: str, timeout: float) -> NodeLink:
         """A stream to a running local agent: its door's socket, straight (no process between)."""

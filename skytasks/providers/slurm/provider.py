@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from skytasks.errors import PoolConfigError, PoolStartError
+from skytasks.errors import PoolConfigError, PoolGone, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.providers.remote_fields import Lease
@@ -37,6 +37,10 @@ from skytasks.providers.slurm.node_steps import NodeSteps
 from skytasks.providers.slurm.shell import SlurmShell
 from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.settings import settings
+
+# A job in one of these states is SLURM's word that it no longer runs ("": not in the queue).
+ENDED_STATES = frozenset({"", "COMPLETED", "COMPLETING", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"})
 
 POLL_SECONDS = 1.0
 GROW_WAIT_SECONDS = 10.0  # how long a call may wait for the nodes that grow an elastic pool back
@@ -239,15 +243,21 @@ class SlurmProvider(NodeProvider):
 
     def adopt(self, handle: dict[str, Any]) -> None:
         """The allocation of another process's pool, its agents running in their steps: each is
-        reached by a step beside it (`reattach`). PoolStartError when none of its jobs runs."""
+        reached by a step beside it (`reattach`). PoolGone only on SLURM's own word that none of
+        its jobs runs (each unknown to it, or ended); a failed `squeue` or a dropped login is
+        raised as it is (the pool may run on: asked again later), as is a job that waits."""
         self.pool_id = self.reporter.key = str(handle["pool_id"])
         self.jobs = [str(j) for j in handle.get("jobs", [])]
         self.lost = set(handle.get("lost", []))
         self.nodes = {int(i): AllocatedNode(*v) for i, v in handle.get("nodes", {}).items()}
         self._lease.started_at = datetime.fromtimestamp(float(handle.get("started_at", time.time())), timezone.utc)
-        running = [j for j in self.jobs if self._queue(j).state == "RUNNING"]
+        states = {j: self._queue(j).state for j in self.jobs}  # a failure to ask raises: not the word "gone"
+        running = [j for j, state in states.items() if state == "RUNNING"]
         if not running:
-            raise PoolStartError(f"{self.pool_id}: none of its jobs ({', '.join(self.jobs) or 'none'}) runs any more")
+            said = ", ".join(f"{j} {state.lower() or 'unknown to SLURM'}" for j, state in states.items()) or "no job"
+            if all(state in ENDED_STATES for state in states.values()):
+                raise PoolGone(f"{self.pool_id}: none of its jobs runs any more ({said})")
+            raise PoolStartError(f"{self.pool_id}: none of its jobs runs now ({said}); not taken for gone")
         self._ended.update(j for j in self.jobs if j not in running)
         self._lease.keep(self._renew_lease, lambda line: self.reporter.note(f"{self.pool_id}: {line}", logging.WARNING),
                          name=f"skytasks-lease-{self.pool_id}")
