@@ -124,3 +124,19 @@ def take_signal() -> None:
         threading.Thread(target=_heard_here, args=(notice,), daemon=True).start()
 
     signal.signal(NOTICE_SIGNAL, on_signal)
+
+
+def wait_for_checkpoints_within_grace() -> None:
+    """The attempt is ending on a notice: the save in flight is committed first, if it can be
+    before the node goes (the notice's deadline; no deadline: until it is). One that cannot is
+    given up: a resume gets the previous committed checkpoint, never a half-written one."""
+    import sys
+
+    writer = sys.modules.get("skytasks.checkpointing.async_writer")
+    if writer is None:
+        return
+    notice = _notice
+    try:
+        writer.wait_for_saves(notice.deadline if notice is not None else None)
+    except Exception as exc:  # noqa: BLE001 - the attempt ends on Preempted anyway: said, not raised
+        print(f"skytasks: {exc}", file=sys.stderr)

@@ -80,10 +80,10 @@ class Checkpointer:
         if holds_stateful(state):
             from skytasks.checkpointing import sharded
 
-            self._in_flight = sharded.save(self, dict(state), step)
+            flight = self._in_flight = sharded.save(self, state, step)
             if not self.async_save:
                 self.wait()
-            return self._in_flight.where
+            return flight.where
         refuse_sharded_tensors(state)
         if not plain.is_head():
             return None

@@ -74,7 +74,9 @@ def broadcast_newest(head: Any) -> tuple[int, bytes | bytearray] | None:
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # CPU tensors where the group has a CPU backend (gloo, or "cpu:gloo,cuda:nccl"); NCCL alone needs CUDA ones.
+    cpu_capable = torch.device("cpu") in getattr(dist.group.WORLD, "_device_types", [torch.device("cpu")])
+    device = torch.device("cpu") if cpu_capable else torch.device("cuda", torch.cuda.current_device())
     data: bytes | bytearray = b""
     step, failure = _NONE, None
     if head is not None:

@@ -58,7 +58,7 @@ def _agree(values: list[int], group: Any) -> list[int]:
     return [int(t[i]) for i in range(n)] + [-int(t[n + i]) for i in range(n)]
 
 
-def save(ckpt: Any, state: dict[str, Any], step: int) -> async_writer.SaveInFlight:
+def save(ckpt: Any, state: Any, step: int) -> async_writer.SaveInFlight:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter

@@ -204,6 +204,12 @@ class CallRun:
 
     def _on_report(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         self.observer.on_report(msg["rank"], msg["metrics"])
+        if "checkpoint_step" in msg["metrics"]:  # a head's commit (skytasks.checkpointing.committed_event)
+            from skytasks.checkpointing.committed_event import from_report
+
+            committed = from_report(msg["metrics"])
+            if committed is not None:
+                self.observer.on_event(committed)
 
     def _on_joining(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         self.group.joining.add(msg["rank"])

@@ -95,6 +95,9 @@ def _init_process_group(out: FrameWriter) -> None:
         addr, port, world, is_master=rank == 0,
         timeout=timedelta(seconds=init_timeout), wait_for_workers=True, master_listen_fd=listen_fd,
     )
+    if backend == "nccl":
+        # A CPU backend beside NCCL: CPU collectives (async checkpointing's, a user's) work too.
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 
@@ -143,7 +146,12 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
     started, usage_before = time.time(), _usage_now()
     try:
         fn, args, kwargs = _unpack(msg)
-        value = fn(*args, **kwargs)
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as raised:
+            _finish_checkpoints(raised)
+            raise
+        _finish_checkpoints(None)
     except BaseException as exc:  # noqa: BLE001 - everything, KeyboardInterrupt included, goes back
         out.send(message(Op.FAILED, call=msg["call"], started=started, ended=time.time(), used=_used(usage_before),
                          **_describe_exception(exc)))
@@ -160,6 +168,18 @@ def _run_call(msg: dict[str, Any], out: FrameWriter) -> bool:
     out.send(message(Op.RESULT, call=msg["call"], value=blob, started=started, ended=time.time(),
                      used=_used(usage_before)))
     return True
+
+
+def _finish_checkpoints(raised: BaseException | None) -> None:
+    """A function that returns waits for its checkpoint in flight (a failed one fails the call);
+    one that ended on a preemption waits within the notice's grace; any other failure does not
+    wait. Only where the function used `Checkpointer` (its module is then imported)."""
+    if "skytasks.checkpointing.async_writer" not in sys.modules:
+        return
+    if raised is None:
+        sys.modules["skytasks.checkpointing.async_writer"].wait_for_saves()
+    elif isinstance(raised, preemption.Preempted):
+        preemption.wait_for_checkpoints_within_grace()
 
 
 def _enter_workdir() -> None:
