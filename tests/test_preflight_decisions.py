@@ -75,9 +75,12 @@ def test_a_failed_dcgm_diagnostic_is_a_finding_on_full():
 
 
 def test_a_node_is_as_good_as_its_worst_rank_and_its_best_link():
-    ranks = [RankFigures(0, 1, compute=30.0, pair_gbps={0: 0.1, 2: 3.0}), RankFigures(1, 1, compute=5.0)]
+    ranks = [RankFigures(0, 1, compute=30.0, compute_unit="TFLOPS", pair_gbps={0: 0.1, 2: 3.0}),
+             RankFigures(1, 1, compute=5.0, compute_unit="TFLOPS")]
     folded = fold(1, "x", ranks)
     assert (folded.compute, folded.pair_gbps) == (5.0, 3.0)
+    # A CPU node's ranks share its cores: its figure is theirs together.
+    assert fold(1, "x", [RankFigures(0, 1, compute=3.0), RankFigures(1, 1, compute=1.0)]).compute == 4.0
     # Three nodes, one slow link set: only the node in both slow pairs is named.
     pairs = {0: {1: 3.0, 2: 0.2}, 1: {0: 3.0, 2: 0.2}, 2: {0: 0.2, 1: 0.2}}
     nodes = [fold(n, str(n), [RankFigures(n, n, compute=10.0, pair_gbps=p)]) for n, p in pairs.items()]
@@ -135,3 +138,40 @@ def test_the_preflight_fields_reach_the_spec_and_read_back_flat():
         "full", 0.7, 3.0, 12)
     assert (pool.preflight_min_ratio, pool.preflight_min_tflops) == (0.7, None)
     assert GPUPool(nodes=2).spec().preflight == "basic"
+
+
+def test_a_replacement_pod_keeps_off_the_avoided_kubernetes_nodes_in_every_term_and_only_narrows():
+    from skytasks.providers.kubernetes.avoid import avoid_hosts
+
+    bare = {"spec": {"containers": []}}
+    assert avoid_hosts(bare, []) is bare and avoid_hosts(bare, [""]) is bare
+    kept_off = avoid_hosts(bare, ["gpu-7", "gpu-3"])
+    [term] = kept_off["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                         "values": ["gpu-3", "gpu-7"]}]
+    product = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H100"]}
+    two_terms = {"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [product]}, {"matchFields": []}]}}}}}
+    narrowed = avoid_hosts(two_terms, ["gpu-7"])["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [t["matchExpressions"][-1]["values"] for t in narrowed] == [["gpu-7"], ["gpu-7"]]
+    assert narrowed[0]["matchExpressions"][0] == product  # the pool's own term is kept
+    assert two_terms["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"][0] == {"matchExpressions": [product]}  # the pool's manifest is not changed
+
+
+def test_the_flight_recorder_names_the_rank_that_never_joined_the_collective_the_others_wait_in():
+    from skytasks.preflight.flight_recorder import never_joined
+
+    def entries(*seqs: int, pg: int = 0) -> dict:
+        return {"entries": [{"pg_id": pg, "collective_seq_id": s, "profiling_name": "nccl:all_reduce",
+                             "state": "completed"} for s in seqs]}
+
+    dumps = {0: entries(1, 2, 3), 1: entries(1, 2), 2: entries(1, 2, 3), 3: entries(1, 2, 3)}
+    [stuck] = never_joined(dumps)
+    assert (stuck.seq, stuck.entered, stuck.missing, stuck.name) == (3, (0, 2, 3), (1,), "nccl:all_reduce")
+    assert "ranks [1] never joined" in stuck.text()
+    assert never_joined({0: entries(1, 2), 1: entries(1, 2)}) == []  # every rank in step: no evidence of a hang
+    # A rank with no collective in its dump (only point-to-point ops, seq 0) is no evidence: left out.
+    assert never_joined({0: entries(5), 1: {"entries": [{"pg_id": 0, "collective_seq_id": 0}]}}) == []

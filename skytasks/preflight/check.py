@@ -59,6 +59,10 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
     while True:
         verdict = measure(session, rules, group_spec, observer)
         observer.on_event(PreflightTable(rules.level, tuple(verdict.rows())))
+        if verdict.nodes and not any(n.answered for n in verdict.nodes):
+            # Nothing to tell the nodes apart by (the call's own setup failed on all of them, say):
+            # the user's call runs as it would without a preflight, and says why in its own words.
+            return verdict
         if verdict.healthy:
             _PASSED[session] = {n.serial for n in session.nodes}
             observer.on_event(PoolHealthy(len(session.nodes), time.monotonic() - started, rules.level))
@@ -73,9 +77,13 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
         if not isinstance(action, DropNodes):
             replacements -= len(action.nodes)
         why = {f.node: f.text() for f in reversed(verdict.findings)}
+        avoid = getattr(session.provider, "avoid", None)  # kubernetes: later pods keep off its machine
         for node in list(session.nodes):
             if node.link.node_rank in action.nodes:
+                if avoid is not None:
+                    avoid(node.link.node_id)
                 node.said = True  # said as NodeUnhealthy, not again as a lost node
+                node.end()  # a leased agent would wait out its lease for a holder coming back: it ends now
                 node.mark_lost(f"failed the preflight: {why[node.link.node_rank]}")
         # The pool's own membership policy carries it out: an elastic pool drops what it can
         # spare (PoolShrank), the rest is replaced (NodeReplaced); then every node again.
@@ -111,7 +119,10 @@ def node_figures(outcome: CallOutcome, watch: ProbeObserver, addresses: dict[int
             found.append(folded if gpus.get(node, 0) <= folded.gpus else
                          NodeFigures(**{**folded.__dict__, "gpus": gpus[node]}))
         return found
-    failed = {o.node_rank: o for o in watch.outcomes.values() if o.status is RankState.FAILED and o.failure}
+    failures = sorted((o for o in watch.outcomes.values() if o.status is RankState.FAILED and o.failure),
+                      key=lambda o: o.failure.at if o.failure else 0.0)
+    # The first to fail is the cause; its peers may fail after it only because it left.
+    failed = {o.node_rank: o for o in failures[:1]}
     group = watch.group
     if not failed and group is not None:
         never = {group.placement[r][0] for r in group.placement if r not in group.ready}

@@ -41,7 +41,7 @@ class RankFigures:
 
 @dataclass(frozen=True)
 class NodeFigures:
-    """One node's figures: its worst rank's, and its best link's."""
+    """One node's figures: its worst rank's (on CPU, its ranks' together), and its best link's."""
 
     node: int
     address: str
@@ -65,8 +65,11 @@ def fold(node: int, address: str, ranks: Sequence[RankFigures]) -> NodeFigures:
     pairs = [g for r in ranks for g in r.pair_gbps.values()]
     dcgm = next((r.dcgm for r in ranks if r.dcgm not in (None, "pass")), next((r.dcgm for r in ranks if r.dcgm), None))
     first = ranks[0] if ranks else RankFigures(-1, node)
+    # A GPU node is as good as its worst GPU; a CPU node's ranks share its cores, so its figure is
+    # what they do together (how the scheduler split the cores between them is no fault of it).
+    together = sum(compute) if first.compute_unit == "GFLOPS" else min(compute, default=0.0)
     return NodeFigures(node, address, gpus=max((r.gpus for r in ranks), default=0), product=first.product,
-                       free_share=min(free) if free else None, compute=min(compute) if compute else None,
+                       free_share=min(free) if free else None, compute=together if compute else None,
                        compute_unit=first.compute_unit, intra_gbps=min(intra) if intra else None,
                        pair_gbps=max(pairs) if pairs else None, dcgm=dcgm)
 

@@ -26,6 +26,7 @@ from skytasks.errors import PoolGone, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.providers.kubernetes import cluster, pod_status, pod_views, pods
+from skytasks.providers.kubernetes.avoid import avoid_hosts
 from skytasks.providers.kubernetes.node_agents import PodAgents
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
 from skytasks.providers.kubernetes.spec import KubernetesSpec
@@ -45,6 +46,7 @@ class KubernetesProvider(NodeProvider):
     runs_on_this_machine = False
     gpus_from_config = True
     reattaches = True  # a new exec into the same pod reaches its running agent
+    replaces_elsewhere = True  # a replacement pod keeps off the nodes the preflight found unhealthy (avoid)
 
     def __init__(self, spec: PoolSpec, reporter: Optional[PoolReporter] = None):
         self._spec, self._k8s = spec, spec.own(KubernetesSpec)
@@ -67,6 +69,7 @@ class KubernetesProvider(NodeProvider):
         self._agents: Optional[PodAgents] = None
         self.nodes: dict[int, str] = {}  # node id -> its pod
         self.placed: dict[str, str] = {}  # pod -> the Kubernetes node it runs on
+        self.avoided: set[str] = set()  # Kubernetes nodes new pods keep off (found unhealthy)
         self._lost: dict[str, str] = {}  # pod -> why it was lost, as the watch saw it
         self._made = 0  # pods made so far (each gets a new name)
         self._aborted = threading.Event()
@@ -152,8 +155,8 @@ class KubernetesProvider(NodeProvider):
         secrets = [v for k, v in self._spec.env.items() if k in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
         for _ in range(count):
             assert self._owner_ref is not None
-            manifest = pods.pod_manifest(self._spec, self._k8s, self.pool_id, self._made, self._owner_ref,
-                                         node_labels=self._node_labels, slot=slot)
+            manifest = avoid_hosts(pods.pod_manifest(self._spec, self._k8s, self.pool_id, self._made, self._owner_ref,
+                                                     node_labels=self._node_labels, slot=slot), self.avoided)
             if not pods.secret_free(manifest, secrets):
                 raise PoolStartError("k8s_pod_template: a secret value of the pool appears in the pod's manifest; "
                                      "secrets reach the nodes over the controller's stream, never in a pod spec")
@@ -325,6 +328,10 @@ class KubernetesProvider(NodeProvider):
     def prepare_workdir(self, request: Any) -> tuple[str, str | None]:
         assert self._agents is not None
         return self._agents.prepare_workdir(request, [self.nodes[i] for i in sorted(self.nodes)])
+
+    def avoid(self, node_id: int) -> None:
+        """The preflight found this node unhealthy: pods made from now on keep off its Kubernetes node."""
+        self.avoided.add(self.placed.get(self.nodes.get(node_id, ""), ""))
 
     def replace(self, node_id: int) -> NodeLink:
         old = self.nodes.get(node_id, "?")

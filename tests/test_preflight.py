@@ -1,0 +1,211 @@
+"""Node health before user code, for real: local pools, three ssh hosts on loopback addresses (one
+of them behind an sshd held by a cgroup to a fraction of a CPU: a slow node, every process under
+it slow), and a network-namespace host with no route to the head.
+
+A slow node is found by `preflight="full"` before any user code: an elastic pool runs the call on
+the healthy hosts, a fixed one fails with PoolStartError naming it; a node that cannot reach the
+head fails `"basic"` in seconds, named."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from skytasks import GPUPool, PoolStartError, distributed_task, rank_info
+from skytasks.events import PoolShrank, listen
+from skytasks.preflight.report import NodeUnhealthy, PoolHealthy, PreflightTable
+from tests.sshd import SSHServer, free_port
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+SLOW_QUOTA_US, PERIOD_US = 5000, 100000  # 5% of one CPU
+HEALTHY, SLOW = ("127.0.0.1", "127.0.0.2"), "127.0.0.3"
+
+
+def where(marker: str) -> str:
+    """User code: says, in a shared file, which host it ran on."""
+    address = rank_info().peers[rank_info().node_rank]
+    with open(marker, "a") as out:
+        out.write(address + "\n")
+    return address
+
+
+def of(kind, heard):
+    return [e for e in heard if isinstance(e, kind)]
+
+
+# -- local pools -----------------------------------------------------------------------------
+
+def test_basic_is_the_default_and_says_the_pool_is_healthy_before_the_call_off_says_nothing(tmp_path):
+    marker = str(tmp_path / "ran")
+    with listen() as heard:
+        assert distributed_task(where, pool=GPUPool(nodes=2))(marker) == ["127.0.0.1", "127.0.0.1"]
+    [healthy] = of(PoolHealthy, heard)
+    assert (healthy.nodes, healthy.level) == (2, "basic") and healthy.seconds < 30
+    with listen() as quiet:
+        distributed_task(where, pool=GPUPool(nodes=2, preflight="off"))(marker)
+    assert not of(PoolHealthy, quiet) and not of(PreflightTable, quiet)
+
+
+def test_full_on_a_pool_kept_up_measures_every_figure_once_before_the_first_call(tmp_path):
+    marker = str(tmp_path / "ran")
+    # Both "nodes" are processes on this one shared machine: compared loosely, their figures only must exist.
+    pool = GPUPool(nodes=2, procs_per_node=2, preflight="full", preflight_min_ratio=0.1)
+    task = distributed_task(where, pool=pool)
+    with pool, listen() as heard:
+        task(marker)
+        task(marker)
+    [table] = of(PreflightTable, heard)
+    assert [row["node"] for row in table.rows] == [0, 1]
+    assert all(row["compute GFLOPS"] > 0 and row["pair GB/s"] > 0 and row["intra-node GB/s"] > 0
+               for row in table.rows)
+    assert len(of(PoolHealthy, heard)) == 1
+
+
+# -- three ssh hosts, one of them slow -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    if os.geteuid() != 0 or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+        pytest.skip("a cgroup v1 cpu controller (and root) is needed to make a slow node")
+    fast = SSHServer(tmp_path_factory.mktemp("sshd-fast"), list(HEALTHY), free_port())
+    slow_dir = tmp_path_factory.mktemp("sshd-slow")
+    key = subprocess.run(["ssh-keygen", "-y", "-f", str(fast.folder / "client_key")], capture_output=True,
+                         text=True, check=True).stdout
+    slow = SSHServer(slow_dir, [SLOW], free_port(SLOW), authorized_key=key)
+    group = CPU_CGROUP / f"skytasks-slow-{uuid.uuid4().hex[:6]}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(SLOW_QUOTA_US))
+        # Every session this sshd forks from now on (the agent, its ranks) inherits the cgroup.
+        (group / "cgroup.procs").write_text(str(slow.proc.pid))
+        yield {"fast": fast, "slow": slow}
+    finally:
+        slow.stop()
+        fast.stop()
+        for pid in (group / "cgroup.procs").read_text().split():
+            (CPU_CGROUP / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def three_hosts(hosts, **fields) -> GPUPool:
+    fast, slow = hosts["fast"], hosts["slow"]
+    return GPUPool(provider="ssh", nodes=3, hosts=[*(f"root@{h}:{fast.port}" for h in HEALTHY),
+                                                  f"root@{SLOW}:{slow.port}"],
+                   ssh_private_key=fast.client_key, known_hosts=fast.known_hosts() + slow.known_hosts(),
+                   remote_python=sys.executable, preflight="full", preflight_timeout_seconds=240, **fields)
+
+
+def read_artifacts(flow_run_id) -> list:
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return asyncio.run(read())
+
+
+def test_full_on_an_elastic_pool_drops_the_slow_host_before_user_code_and_names_it(hosts, tmp_path):
+    marker = tmp_path / "ran"
+    task = distributed_task(where, pool=three_hosts(hosts, min_nodes=2))
+
+    @flow
+    def training() -> list:
+        return task(str(marker))
+
+    with listen() as heard:
+        state = training(return_state=True)
+    assert sorted(state.result()) == sorted(HEALTHY)
+    assert sorted(marker.read_text().split()) == sorted(HEALTHY)  # user code never ran on the slow host
+    unhealthy = of(NodeUnhealthy, heard)
+    assert unhealthy and {e.address for e in unhealthy} == {SLOW}
+    compute = next(e for e in unhealthy if e.check == "compute")
+    assert compute.unit == "GFLOPS" and compute.figure < compute.threshold
+    [shrank] = of(PoolShrank, heard)
+    assert (shrank.from_nodes, shrank.to_nodes) == (3, 2)
+    deadline = time.monotonic() + 20
+    while True:
+        tables = [a for a in read_artifacts(state.state_details.flow_run_id) if a.key == "where-preflight"]
+        if tables or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert tables and SLOW in str(tables[0].data) and "GFLOPS" in str(tables[0].data)
+
+
+def test_full_on_a_fixed_pool_fails_the_start_naming_the_slow_host_before_user_code(hosts, tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(PoolStartError) as caught:
+        distributed_task(where, pool=three_hosts(hosts))(str(marker))
+    assert SLOW in str(caught.value) and "GFLOPS" in str(caught.value) and "threshold" in str(caught.value)
+    assert not marker.exists()
+
+
+# -- a namespace host with no route to the head ----------------------------------------------
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def split_hosts(tmp_path_factory):
+    """Two hosts in network namespaces, each on a link of its own to this machine: the controller
+    reaches both, neither reaches the other (no route)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = uuid.uuid4().hex[:4]
+    made: list[tuple[str, str]] = []
+    servers: list[SSHServer] = []
+    try:
+        addresses = []
+        for i, subnet in enumerate(("10.231.81", "10.231.82")):
+            ns, outside = f"skp{tag}n{i}", f"skp{tag}v{i}"
+            ip("netns", "add", ns)
+            made.append(("netns", ns))
+            ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            made.append(("link", outside))
+            ip("addr", "add", f"{subnet}.1/24", "dev", outside)
+            ip("link", "set", outside, "up")
+            for cmd in (["addr", "add", f"{subnet}.2/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                        ["link", "set", "lo", "up"]):
+                ip("-n", ns, *cmd)
+            addresses.append(f"{subnet}.2")
+        first = SSHServer(tmp_path_factory.mktemp("sshd-ns0"), [addresses[0]], 22, netns=made[0][1])
+        servers.append(first)
+        key = subprocess.run(["ssh-keygen", "-y", "-f", str(first.folder / "client_key")], capture_output=True,
+                             text=True, check=True).stdout
+        servers.append(SSHServer(tmp_path_factory.mktemp("sshd-ns1"), [addresses[1]], 22, netns=made[2][1],
+                                 authorized_key=key))
+        yield {"addresses": addresses, "servers": servers}
+    finally:
+        for server in servers:
+            server.stop()
+        for kind, name in reversed(made):
+            subprocess.run(["ip", kind, "del", name], capture_output=True)
+
+
+def test_a_node_that_cannot_reach_the_head_fails_basic_in_seconds_named(split_hosts, tmp_path):
+    servers, addresses = split_hosts["servers"], split_hosts["addresses"]
+    pool = GPUPool(provider="ssh", nodes=2, hosts=[f"root@{a}" for a in addresses],
+                   ssh_private_key=servers[0].client_key, remote_python=sys.executable,
+                   known_hosts="".join(s.known_hosts() for s in servers), preflight_timeout_seconds=60)
+    marker = tmp_path / "ran"
+    task = distributed_task(where, pool=pool)
+    with pool:  # timed from the nodes being up: the preflight, not the start
+        started = time.monotonic()
+        with listen() as heard, pytest.raises(PoolStartError) as caught:
+            task(str(marker))
+        took = time.monotonic() - started
+    assert f"node 1 ({addresses[1]})" in str(caught.value) and "cannot reach the head" in str(caught.value)
+    assert [(e.node, e.address, e.check) for e in of(NodeUnhealthy, heard)] == [(1, addresses[1], "collective")]
+    assert took < 25, took  # the rank's own no-route grace, not torch's rendezvous timeout (minutes)
+    assert not marker.exists()
