@@ -144,7 +144,12 @@ class Door:
         expected = controller_proof(key, nonce, msg["nonce"], msg["holder"], msg["mode"], msg["got"])
         if not proof_matches(expected, msg["proof"]):
             self.refused += 1
-            conn.sendall(_frame(message(Op.REFUSED, reason="the pool's key was not proven")))
+            # A warm pool's key changes at every new hold: a past holder (only a process of the
+            # agent's own user reaches this door) hears who holds the pool now, in words, as
+            # `skytasks pools` says it; never the holder's id.
+            state = self._state()
+            held = {"holder": str(state["holder"]), "since": state.get("held_since")} if state.get("holder") else {}
+            conn.sendall(_frame(message(Op.REFUSED, reason="the pool's key was not proven", **held)))
             return False
 
         def greeting(got: int) -> list[Any]:
