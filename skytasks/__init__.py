@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from skytasks.ephemeral_timeout import give_the_ephemeral_server_time
+
+give_the_ephemeral_server_time()  # a first flow run on a small machine must not time out its server
+
 _EXPORTS = {
     "GPUPool": "skytasks.blocks",
     "DistributedTask": "skytasks.task",

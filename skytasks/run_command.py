@@ -32,9 +32,7 @@ class _NoCopiesOnConsole(logging.Filter):
 
 def run_command(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry tracebacks
-    # Without PREFECT_API_URL the run goes to Prefect's ephemeral server, whose 20 s start limit a
-    # busy machine can miss.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    # (Prefect's ephemeral server is given time to start by importing skytasks: ephemeral_timeout.)
     from skytasks.errors import PoolConfigError
     from skytasks.prefect_records.ephemeral_server import start_early_server
 
@@ -139,7 +137,11 @@ def _on_saved_pool(args: argparse.Namespace, options: Any, call_args: tuple) -> 
 
 
 def _server_timeout() -> float:
-    return float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+    """How long the early server may take: the environment's limit, which importing skytasks set
+    (ephemeral_timeout) unless the user set one there or in Prefect's settings files."""
+    from skytasks.ephemeral_timeout import FIRST_START_SECONDS, SETTING_ENV
+
+    return float(os.environ.get(SETTING_ENV, FIRST_START_SECONDS))
 
 
 def _record(call: Any, held: Any, outcome: Future, recorded: Future, early: Any) -> None:
