@@ -182,9 +182,11 @@ class Checkpointer:
         """One consolidated file of a committed sharded checkpoint (the newest, or `step`): the
         full state dict, as safetensors when `dest` ends in `.safetensors`, else torch.save.
         Run it in one process (outside the ranks, or on the head alone)."""
+        from skytasks.checkpointing.async_writer import wait_for_saves
         from skytasks.checkpointing.export import export
 
         self.wait()
+        wait_for_saves()
         return export(self, os.fspath(dest), step)
 
     def __repr__(self) -> str:

@@ -35,12 +35,13 @@ def load_full(ckpt: Any, step: int | None) -> tuple[int, dict[str, Any]]:
         raise ValueError(f"step: {step} is not a committed checkpoint at {layout.where} (committed: {committed})")
     local = layout.reading_folder(step)
     state: dict[str, Any] = {}
+    reader = safe_reader(local, ckpt.trusted)
     try:
-        _load_state_dict(state, storage_reader=safe_reader(local, ckpt.trusted),
+        _load_state_dict(state, storage_reader=reader,
                          planner=safe_planner(ckpt.trusted, layout.describe(step), _EmptyStateDictLoadPlanner),
                          no_dist=True)
     except BaseException as exc:  # noqa: BLE001 - DCP's gathered failure, as the error it holds
-        raise plain_error(exc) from None
+        raise (reader.refused or plain_error(exc)) from None
     finally:
         layout.done_reading(local)
     return step, state

@@ -90,12 +90,20 @@ def safe_reader(path: str, trusted: bool) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        refused: CheckpointError | None = None  # DCP wraps what read_metadata raises: kept to raise as itself
+
+        # No `rank=` keyword: without it DCP does not fall back to per-rank metadata files (a
+        # format this writer never makes) when the global one is refused.
+        def read_metadata(self, *args: Any) -> Any:
             if trusted:
-                return super().read_metadata(*args, **kwargs)
-            where = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+                return super().read_metadata()
+            where = os.fspath(self._get_metadata_path())
             with open(where, "rb") as f:
-                metadata = load_metadata(f.read(), where)
+                try:
+                    metadata = load_metadata(f.read(), where)
+                except CheckpointError as exc:
+                    self.refused = exc
+                    raise
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -175,6 +175,7 @@ def restore(ckpt: Any, state: dict[str, Any]) -> int | None:
     from skytasks.checkpointing.torch_gate import check_torch_can_load_safely
 
     ckpt.wait()
+    async_writer.wait_for_saves()  # another Checkpointer's save in flight may be of this same path
     layout = ckpt._layout
     check_torch_can_load_safely(ckpt.trusted, layout.where)
     dist_on = _distributed()
@@ -191,12 +192,13 @@ def restore(ckpt: Any, state: dict[str, Any]) -> int | None:
     local = layout.reading_folder(step)
     try:
         flat = state_form.to_dcp(state)
+        reader = safe_reader(local, ckpt.trusted)
         try:
-            dcp.load(flat, storage_reader=safe_reader(local, ckpt.trusted),
+            dcp.load(flat, storage_reader=reader,
                      planner=safe_planner(ckpt.trusted, layout.describe(step)), process_group=group,
                      no_dist=not dist_on)
         except BaseException as exc:  # noqa: BLE001 - DCP's gathered failure, as the error it holds
-            raise plain_error(exc) from None
+            raise (reader.refused or plain_error(exc)) from None
     finally:
         layout.done_reading(local)
     state_form.from_dcp(state, flat)
