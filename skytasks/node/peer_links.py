@@ -38,6 +38,13 @@ HANDSHAKE_SECONDS = 10.0  # a member's connect and handshake to its child
 ADMIT_SECONDS = 5.0
 PENDING_HANDSHAKES = 64
 STALLED_SECONDS = 1.0
+# A churn of new connections from one address (each newcomer pushing out the oldest) would keep
+# every slot young: an address not yet known holds at most this many of them ...
+PENDING_PER_ADDRESS = 8
+# ... and an address a peer has proven itself from (the pool's members) goes first: when every
+# slot is taken, its newcomer pushes out the oldest pending one from an address not known, however
+# young. At most this many addresses are remembered (the pool's nodes, a few times over).
+KNOWN_ADDRESSES = 1024
 ACCEPT_PAUSE_SECONDS = 0.1  # after an accept that failed (too many open files): then again
 # How long a call waits for a link another thread is opening: its connect and handshake, each
 # bounded by HANDSHAKE_SECONDS, and a margin.
@@ -93,7 +100,11 @@ class PeerListener:
     ADMIT_SECONDS, on a small buffer (a peer's 1 MB one comes once it is admitted). When all are
     taken, the oldest gives way to a newcomer if it has stalled past STALLED_SECONDS (a member's
     handshake takes milliseconds), else the newcomer is closed: a stranger who opens connections
-    and sends nothing cannot keep the pool's own peers out. Whatever fails while accepting (too
+    and sends nothing cannot keep the pool's own peers out. Nor can one who churns new ones: an
+    address holds at most PENDING_PER_ADDRESS pending handshakes until a peer has proven itself
+    from it, and a newcomer from a proven address pushes out a stranger's (known peers first).
+    Addresses do not tell apart the users of one machine (a local pool's peers are all on
+    loopback): there, only the totals bound a stranger. Whatever fails while accepting (too
     many open files, a thread that cannot start) is said and waited out, never the listener's end.
     `refused` counts connections that failed to prove themselves, `shed` those closed unheard."""
 
@@ -107,7 +118,9 @@ class PeerListener:
         self.port: int = self._sock.getsockname()[1]
         self.refused = 0  # connections that failed the TLS handshake or the challenge
         self.shed = 0  # connections closed unheard: too many handshakes pending, or no thread for one
-        self._pending: dict[socket.socket, float] = {}  # proving themselves, oldest first: since when
+        # proving themselves, oldest first: (their address, since when)
+        self._pending: dict[socket.socket, tuple[str, float]] = {}
+        self._known: dict[str, None] = {}  # addresses peers proved themselves from, oldest first
         self._lock = threading.Lock()
         self._closed = False
         self._said_at: dict[str, float] = {}  # each kind of trouble, when last said
@@ -116,14 +129,14 @@ class PeerListener:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, where = self._sock.accept()
             except OSError as exc:  # EMFILE, ENOBUFS, ...: wait it out, go on
                 if self._closed:
                     return
                 self._trouble("accept", f"accepting a peer failed ({exc}); trying again")
                 continue
             try:
-                if self._make_room(conn):
+                if self._make_room(conn, where[0]):
                     threading.Thread(target=self._admit, args=(conn,), daemon=True, name="skytasks-peer-admit").start()
             except Exception as exc:  # noqa: BLE001 - a thread that cannot start, or anything else: the next one may
                 with self._lock:
@@ -132,22 +145,39 @@ class PeerListener:
                 conn.close()
                 self._trouble("take", f"a peer's connection could not be taken ({exc}); it was closed")
 
-    def _make_room(self, conn: socket.socket) -> bool:
-        """Count `conn` among the pending handshakes, making room by cutting the oldest one if it
-        has stalled; False (`conn` closed) when there is no room."""
+    def _make_room(self, conn: socket.socket, address: str) -> bool:
+        """Count `conn` among the pending handshakes, making room by cutting a stalled one (from
+        its own address first when that address is at its cap) or, for a known address, a
+        stranger's; False (`conn` closed) when there is no room."""
         now = time.monotonic()
         with self._lock:
+            known = address in self._known
+            if not known:
+                own = [(c, since) for c, (a, since) in self._pending.items() if a == address]
+                if len(own) >= PENDING_PER_ADDRESS and not self._give_way(own[0], now):
+                    return self._shed(conn)
             if len(self._pending) >= PENDING_HANDSHAKES:
-                oldest, since = next(iter(self._pending.items()))
-                if now - since < STALLED_SECONDS:
-                    self.shed += 1
-                    conn.close()
-                    return False
-                del self._pending[oldest]  # its own thread hears the cut and ends
-                self.shed += 1
-                _cut(oldest)
-            self._pending[conn] = now
+                stranger = next(((c, 0.0) for c, (a, _) in self._pending.items() if a not in self._known), None)
+                oldest = next((c, since) for c, (_, since) in self._pending.items())
+                if not ((known and stranger and self._give_way(stranger, now)) or self._give_way(oldest, now)):
+                    return self._shed(conn)
+            self._pending[conn] = (address, now)
         return True
+
+    def _give_way(self, pending: tuple[socket.socket, float], now: float) -> bool:
+        """Cut a pending handshake that has stalled (since 0.0: any); under the lock."""
+        conn, since = pending
+        if now - since < STALLED_SECONDS:
+            return False
+        del self._pending[conn]  # its own thread hears the cut and ends
+        self.shed += 1
+        _cut(conn)
+        return True
+
+    def _shed(self, conn: socket.socket) -> bool:
+        self.shed += 1
+        conn.close()
+        return False
 
     def _trouble(self, kind: str, what: str) -> None:
         """Said at most every few seconds for each kind (a full table of files fails every accept), then a pause."""
@@ -164,9 +194,12 @@ class PeerListener:
         except (OSError, ChannelClosed):  # ssl.SSLError and TimeoutError are OSErrors
             pass
         with self._lock:
-            mine = self._pending.pop(conn, None) is not None  # not cut meanwhile to make room
+            pending = self._pending.pop(conn, None)  # None: cut meanwhile to make room
+            mine = pending is not None
             if stream is None and mine:
                 self.refused += 1
+            elif pending is not None:
+                self._remember(pending[0])
         if stream is None or not mine:
             conn.close()
             return
@@ -196,6 +229,13 @@ class PeerListener:
             return conn.makefile("rb", buffering=STREAM_BUFFER)
         stream.widen()  # only now a peer's 1 MB buffer
         return stream
+
+    def _remember(self, address: str) -> None:
+        """A peer proved itself from `address`: known from now on (the newest KNOWN_ADDRESSES)."""
+        self._known.pop(address, None)
+        self._known[address] = None
+        while len(self._known) > KNOWN_ADDRESSES:
+            del self._known[next(iter(self._known))]
 
     def close(self) -> None:
         self._closed = True

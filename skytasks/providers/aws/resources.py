@@ -90,7 +90,23 @@ class PoolResources:
                 errors.append(f"{step.__name__}: {exc}")
         return errors
 
+    def only_tagged_instances(self) -> None:
+        """Keep only the instances that carry this pool's tag. The ids may come from a record that
+        another process wrote (a warm pool's), and a record is no proof: an instance that is not
+        the pool's own is never terminated by its teardown, whatever the record says."""
+        if not self.instance_ids:
+            return
+        wanted = [{"Name": "instance-id", "Values": list(self.instance_ids)}]
+        tagged = set()
+        for page in self.ec2.get_paginator("describe_instances").paginate(Filters=wanted):
+            for reservation in page["Reservations"]:
+                for instance in reservation["Instances"]:
+                    if {"Key": POOL_TAG, "Value": self.pool_id} in (instance.get("Tags") or []):
+                        tagged.add(instance["InstanceId"])
+        self.instance_ids = [i for i in self.instance_ids if i in tagged]
+
     def terminate_instances(self) -> None:
+        self.only_tagged_instances()
         if not self.instance_ids:
             return
         self.ec2.terminate_instances(InstanceIds=self.instance_ids)

@@ -50,7 +50,7 @@ class LocalProvider(NodeProvider):
     def start(self) -> list[NodeLink]:
         self._setup()
         if self._spec.keep_warm_minutes > 0:
-            self._log_dir = tempfile.mkdtemp(prefix="skytasks-warm-")
+            self._log_dir = tempfile.mkdtemp(prefix=WARM_LOG_PREFIX)
         try:  # an elastic local pool gets its most: this machine has no capacity to run out of
             return [self._start_node(node_id) for node_id in range(self._spec.nodes)]
         except BaseException:
@@ -201,8 +201,26 @@ class LocalProvider(NodeProvider):
         links, self._links = self._links, []
         for link in links:
             link.close()
-        if self._log_dir:
+        if self._log_dir and is_own_log_dir(self._log_dir):
             shutil.rmtree(self._log_dir, ignore_errors=True)
+
+
+WARM_LOG_PREFIX = "skytasks-warm-"
+
+
+def is_own_log_dir(path: str) -> bool:
+    """Whether `path` is verifiably a warm pool's log folder as `start` made it (mkdtemp: in this
+    machine's temporary folder, named so, a real folder, this user's, 0700). A warm pool's record
+    names it and a record is no proof: nothing else is ever removed on its word."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    parent, name = os.path.split(os.path.normpath(path))
+    return (os.path.realpath(parent) == os.path.realpath(tempfile.gettempdir()) and name.startswith(WARM_LOG_PREFIX)
+            and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700)
 
 
 def _end(proc: subprocess.Popen | AgentProcess | AdoptedAgent) -> None:

@@ -66,13 +66,13 @@ class SSHLogin:
 
     targets: list[tuple[str | None, str, int]]  # (user, host, port), head first
     known_hosts: str  # known_hosts text or a path to one
-    private_key: str | None
+    private_key: str | None = field(repr=False)  # a secret: never in a repr, a log line or a traceback
     python: str
     # Why `python` is what it is when remote_python was left unset (None: the user set it), so
     # that an error about it names what to set.
     python_default: str | None = None
     pip_packages: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)  # applies on the node, pip included
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # applies on the node, pip included; secret
     heartbeat_file: str | None = None
     notice_file: str | None = None  # where the node's watchdog writes a preemption notice
     timeout: float = 900.0
@@ -148,7 +148,12 @@ class SSHNodes:
 
         login = self._login
         remote_dir = f".cache/skytasks/{digest}"
-        await conn.run(f"test -d {remote_dir}/skytasks || (mkdir -p {remote_dir} && tar -xzf - -C {remote_dir})",
+        # Unpacked beside its place and renamed into it, as package_in.py does: a half-unpacked
+        # tree (a dropped connection, a full disk) is never taken for the package, and of two
+        # nodes on a shared home the second leaves the first's in place.
+        await conn.run(f"test -d {remote_dir}/skytasks || {{ mkdir -p .cache/skytasks && "
+                       f"t=$(mktemp -d {remote_dir}.XXXXXX) && {{ tar -xzf - -C \"$t\" || {{ rm -rf \"$t\"; exit 1; }}; }} && "
+                       f"{{ mv -T \"$t\" {remote_dir} 2>/dev/null || rm -rf \"$t\"; }}; }} && test -d {remote_dir}/skytasks",
                        input=bundle, encoding=None, check=True)
         paths = [f"$HOME/{remote_dir}"]
         if login.pip_packages:
