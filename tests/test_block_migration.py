@@ -66,7 +66,12 @@ def test_the_contract_s_keywords_make_the_spec_they_made_before(name):
         before = before.replace("part=None", f"part={spec.part!r}")
     env = re.search(r", env=(\{.*?\}), part=", before)  # a spec's repr no longer shows its env
     assert env is not None and ast.literal_eval(env[1]) == spec.env
-    assert _without_credentials(repr(spec)) == _without_credentials(before.replace(env[0], ", part="))
+    # Fields added to the spec after these were saved (the preflight's, the accelerator it checks) are left out.
+    def added_left_out(text: str) -> str:
+        return re.sub(r", (preflight\w*|accelerator)=[^,)]*", "", text)
+
+    assert _without_credentials(added_left_out(repr(spec))) == _without_credentials(
+        added_left_out(before.replace(env[0], ", part=")))
 
 
 @pytest.mark.parametrize("name", POOLS)

@@ -72,6 +72,22 @@ def test_full_on_a_pool_kept_up_measures_every_figure_once_before_the_first_call
     assert len(of(PoolHealthy, heard)) == 1
 
 
+def test_check_preflight_brings_the_saved_pool_up_prints_the_full_table_and_ends_it():
+    from prefect.settings import PREFECT_API_URL
+
+    name = f"preflight-check-{os.getpid()}"
+    GPUPool(nodes=2, preflight="off", preflight_min_ratio=0.1).save(name, overwrite=True)  # "full" whatever it says
+    done = subprocess.run([sys.executable, "-m", "skytasks.cli", "check", "--pool", name, "--preflight"],
+                          env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    header = next(line for line in done.stdout.splitlines() if line.startswith("node "))
+    assert "compute GFLOPS" in header and "pair GB/s" in header and "verdict" in header
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("0 ", "1 "))]
+    assert len(rows) == 2 and all(row.rstrip().endswith("healthy") for row in rows)
+    assert "preflight passed on 2 nodes" in done.stdout
+
+
 # -- three ssh hosts, one of them slow -----------------------------------------------------------
 
 @pytest.fixture(scope="module")

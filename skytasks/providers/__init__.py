@@ -202,6 +202,7 @@ class ProviderPlugin:
 
 
 # The fields every provider takes: how many nodes and ranks, their accelerators and environment
-# (the AWS credentials become every rank's AWS variables, for S3 checkpoints on any provider).
+# (the AWS credentials become every rank's AWS variables, for S3 checkpoints on any provider),
+# and what every node must show before user code runs (skytasks.preflight).
 SHAPE_FIELDS = ("provider", "nodes", "min_nodes", "procs_per_node", "accelerator", "accelerators_per_node", "env",
-                "reattach_seconds", "keep_warm_minutes", "aws_credentials")
+                "reattach_seconds", "keep_warm_minutes", "aws_credentials", "preflight", "preflight_limits")
