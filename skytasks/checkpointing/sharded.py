@@ -65,6 +65,7 @@ def save(ckpt: Any, state: Any, step: int) -> async_writer.SaveInFlight:
 
     started = time.monotonic()
     ckpt.wait()  # one save in flight: the next waits for it (and raises its failure)
+    async_writer.wait_for_saves()  # any other Checkpointer's too: the checkpoint group is used by one at a time
     dist_on = _distributed()
     group = checkpoint_group() if dist_on else None
     rank, layout = _rank(), ckpt._layout
