@@ -60,12 +60,15 @@ def test_basic_does_not_compare_figures_but_names_a_node_that_never_answered():
 
 def test_the_gpus_the_pool_promised_are_checked_count_product_and_free_memory():
     rules = Rules(accelerator="H100", accelerators_per_node=8)
-    figures = [NodeFigures(0, "a", gpus=8, product="NVIDIA H100 80GB HBM3", free_share=0.99),
-               NodeFigures(1, "b", gpus=7, product="NVIDIA H100 80GB HBM3", free_share=0.99),
-               NodeFigures(2, "c", gpus=8, product="NVIDIA A100-SXM4-80GB", free_share=0.99),
-               NodeFigures(3, "d", gpus=8, product="NVIDIA H100 80GB HBM3", free_share=0.4)]
+    figures = [NodeFigures(0, "a", gpus=8, cuda=True, product="NVIDIA H100 80GB HBM3", free_share=0.99),
+               NodeFigures(1, "b", gpus=7, cuda=True, product="NVIDIA H100 80GB HBM3", free_share=0.99),
+               NodeFigures(2, "c", gpus=8, cuda=True, product="NVIDIA A100-SXM4-80GB", free_share=0.99),
+               NodeFigures(3, "d", gpus=8, cuda=True, product="NVIDIA H100 80GB HBM3", free_share=0.4),
+               NodeFigures(4, "e", gpus=8, cuda=False)]
     found = {(f.node, f.check) for f in judge(figures, rules).findings}
-    assert found == {(1, "gpus"), (2, "product"), (3, "free_memory")}
+    assert found == {(1, "gpus"), (2, "product"), (3, "free_memory"), (4, "gpus")}
+    # GPUs that are only a scheduler's resource (no node has CUDA): nothing to hold a node to.
+    assert judge([NodeFigures(0, "a", gpus=2), NodeFigures(1, "b", gpus=0)], rules).healthy
     assert product_matches("A100", "NVIDIA A100-SXM4-80GB") and not product_matches("A10", "NVIDIA A100-SXM4-80GB")
 
 

@@ -54,10 +54,10 @@ def _gpu_facts() -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        return {"gpus": 0}
+        return {"gpus": 0, "cuda": False}
     device = torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(device)
-    return {"gpus": torch.cuda.device_count(), "product": torch.cuda.get_device_name(device),
+    return {"gpus": torch.cuda.device_count(), "cuda": True, "product": torch.cuda.get_device_name(device),
             "free_share": free / total if total else None}
 
 

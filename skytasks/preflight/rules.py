@@ -23,6 +23,7 @@ class RankFigures:
     rank: int
     node_rank: int
     gpus: int = 0  # GPUs the rank's node shows it
+    cuda: bool = False  # CUDA works in the rank (a driver, a device)
     product: str = ""  # its GPU's name
     free_share: Optional[float] = None  # its GPU's free memory over its total
     allreduce_seconds: Optional[float] = None  # the small all-reduce over every rank; None: no process group
@@ -48,6 +49,7 @@ class NodeFigures:
     answered: bool = True  # every rank of it started and ran the probe
     problem: str = ""  # why not: the error its ranks gave, or that they never answered
     gpus: int = 0
+    cuda: bool = False  # CUDA works in every rank of it
     product: str = ""
     free_share: Optional[float] = None
     compute: Optional[float] = None
@@ -68,7 +70,8 @@ def fold(node: int, address: str, ranks: Sequence[RankFigures]) -> NodeFigures:
     # A GPU node is as good as its worst GPU; a CPU node's ranks share its cores, so its figure is
     # what they do together (how the scheduler split the cores between them is no fault of it).
     together = sum(compute) if first.compute_unit == "GFLOPS" else min(compute, default=0.0)
-    return NodeFigures(node, address, gpus=max((r.gpus for r in ranks), default=0), product=first.product,
+    return NodeFigures(node, address, gpus=max((r.gpus for r in ranks), default=0),
+                       cuda=bool(ranks) and all(r.cuda for r in ranks), product=first.product,
                        free_share=min(free) if free else None, compute=together if compute else None,
                        compute_unit=first.compute_unit, intra_gbps=min(intra) if intra else None,
                        pair_gbps=max(pairs) if pairs else None, dcgm=dcgm)
@@ -139,13 +142,17 @@ def _round(value: Optional[float]) -> Optional[float]:
 
 def judge(nodes: Sequence[NodeFigures], rules: Rules) -> Verdict:
     """Every node against what the pool promised, and (for "full") against the pool's median."""
-    findings: list[Finding] = []
-    for n in nodes:
-        if not n.answered:
-            findings.append(Finding(n.node, n.address, "collective", None, rules.timeout_seconds, "s", n.problem))
-            continue
-        findings += _promised(n, rules)
+    findings = [Finding(n.node, n.address, "collective", None, rules.timeout_seconds, "s", n.problem)
+                for n in nodes if not n.answered]
     answered = [n for n in nodes if n.answered]
+    # The GPUs the pool promised are checked where CUDA works: a node without it among nodes with
+    # it is unhealthy (a driver gone); where no node has it (GPUs that are only a scheduler's
+    # resource, a CPU stand-in) there is nothing to hold a node to.
+    if any(n.cuda for n in answered):
+        for n in answered:
+            findings += _promised(n, rules) if n.cuda else [
+                Finding(n.node, n.address, "gpus", 0.0, float(rules.accelerators_per_node or 1), "GPUs",
+                        "CUDA does not work in its ranks, as it does on the pool's other nodes")]
     if rules.level == "full":
         floor_compute = rules.min_tflops
         for check, figure_of, unit_of, floor in (
