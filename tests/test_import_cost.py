@@ -284,3 +284,23 @@ def test_the_users_modules_are_told_from_libraries_by_where_they_lie_without_rea
     seen = _tagged(done.stdout, "KINDS")
     assert seen["first"] == ["own_helper", "shared_helper"] and seen["scanned"] == 0
     assert seen["after"] == ["own_helper", "shared_helper"] and seen["scanned_after"] == 1
+
+
+def test_the_early_ephemeral_server_skips_importing_every_collection_to_register_block_types(monkeypatch):
+    # Prefect's own settings, by the names skytasks gives its server (a rename would start
+    # registering again, a second of CPU beside the ranks, and this says so).
+    from prefect.settings import PREFECT_API_BLOCKS_REGISTER_ON_START, PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION
+    from prefect.settings.models.root import Settings
+
+    from skytasks.prefect_records.prefect_internals import SKIPPED_AT_START_ENV, ephemeral_server_command
+
+    monkeypatch.delenv("PREFECT_API_BLOCKS_REGISTER_ON_START", raising=False)
+    _, env = ephemeral_server_command(4242)
+    for key, value in SKIPPED_AT_START_ENV.items():
+        assert env[key] == value
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    assert PREFECT_API_BLOCKS_REGISTER_ON_START.value_from(settings) is False
+    assert PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION.value_from(settings) is False
+    monkeypatch.setenv("PREFECT_API_BLOCKS_REGISTER_ON_START", "true")  # the user's own word wins
+    assert ephemeral_server_command(4242)[1]["PREFECT_API_BLOCKS_REGISTER_ON_START"] == "true"

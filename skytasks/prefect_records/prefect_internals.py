@@ -154,6 +154,13 @@ def drain_workers(timeout: float) -> None:
 # it is an ephemeral one.
 EPHEMERAL_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 EPHEMERAL_SERVER_APP = "prefect.server.api.server:create_app"
+# What Prefect's own ephemeral server does at every start and this one skips (unless the user's
+# environment says otherwise): importing every installed Prefect collection (prefect-aws,
+# prefect-kubernetes: over a thousand modules, a second of CPU on 2 cores while the ranks start) to
+# register their block types. A run's record needs no block type, and a pool the run loads was
+# saved, which registered its types; a server of the usual kind registers them all at its start.
+SKIPPED_AT_START_ENV = {"PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
+                        "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
 
 
 def ephemeral_server_command(port: int) -> tuple[list[str], dict[str, str]]:
@@ -161,7 +168,7 @@ def ephemeral_server_command(port: int) -> tuple[list[str], dict[str, str]]:
     prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent  # type: ignore[union-attr, arg-type]
     argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory", EPHEMERAL_SERVER_APP,
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
-    return argv, {**os.environ, **EPHEMERAL_SERVER_ENV}
+    return argv, {**SKIPPED_AT_START_ENV, **os.environ, **EPHEMERAL_SERVER_ENV}
 
 
 # Environment variables that may point Prefect at an API, or forbid the ephemeral one.
