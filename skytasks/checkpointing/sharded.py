@@ -151,6 +151,8 @@ def _commit(ckpt: Any, upload: Any, local: str, step: int, rank: int, world: int
     if rank == 0:
         try:
             info["seconds"] = round(time.monotonic() - started, 4)
+            if not ckpt.async_save:  # the loop waits for the whole of a synchronous save
+                info["blocked_seconds"] = info["seconds"]
             layout.write_marker(step, info)  # last: from now on the checkpoint counts
             for old in layout.committed_steps()[:-ckpt.keep]:
                 layout.remove(old)
