@@ -123,14 +123,16 @@ def test_the_slurm_batch_script_ends_the_allocation_when_the_beat_says_1(tmp_pat
     import subprocess
     import time
 
-    from skytasks.providers.slurm.job import batch_script
+    from skytasks.providers.slurm.job import batch_script, heartbeat_folders
 
     job = f"holding{os.getpid()}"
     script = tmp_path / "batch.sh"
     script.write_text(batch_script(10.0))  # idle 10 minutes: only the mtime ends it
     proc = subprocess.Popen(["bash", str(script)], env={**os.environ, "SLURM_JOB_ID": job}, stderr=subprocess.PIPE,
                             text=True)
-    beat = f"/tmp/skytasks-slurm-{job}.beat"
+    folder = heartbeat_folders(job) + "own"  # the job's own 0700 folder, as the agent's bootstrap makes it
+    os.mkdir(folder, 0o700)
+    beat = f"{folder}/beat"
     try:
         time.sleep(0.5)
         assert proc.poll() is None
@@ -142,4 +144,6 @@ def test_the_slurm_batch_script_ends_the_allocation_when_the_beat_says_1(tmp_pat
         proc.kill()
         if os.path.exists(beat):
             os.unlink(beat)
+        if os.path.isdir(folder):
+            os.rmdir(folder)
     assert proc.returncode == 0 and "keep_warm_minutes" in said

@@ -36,6 +36,7 @@ from skytasks.protocol import Op, message
 from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
+from skytasks.node import heartbeat_file
 from skytasks.node.holding import END, EXPIRE, UNHOLD
 from skytasks.node.reattach import Reattach, StreamRestarted, WarmStream
 from skytasks.node.notices import NodeNotice
@@ -98,12 +99,7 @@ class NodeAgent:
         nodes) reads the heartbeat file's mtime of 1 as "end the machine now", not idle_minutes later."""
         print("skytasks agent: nobody held this node for its keep-warm time; ending it", file=sys.stderr, flush=True)
         if self._heartbeat_file:
-            try:
-                with open(self._heartbeat_file, "a"):
-                    pass
-                os.utime(self._heartbeat_file, (1, 1))
-            except OSError:
-                pass
+            heartbeat_file.touch(self._heartbeat_file, mtime=1)
         self._end_ranks(grace=0.0)
         os._exit(0)
 
@@ -146,11 +142,7 @@ class NodeAgent:
             unheld_due = self.reattach.unheld and time.monotonic() - touched_at >= self._interval  # wanted, unheld
             if self._heartbeat_file and (unheld_due or self._inbound.last_heard != touched and not self.stream.detached):
                 touched, touched_at = self._inbound.last_heard, time.monotonic()
-                try:
-                    with open(self._heartbeat_file, "w") as f:
-                        f.write(f"{time.time():.0f}\n")
-                except OSError:
-                    pass
+                heartbeat_file.touch(self._heartbeat_file, f"{time.time():.0f}\n")  # no link followed
 
     def give_notice(self, reason: str, deadline: float | None = None) -> None:
         """This node will be taken away (a rank got SIGUSR2 itself): see `NodeNotice`."""

@@ -20,28 +20,38 @@ EXPIRES_KEY = "skytasks:expires-at="
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
-def heartbeat_file(job_id: str) -> str:
-    """Where the node agents of a job touch their heartbeat, on each node's own /tmp; the batch
-    script on the job's first node reads it."""
-    return f"/tmp/skytasks-slurm-{job_id}.beat"
+def heartbeat_folders(job_id: str) -> str:
+    """The start of the name of a job's heartbeat folders on each node's own /tmp (one per node,
+    made by the agent's bootstrap with a random end, 0700: `node_steps.BOOTSTRAP`). The name is
+    guessable and /tmp is everyone's, so nothing is taken on its name: a folder counts only when
+    it is a real folder of this user's with mode 0700, where nobody else can put a file or a link.
+    The batch script on the job's first node reads the `beat` file in each."""
+    return f"/tmp/skytasks-slurm-{job_id}."
 
 
 # The batch job's own process: it holds the allocation, and ends it when the controller has been
 # silent for the idle limit (the agents touch the heartbeat whenever they hear the controller).
 # `--time` (with max_lifetime_minutes; else the partition's limit) bounds it too. `sleep & wait`
-# lets SLURM's SIGTERM end it at once.
+# lets SLURM's SIGTERM end it at once. Only this user's 0700 folders are read (and removed at
+# the end): another user on the node can neither end the allocation (an mtime of 1) nor keep it
+# alive (a fresh file) with a folder or a file of theirs.
 BATCH_SCRIPT = """#!/bin/bash
-beat=/tmp/skytasks-slurm-${SLURM_JOB_ID}.beat
+prefix=/tmp/skytasks-slurm-${SLURM_JOB_ID}.
+me=$(id -u)
 idle=%(idle)d
 start=$(date +%%s)
-trap 'rm -f "$beat"' EXIT
+own() { [ -d "$1" ] && [ ! -L "$1" ] && [ "$(stat -c %%u:%%a -- "$1" 2>/dev/null)" = "$me:700" ]; }
+trap 'for d in "$prefix"*; do own "$d" && rm -rf -- "$d"; done' EXIT
 while :; do
   now=$(date +%%s); last=$start
-  if [ -f "$beat" ]; then m=$(stat -c %%Y "$beat" 2>/dev/null || echo 0); [ "$m" -gt "$last" ] && last=$m
+  for d in "$prefix"*; do
+    own "$d" && [ -f "$d/beat" ] && [ ! -L "$d/beat" ] || continue
+    m=$(stat -c %%Y -- "$d/beat" 2>/dev/null || echo 0)
     if [ "$m" = 1 ]; then
       echo "skytasks: nobody held the warm pool for its keep_warm_minutes; ending the allocation" >&2; exit 0
     fi
-  fi
+    [ "$m" -gt "$last" ] && last=$m
+  done
   if [ $((now - last)) -ge "$idle" ]; then
     echo "skytasks: the controller was silent for $((now - last))s (idle limit ${idle}s); ending the allocation" >&2
     exit 0

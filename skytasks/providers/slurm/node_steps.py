@@ -38,12 +38,32 @@ from skytasks.providers.ssh.nodes import package_bundle
 # argv: digest, bundle size, then the agent's own arguments. Stdlib only. The env comes first on
 # stdin (env_in: a startup variable such as LD_LIBRARY_PATH restarts this Python with it, before
 # the check), then the package if the answer is "need".
-BOOTSTRAP = env_in.ENV_IN + "\n_env_in()\n" + python_check.CHECK + PACKAGE_IN + r"""
+# The heartbeat's folder on this node (`job.heartbeat_folders`): this user's 0700 folder of the
+# job if there is one, else a new one (mkdtemp: a random name, 0700); a folder of that name that
+# is a link, another user's or open to others is passed over. The agent is told the file in it.
+HEARTBEAT_FOLDER = r"""
+def _heartbeat_in_its_folder(argv):
+    import glob, os, stat, tempfile
+    if "--heartbeat-file" not in argv:
+        return
+    at = argv.index("--heartbeat-file") + 1
+    prefix = argv[at]
+    for folder in sorted(glob.glob(glob.escape(prefix) + "*")):
+        st = os.lstat(folder)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700:
+            break
+    else:
+        folder = tempfile.mkdtemp(prefix=os.path.basename(prefix), dir=os.path.dirname(prefix))
+    argv[at] = os.path.join(folder, "beat")
+"""
+
+BOOTSTRAP = env_in.ENV_IN + "\n_env_in()\n" + python_check.CHECK + PACKAGE_IN + HEARTBEAT_FOLDER + r"""
 import os, sys
 if not _python_ok():
     sys.exit(3)
 os.chdir(os.path.expanduser("~"))
 _package_in(os.path.join(".cache", "skytasks", sys.argv[1]), int(sys.argv[2]))
+_heartbeat_in_its_folder(sys.argv)
 os.environ.pop("SKYTASKS_STREAM_SEALED", None)  # the agent's stream is sealed; its ranks need not know
 os.execv(sys.executable, [sys.executable] + sys.argv[3:])
 """

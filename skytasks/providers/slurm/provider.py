@@ -198,7 +198,7 @@ class SlurmProvider(NodeProvider):
     def _start_node(self, node_id: int) -> NodeLink:
         node = self.nodes[node_id]
         link = self._steps.start_agent(node_id, node.name, node.address, node.job_id,
-                                       agent_args(slurm_job.heartbeat_file(node.job_id)))
+                                       agent_args(slurm_job.heartbeat_folders(node.job_id)))
         link.loss_detail = lambda: self.node_condition(node.name, node.job_id)
         return link
 
