@@ -56,15 +56,20 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
     # The ranks of the group the probe builds try the head first (skytasks.preflight.reach), for
     # half the preflight's time: a node that cannot reach it fails, named, inside the probe's clock.
     session.env["SKYTASKS_PREFLIGHT"] = f"{rules.timeout_seconds / 2:g}"
+    rows: list[dict[str, Any]] = []  # every round's, in one table: what this start found
+    round_ = 0
     while True:
+        round_ += 1
         verdict = measure(session, rules, group_spec, observer)
-        observer.on_event(PreflightTable(rules.level, tuple(verdict.rows())))
+        rows += [{"round": round_, **row} for row in verdict.rows()]
         if verdict.nodes and not any(n.answered for n in verdict.nodes):
             # Nothing to tell the nodes apart by (the call's own setup failed on all of them, say):
             # the user's call runs as it would without a preflight, and says why in its own words.
+            observer.on_event(PreflightTable(rules.level, tuple(rows)))
             return verdict
         if verdict.healthy:
             _PASSED[session] = {n.serial for n in session.nodes}
+            observer.on_event(PreflightTable(rules.level, tuple(rows)))
             observer.on_event(PoolHealthy(len(session.nodes), time.monotonic() - started, rules.level))
             return verdict
         for f in verdict.findings:
@@ -73,6 +78,7 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
                       replaces_elsewhere=bool(getattr(session.provider, "replaces_elsewhere", False)),
                       replacements_left=replacements)
         if isinstance(action, FailStart):
+            observer.on_event(PreflightTable(rules.level, tuple(rows)))
             raise PoolStartError(action.reason)
         if not isinstance(action, DropNodes):
             replacements -= len(action.nodes)

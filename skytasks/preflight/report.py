@@ -48,7 +48,8 @@ class PoolHealthy(Event):
 
 @dataclass(frozen=True)
 class PreflightTable(Event):
-    """The figures of one preflight, a row per node: the flow run's artifact `<task>-preflight`."""
+    """The figures of one start's preflight, a row per node and round (a round after a node was
+    dropped or replaced checks the nodes again): the flow run's artifact `<task>-preflight`."""
 
     LEVEL = logging.DEBUG  # the table is the artifact's; the console gets the verdicts
     ARTIFACT = "preflight"
@@ -63,5 +64,7 @@ class PreflightTable(Event):
         for row in self.rows:
             figures = ", ".join(f"{k} {v}" for k, v in row.items() if k not in ("node", "address", "verdict")
                                 and v is not None)
-            lines.append(f"  node {row['node']} ({row['address']}): {figures or 'no figures'}: {row['verdict']}")
+            figures = ", ".join(f for f in figures.split(", ") if not f.startswith("round "))
+            lines.append(f"  round {row.get('round', 1)}, node {row['node']} ({row['address']}): "
+                         f"{figures or 'no figures'}: {row['verdict']}")
         return "\n".join(lines)
