@@ -61,9 +61,11 @@ class Door:
     REFUSED to send. `greeting(got)` is the ATTACHED frame, with `state()` and the agent's proof."""
 
     def __init__(self, scratch: str, instance: str, attach: Callable[[socket.socket, dict[str, Any],
-                 Callable[[int], list[Any]]], dict[str, Any] | None], state: Callable[[], dict[str, Any]]):
+                 Callable[[int], list[Any]]], dict[str, Any] | None], state: Callable[[], dict[str, Any]],
+                 rekeyed: Callable[[], dict[str, Any]] | None = None):
         self.path = os.path.join(scratch, "door.sock")
         self.instance, self._attach, self._state = instance, attach, state
+        self._rekeyed = rekeyed  # what a REFUSED for an unproven key says of the holder (a warm pool's)
         self._key: bytes | None = None
         self.refused = 0  # connections that failed the handshake, the key or the uid check
         self.admitted = 0
@@ -147,8 +149,7 @@ class Door:
             # A warm pool's key changes at every new hold: a past holder (only a process of the
             # agent's own user reaches this door) hears who holds the pool now, in words, as
             # `skytasks pools` says it; never the holder's id.
-            state = self._state()
-            held = {"holder": str(state["holder"]), "since": state.get("held_since")} if state.get("holder") else {}
+            held = self._rekeyed() if self._rekeyed else {}
             conn.sendall(_frame(message(Op.REFUSED, reason="the pool's key was not proven", **held)))
             return False
 

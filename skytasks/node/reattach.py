@@ -96,10 +96,20 @@ class Reattach:
         self._logging = False
         stream.read_wake, stream.on_broke = self._maybe_ack, self._broke
         try:  # only open to a controller that proves the pool's key, after a LEASE
-            self.door: Door | None = Door(scratch, self.instance, self._attach, self.state)
+            self.door: Door | None = Door(scratch, self.instance, self._attach, self.state, self._holder_now)
         except OSError as exc:  # e.g. a scratch path past AF_UNIX's 107 bytes: no re-attach for this agent
             print(f"skytasks agent: no door ({exc}); a broken stream will end this node", file=sys.stderr, flush=True)
             self.door = None
+
+    def _holder_now(self) -> dict[str, Any]:
+        """Who holds a warm node now, for a controller whose key is no longer the pool's (a new
+        holder gave the pool a fresh one): it learns it was evicted. Nothing on a pool that is
+        not warm (its key never changes: a wrong key is a stranger's), never the holder's id."""
+        with self._lock:
+            h = self.holding
+            if h is None or h.keep_warm <= 0 or h.state not in (HELD, DETACHED):
+                return {}
+            return {"holder": h.who or "another controller", "since": _epoch(h.held_since)}
 
     def hello_fields(self) -> dict[str, Any]:
         return {"door": self.door.path, "instance": self.instance} if self.door else {}
