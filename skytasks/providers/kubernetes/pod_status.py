@@ -172,6 +172,40 @@ def as_autoscaled(v: PodView, mode: str, word: Optional[AutoscalerWord], waited:
     return v
 
 
+# How long an image pull may go on failing (ErrImagePull, then the kubelet's back-off between
+# tries: 10 s, 20 s, 40 s, ...) before the start fails naming k8s_image: a registry's blip or a
+# DNS hiccup mends within it; a registry name that does not resolve never does.
+PULL_FAILING_SECONDS = 60.0
+_PULLING = ("ErrImagePull", "ImagePullBackOff")
+
+
+@dataclass(frozen=True)
+class PullTrouble:
+    since: float  # when the pod's pull was first seen failing (monotonic seconds)
+    words: str  # the kubelet's own words on its last failed pull (ErrImagePull's message)
+
+
+def as_pull_failing(v: PodView, trouble: Optional[PullTrouble], now: float, said: str = "",
+                    limit: float = PULL_FAILING_SECONDS) -> tuple[PodView, Optional[PullTrouble]]:
+    """A pod read with how long its image pull has gone on failing: (the view, the trouble to
+    remember for the next look, None once the pod no longer waits on a pull). A pull that keeps
+    failing for `limit` seconds can never start (k8s_image, in the kubelet's words); before that
+    the view says how long it has been failing. A definite "not found" was `never` already.
+    `said`: the newest warning in the pod's Events ("Failed: Failed to pull image ..."), the
+    kubelet's words when the pod was first seen in its back-off rather than on a failed pull."""
+    reason, _, message = v.waiting.partition(": ")
+    if v.never or reason not in _PULLING:
+        return v, None
+    words = message if reason == "ErrImagePull" and message else (trouble.words if trouble else said or v.waiting)
+    trouble = PullTrouble(trouble.since if trouble else now, words)
+    failing = now - trouble.since
+    if failing >= limit:
+        return replace(v, never=("k8s_image", f"the image could not be pulled for {failing:.0f}s "
+                                              f"(the kubelet: {trouble.words})")), trouble
+    return replace(v, waiting=f"{v.waiting} (the pull has failed for {failing:.0f}s; the start fails at "
+                              f"{limit:g}s)"), trouble
+
+
 @dataclass(frozen=True)
 class Wait:
     detail: str  # what the pods not running are doing, for the progress line

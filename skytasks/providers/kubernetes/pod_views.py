@@ -19,12 +19,14 @@ from skytasks.settings import settings
 
 
 def starting(watch: PoolWatch, names: list[str], autoscaler: str, unschedulable_since: dict[str, float],
-             selector_field: str = "k8s_node_selector") -> list[pod_status.PodView]:
+             selector_field: str = "k8s_node_selector",
+             pulls: Optional[dict[str, pod_status.PullTrouble]] = None) -> list[pod_status.PodView]:
     """Each pod of a start: a pod not heard of yet is being created, one heard of and deleted is
     gone; an unschedulable one is read with its autoscaler's word (`k8s_autoscaler`), timed from
     when it was first seen unschedulable (kept in `unschedulable_since` across calls). A node
     affinity no node matches is blamed on `selector_field`: the pool's GPU product (`accelerator`)
-    when it sets no `k8s_node_selector` of its own."""
+    when it sets no `k8s_node_selector` of its own. A pod whose image pull goes on failing is timed
+    from its first failure (kept in `pulls` across calls: `pod_status.as_pull_failing`)."""
     listed, deleted, now = watch.pods(), watch.deleted(), time.monotonic()
     views = []
     for name in names:
@@ -42,9 +44,15 @@ def starting(watch: PoolWatch, names: list[str], autoscaler: str, unschedulable_
             waited = now - unschedulable_since.setdefault(name, now)
             v = pod_status.as_autoscaled(v, autoscaler, autoscaler_word(events), waited,
                                          settings().k8s_autoscaler_silence_seconds)
+        elif pulls is not None and v.waiting.startswith(("ErrImagePull", "ImagePullBackOff")):
+            v, trouble = pod_status.as_pull_failing(v, pulls.get(name), now, newest_warning(events))
+            if trouble is not None:
+                pulls[name] = trouble
         elif v.waiting.startswith("ContainerCreating") or v.waiting.startswith("Pending: being"):
             why = newest_warning(events)  # a mount, a sandbox: said only in Events
             v = replace(v, waiting=f"{v.waiting} ({why})" if why else v.waiting)
+        if pulls is not None and not v.waiting.startswith(("ErrImagePull", "ImagePullBackOff")):
+            pulls.pop(name, None)  # no longer waiting on a pull: a later failure is timed anew
         views.append(v)
     return views
 

@@ -171,8 +171,9 @@ class KubernetesProvider(NodeProvider):
         assert self._pods is not None
         started, seen = time.monotonic(), self._pods.version
         since: dict[str, float] = {}  # pod -> when it was first seen unschedulable
+        pulls: dict[str, pod_status.PullTrouble] = {}  # pod -> since when its image pull fails, and why
         while True:
-            views = pod_views.starting(self._pods, names, self._k8s.autoscaler, since, self._selector_field)
+            views = pod_views.starting(self._pods, names, self._k8s.autoscaler, since, self._selector_field, pulls)
             decision = pod_status.start_decision(views, fewest, time.monotonic() - started, timeout)
             if isinstance(decision, pod_status.Go):
                 for v in views:
