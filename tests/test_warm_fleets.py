@@ -250,9 +250,14 @@ def test_slurm_an_unheld_pool_ends_its_allocation_after_keep_warm(cluster, pool_
 # -- kubernetes ---------------------------------------------------------------------------------
 
 def save_kubernetes(k8s_cluster, name: str, **fields) -> None:
+    """A warm pool whose identity holds exactly deployments/kubernetes/rbac.yaml (its service
+    account `skytasks`), as a team runs it: attaching must need nothing more (issue 58)."""
     from tests.test_provider_conformance import KubernetesFleet
 
-    KubernetesFleet(k8s_cluster).pool(nodes=2, **{"reattach_seconds": 10, "keep_warm_minutes": 2.0, **fields}).save(
+    k8s_cluster.kubectl("apply", "-n", "default", "-f", str(ROOT / "deployments/kubernetes/rbac.yaml"))
+    kubeconfig = k8s_cluster.kubeconfig_for_service_account("default", "skytasks")
+    KubernetesFleet(k8s_cluster).pool(nodes=2, kubeconfig=kubeconfig,
+                                      **{"reattach_seconds": 10, "keep_warm_minutes": 2.0, **fields}).save(
         name, overwrite=True)
 
 
