@@ -163,6 +163,24 @@ def test_what_the_state_becomes_after_an_async_save_returns_never_reaches_it(poo
         assert_same(after, before)
 
 
+def save_and_return(path: str) -> float:
+    import time
+
+    from skytasks import Checkpointer
+
+    model, opt = build(0)
+    Checkpointer(path).save({"model": model, "optim": opt}, 7)  # no wait(): the function just returns
+    return time.time()
+
+
+def test_a_function_that_returns_waits_for_its_save_in_flight(pools, tmp_path):
+    returned = distributed_task(save_and_return, pool=pools["four"])(str(tmp_path))
+    marker = tmp_path / "step-000000000007" / "COMMITTED"
+    assert marker.is_file()  # committed before the call reported success
+    assert marker.stat().st_mtime >= min(returned) - 0.01  # written after `save` returned, in the background
+    assert Checkpointer(tmp_path).committed_steps() == [7]
+
+
 def die_right_after_an_async_save(path: str) -> dict:
     import torch
     import torch.distributed as dist
