@@ -68,7 +68,7 @@ def _device(torch: Any, on_gpu: bool) -> Any:
 def _small_all_reduce(dist: Any) -> float:
     import torch
 
-    on_gpu = dist.get_backend() == "nccl"
+    on_gpu = "nccl" in str(dist.get_backend())  # a GPU pool's group is "cpu:gloo,cuda:nccl"
     one = torch.ones(1, device=_device(torch, on_gpu))
     started = time.perf_counter()
     dist.all_reduce(one)
