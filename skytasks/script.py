@@ -110,34 +110,52 @@ def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restar
     return ScriptResult(info.rank, code)
 
 
-DONE_KEY = "skytasks/scripts-done"
 DONE_WAIT_SECONDS = 30.0  # how long rank 0 keeps the store for scripts still ending (destroying their group)
 
 
 def _script_done(info: Any, host: Any) -> None:
-    """Count this rank's script as ended in the store; rank 0 keeps the store up until every
-    script has (a script still in `destroy_process_group` aborts when the store it uses goes)."""
-    try:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-    except ImportError:
+    """Rank 0 keeps the store up until every script has ended (a script still in
+    `destroy_process_group` aborts when the store it uses goes). Each script holds a connection to
+    the store until it ends, so rank 0 waits until none is open; the other ranks have nothing to
+    do, and import no torch for it (a second of CPU each, after their scripts ended)."""
+    if host is None or host._store is None:
         return
+    deadline = time.monotonic() + DONE_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        if not _scripts_connected(info.head_port):  # 0, or None: this system cannot tell
+            return
+        time.sleep(0.05)
+
+
+def _scripts_connected(port: int) -> int | None:
+    """How many connections to the store this process serves at `port` are open, less its own
+    (the master store is a client of its own daemon too), from the kernel's socket tables."""
     try:
-        if host is None:
-            client = TCPStore(info.head_addr, info.head_port, is_master=False, timeout=timedelta(seconds=5))
-            client.add(DONE_KEY, 1)
-            return
-        store = host._store
-        if store is None:
-            return
-        deadline = time.monotonic() + DONE_WAIT_SECONDS
-        done = store.add(DONE_KEY, 1)
-        while done < info.world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
-            done = store.add(DONE_KEY, 0)
-    except Exception:  # noqa: BLE001 - the store already gone (a failed rank): nothing to wait for
-        pass
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    mine = set()
+    for fd in fds:
+        try:
+            mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    served = own = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for fields in (row.split() for row in rows):
+            if len(fields) < 10 or fields[3] != "01":  # 01: ESTABLISHED
+                continue
+            local, remote = (int(field.rpartition(":")[2], 16) for field in fields[1:3])
+            if local == port:
+                served += 1
+            elif remote == port and f"socket:[{fields[9]}]" in mine:
+                own += 1
+    return served - own
 
 
 class _StoreHost:
