@@ -58,7 +58,8 @@ def startup(repeats: int, code: Path = REPO) -> dict:
             rounds = []
             for _ in range(repeats):
                 _pools_down(root, with_server)
-                cold, warm = _run(root, with_server), _run(root, with_server)
+                flow_env = {**with_server, "PREFECT_LOGGING_LEVEL": "INFO"}  # its "attached to warm pool" line
+                cold, warm = _run(root, flow_env), _run(root, flow_env)
                 if not warm["attached"] or cold["attached"]:
                     raise RuntimeError(f"a warm run did not attach, or a cold one did: {cold}, {warm}")
                 rounds.append({"warm_first_call_s": warm["up_and_first_call_s"],
