@@ -298,6 +298,7 @@ class Stack(_Relayed):
 class Stopped(TypedDict):
     group: int | None
     stacks: dict[str, str]  # rank -> its stack as it was stopped (STOP's `stacks`)
+    flight_recorder: NotRequired[dict[str, str]]  # rank -> JSON of the collectives it last entered (a hang's)
 
 
 class AgentError(TypedDict):

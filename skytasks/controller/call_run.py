@@ -30,6 +30,7 @@ from skytasks.controller.outcome import CallOutcome, EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.controller.stragglers import StragglerWatch
 from skytasks.errors import HangError, RankFailure, RankProcessDied
+from skytasks.preflight.flight_recorder import hang_evidence, records_of
 from skytasks.events import BackendChosen, NodeLost, NodePreempted, NodeReconnected, NodeReconnecting, RanksStillRunning
 from skytasks.preemption import Preempted
 from skytasks.protocol import RANK_MESSAGES, SIGNS_OF_PROGRESS, Op, message
@@ -70,6 +71,7 @@ class CallRun:
             # gets that far is still bounded, at three times the timeout.
             self.init_deadline = now + 3 * group.spec.init_timeout_seconds
         self._stacks: dict[int, str] = {}
+        self._flight_records: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder summary, at a hang
         self._stacks_why = ""
         self._hung = False
         self._stop_waiting: set[int] = set()
@@ -345,11 +347,13 @@ class CallRun:
         if self._untold_stopped:
             self.observer.on_stacks(self._stacks, self._stacks_why)
             if self._hung:
+                evidence = hang_evidence(self._flight_records)  # which rank never joined, by torch's record
                 for o in self._untold_stopped:
                     if o.status is RankState.STOPPED:
                         stack = self._stacks.get(o.rank, "")
                         o.stop_reason = ""
-                        self._record(o, HangError(o.rank, self.hang_timeout or 0.0, where(stack), stack),
+                        place = "; ".join(w for w in (where(stack), evidence) if w)
+                        self._record(o, HangError(o.rank, self.hang_timeout or 0.0, place, stack),
                                      self.aborted_at, EndReason.HANG)
                 self._untold_stopped = []
             self._tell_stopped()
@@ -367,6 +371,7 @@ class CallRun:
             for r, stack in (msg.get("stacks") or {}).items():
                 if int(r) in self.outcomes and self.outcomes[int(r)].status is RankState.STOPPED:
                     self._stacks[int(r)] = stack
+            self._flight_records.update(records_of(msg))
             self._stop_waiting.discard(node_rank)
             if not self._stop_waiting:
                 self._stopped()

@@ -44,7 +44,7 @@ from skytasks.node.peers import RelayNode
 from skytasks.node.tls_link import PeerTLS
 from skytasks.node.rank_process import TERM_GRACE_SECONDS, RankProcess, start_ranks
 from skytasks.node.rank_starter import RankStarter
-from skytasks.node.rank_stops import ask_stacks, stop_and_wait, stop_for_good, wait_until
+from skytasks.node.rank_stops import ask_stacks, flight_records, stop_and_wait, stop_for_good, wait_until
 
 
 class NodeAgent:
@@ -257,8 +257,11 @@ class NodeAgent:
         threading.Thread(target=self._send_stacks, args=(msg,), daemon=True).start()
 
     def _stop(self, msg: dict[str, Any]) -> None:
+        # the collectives each rank last entered, kept before the stop ends them (a hang's evidence)
+        records = flight_records(list(self._ranks.values())) if msg["stacks"] else {}
         stacks = self.stop_ranks(grace=msg["grace"], dump=msg["stacks"])
-        self.emit(message(Op.STOPPED, group=msg["group"], stacks={str(r): s for r, s in stacks.items()}))
+        self.emit(message(Op.STOPPED, group=msg["group"], stacks={str(r): s for r, s in stacks.items()},
+                          **({"flight_recorder": records} if records else {})))
 
     def _spawn(self, msg: dict[str, Any]) -> None:
         # Start every rank before waiting on any: torch import dominates and runs in parallel.

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from skytasks.reactor import ENDED, shared_reactor
 from skytasks.wire import PIPE_BYTES, TO_AGENT, FrameParser, FrameWriter, decode, encode, widen_pipe
+from skytasks.preflight.flight_recorder import BUFFER_ENV, DEFAULT_BUFFER
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
@@ -97,6 +98,7 @@ def start_ranks(agent: RankHost, group: int, specs: list[tuple[int, dict[str, st
         stack_file = os.path.join(agent.scratch, f"stack-{group}-{rank}.txt")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "SKYTASKS_STACK_FILE": stack_file,
                     "SKYTASKS_GROUP": str(group)}  # the rank stamps its frames with its group (and rank)
+        full_env.setdefault(BUFFER_ENV, DEFAULT_BUFFER)  # torch's flight recorder: read for a hang
         full_env.update(slurm_task_environment(full_env))  # inside a SLURM step: this rank's task variables
         launches.append(_Launch(rank, env, full_env, ctrl_read, ctrl_write, stack_file))
     try:

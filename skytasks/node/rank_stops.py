@@ -3,11 +3,17 @@ at once (a stop, a close, a stack request). Standard library only, as the agent 
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import threading
 import time
 
 from skytasks.node.rank_process import RankProcess
+from skytasks.preflight.flight_recorder import REQUEST_OP
+from skytasks.wire import ChannelClosed, encode
+
+FLIGHT_RECORD_WAIT = 2.0  # a rank whose notices thread cannot run (the GIL held in C) is not waited for longer
 
 
 def stop_and_wait(ranks: list[RankProcess], grace: float, dump: bool = False) -> dict[int, str]:
@@ -41,6 +47,36 @@ def stop_for_good(ranks: list[RankProcess], grace: float, dump: bool = False) ->
         except subprocess.TimeoutExpired:
             pass
     return stacks
+
+
+def flight_records(ranks: list[RankProcess]) -> dict[str, str]:
+    """Before ranks are stopped for a hang: each live rank's flight recorder summary (rank -> its
+    JSON), asked on its control channel, which a thread of the rank reads even while its main
+    thread waits in a collective. A rank that does not answer in time is left out."""
+    asked = {}
+    for rp in ranks:
+        if rp.proc.poll() is not None:
+            continue
+        path = f"{rp.stack_file}.fr.json"
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        try:
+            rp.notices.send_encoded(encode({"op": REQUEST_OP, "path": path}))
+        except (ChannelClosed, OSError):
+            continue
+        asked[rp.rank] = path
+    found: dict[str, str] = {}
+    deadline = time.monotonic() + FLIGHT_RECORD_WAIT
+    while len(found) < len(asked) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for rank, path in asked.items():
+            if str(rank) not in found and os.path.exists(path):
+                with open(path) as f:
+                    found[str(rank)] = f.read()
+                os.unlink(path)
+    return {rank: text for rank, text in found.items() if json.loads(text)}
 
 
 def wait_until(ranks: list[RankProcess], deadline: float, kill: bool = False) -> None:

@@ -27,6 +27,7 @@ from skytasks import preemption
 from skytasks.node import socket_interface
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 from skytasks.node.control_channel import HandedFiles, serve_control_channel
+from skytasks.preflight import flight_recorder
 from skytasks.node.rank_channel import RankStream, RankWriter, ShipLogRecords
 from skytasks.rank import ENV_ATTEMPT, ENV_PEERS
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, mapped_buffer, release, shared_buffer
@@ -237,11 +238,20 @@ def _take_notices(channel: socket.socket) -> None:
         if msg["op"] == Op.PREEMPTION:
             preemption.receive(preemption.PreemptionNotice(
                 msg["node_rank"], msg["address"], msg["reason"], msg["deadline"], msg["at"]))
+        elif msg["op"] == flight_recorder.REQUEST_OP:  # before a stop for a hang: the collectives it entered
+            _write_flight_record(msg["path"])
 
     try:
         serve_control_channel(channel, _HANDED, on_message)
     except (ChannelClosed, OSError):
         os._exit(1)
+
+
+def _write_flight_record(path: str) -> None:
+    """The rank's flight recorder summary to `path`, whole or not at all (the agent reads it)."""
+    with open(path + ".part", "w") as out:
+        json.dump(flight_recorder.summary(), out)
+    os.replace(path + ".part", path)
 
 
 def main(forked: bool = False, stack_fd: int | None = None) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_BUFFER = "2000"  # entries per rank: enough for the collectives of the last steps
+REQUEST_OP = "flight_recorder"  # agent -> rank, on its control channel: write `summary()` to msg["path"]
+KEPT_ENTRIES = 64  # a rank's newest entries sent back: the hang is among the last, not the first
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,46 @@ def dump(path: str) -> bool:
     with open(path, "wb") as out:
         out.write(data)
     return True
+
+
+def summary() -> dict[str, Any]:
+    """This rank's newest recorded collectives, only the fields `never_joined` reads (JSON-able):
+    what a rank sends back before it is stopped for a hang. Empty where nothing was recorded."""
+    import pickle
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return {}  # no collective was ever entered here: not worth importing torch for at a stop
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        trace = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace")
+        # the dump is torch's own pickle, read in the process that wrote it
+        entries = pickle.loads(trace(True, False, False)).get("entries", [])
+    except (ImportError, AttributeError, RuntimeError, TypeError, pickle.UnpicklingError):
+        return {}
+    return {"entries": [{"collective_seq_id": e.get("collective_seq_id"), "pg_id": e.get("pg_id"),
+                         "profiling_name": e.get("profiling_name")} for e in entries[-KEPT_ENTRIES:]]}
+
+
+def records_of(stopped: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """The summaries in a node's STOPPED message (rank -> JSON text). Evidence only: one that does
+    not read is left out, never an error."""
+    import json
+
+    found = {}
+    for rank, text in (stopped.get("flight_recorder") or {}).items():
+        try:
+            found[int(rank)] = dict(json.loads(text))
+        except (ValueError, TypeError):
+            pass
+    return found
+
+
+def hang_evidence(dumps: Mapping[int, Mapping[str, Any]]) -> str:
+    """What the flight recorder says of a hang, for the HangError: each collective some ranks never
+    joined; empty when the ranks' records show none (or there are none)."""
+    return "; ".join(found.text() for found in never_joined(dumps))
 
 
 def never_joined(dumps: Mapping[int, Mapping[str, Any]]) -> list[NotJoined]:
