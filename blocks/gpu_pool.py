@@ -13,11 +13,11 @@ before the settings existed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 from prefect.blocks.core import Block
 from prefect.blocks.fields import SecretDict
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, WithJsonSchema, model_validator
 
 import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
 from skytasks.blocks.aws_credentials_field import UNSET, LazyAwsCredentials, default_aws_credentials
@@ -27,7 +27,7 @@ from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS
                                            settings_from_flat)
 from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import PoolSpec
-from skytasks.preflight.fields import FLAT_LIMITS, Level, PreflightLimits, fold_flat_limits
+from skytasks.preflight.fields import FLAT_LIMITS, LIMITS_BOX, Level, PreflightLimits, fold_flat_limits
 from skytasks.providers import SHAPE_FIELDS
 from skytasks.providers.kubernetes.spec import CredentialsBlock
 from skytasks.providers.registry import plugin, readers_of_fields
@@ -91,8 +91,11 @@ def train(epochs: int = 3) -> dict:
     preflight: Level = Field(
         "basic", description='What every node must show before user code runs on it: "basic" (its ranks start, see '
         'the promised GPUs, one small all-reduce), "full" (compute and bandwidth compared across nodes) or "off".')
-    preflight_limits: PreflightLimits = Field(
-        default_factory=PreflightLimits, description='For "full": when a node is unhealthy; how long checks may take.')
+    # One JSON box in the form, not four more inputs before a provider is chosen (the form keeps to
+    # about 15); values are still checked field by field as a PreflightLimits.
+    preflight_limits: Annotated[PreflightLimits, WithJsonSchema(LIMITS_BOX)] = Field(
+        default_factory=PreflightLimits, description='For "full": when a node is unhealthy; how long checks may take: '
+        'preflight_min_ratio, preflight_min_tflops, preflight_min_gbps, preflight_timeout_seconds.')
 
     _runtime: Any = PrivateAttr(default=None)
 

@@ -128,7 +128,8 @@ def test_the_init_timeout_is_retried_like_any_failure(tmp_path, monkeypatch):
         "    time.sleep(30)\n")
     monkeypatch.setenv("SKYTASKS_INIT_TIMEOUT_SECONDS", "2")
     monkeypatch.setenv("SKYTASKS_RANK_START", "exec")  # a fresh interpreter per rank: a forked one runs no sitecustomize
-    pool = GPUPool(nodes=2, env={"PYTHONPATH": str(site)})
+    # preflight off: a basic preflight would meet the stall first and absorb it (spending no retry)
+    pool = GPUPool(nodes=2, env={"PYTHONPATH": str(site)}, preflight="off")
 
     @distributed_task(pool=pool, retries=1)
     def formed():

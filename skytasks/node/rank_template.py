@@ -51,6 +51,9 @@ STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
 # Read as torch (and the thread pools it loads: OpenMP, MKL, OpenBLAS) is imported. The template
 # imports torch with its first torch rank's values of these; a rank with other values starts cold.
 TORCH_IMPORT_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH_", "PYTORCH_")
+# TORCH_ variables torch reads only when a process group is made, never at import: every rank
+# gets the flight recorder's, and a template that imported torch without it still forks them.
+READ_AFTER_IMPORT = frozenset({"TORCH_FR_BUFFER_SIZE"})
 UNBUFFERED = "PYTHONUNBUFFERED"  # every rank gets it; a forked rank's streams are made unbuffered
 CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL_FD)
 MAX_MESSAGE = 1 << 20
@@ -196,7 +199,7 @@ def _import_torch(env: dict[str, str]) -> int:
 
 def torch_import_env(env: dict[str, str]) -> dict[str, str]:
     """The variables of `env` that torch and its thread pools read as they load."""
-    return {k: v for k, v in env.items() if k.startswith(TORCH_IMPORT_ENV_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(TORCH_IMPORT_ENV_PREFIXES) and k not in READ_AFTER_IMPORT}
 
 
 def set_environ(env: dict[str, str]) -> None:

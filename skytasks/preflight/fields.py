@@ -31,6 +31,10 @@ class PreflightLimits(BaseModel):
 
 
 FLAT_LIMITS = tuple(PreflightLimits.model_fields)
+# How the block's form shows the limits: one JSON box of these keys (a nested model's schema would
+# put four more inputs on the form before a provider is chosen).
+LIMITS_BOX = {"type": "object", "title": "Preflight limits", "additionalProperties": True,
+              "description": "Keys: " + ", ".join(FLAT_LIMITS) + "."}
 
 
 def fold_flat_limits(data: dict[str, Any]) -> dict[str, Any]:
