@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from skytasks.events import Event
+from skytasks.preflight.rules import measured
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,7 @@ class NodeUnhealthy(Event):
     detail: str = ""
 
     def text(self) -> str:
-        measured = "" if self.figure is None else f": {self.figure:.3g} {self.unit}"
-        floor = "" if self.threshold is None else f" (threshold {self.threshold:.3g} {self.unit})"
-        why = f"; {self.detail}" if self.detail else ""
-        return f"preflight: node {self.node} ({self.address}) is unhealthy: the {self.check} check{measured}{floor}{why}"
+        return f"preflight: node {self.node} ({self.address}) is unhealthy: the {self.check} check{measured(self)}"
 
 
 @dataclass(frozen=True)
