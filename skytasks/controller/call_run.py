@@ -39,6 +39,11 @@ from skytasks.stacks import where
 
 _call_ids = itertools.count(1)
 PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"  # as a rank describes its exception
+
+
+def _failure_kind(msg: dict[str, Any]) -> EndReason:
+    """A rank's FAILED message: a save-and-end for a preemption, or the code's failure."""
+    return EndReason.PREEMPTED if msg["type"] == PREEMPTED_TYPE else EndReason.RANK_FAILED
 # How a rank ends when our stop reaches it (SIGUSR1: our own stack request, to a rank whose
 # faulthandler was not set up yet): the stop's doing, never the rank's failure.
 _OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGUSR1)
@@ -238,9 +243,8 @@ class CallRun:
 
     def _on_failed(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         if msg["call"] in (self.id, None):
-            kind = EndReason.PREEMPTED if msg["type"] == PREEMPTED_TYPE else EndReason.RANK_FAILED
             self.outcomes[msg["rank"]].used = msg.get("used")
-            self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"), kind)
+            self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"), _failure_kind(msg))
 
     def _on_notice(self, node_rank: int, msg: dict[str, Any]) -> None:
         """A node will be taken away: every rank hears it at once (its peers must save too), and
@@ -376,7 +380,9 @@ class CallRun:
             if not self._stop_waiting:
                 self._stopped()
         elif op == Op.FAILED and msg["call"] in (self.id, None) and self.outcomes[rank].status is RankState.STOPPED:
-            self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"))
+            # Its own kind, as in RUNNING: every rank raises Preempted from the same step, and one
+            # whose clock is earlier than the rank that triggered the stop is the root cause.
+            self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"), _failure_kind(msg))
         elif op == Op.EXITED and self.outcomes[rank].status is RankState.STOPPED and msg["returncode"] not in _OUR_STOP_CODES:
             # it ended by itself while the stop was on its way
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
