@@ -57,16 +57,23 @@ def _connect(cfg: Any, namespace: str, pod: str, container: str, command: Sequen
 class _SocketWriter(io.RawIOBase):
     """stdin of the command: each write one websocket message (buffered above, in chunks)."""
 
-    def __init__(self, ws: Any):
-        self._ws = ws
+    def __init__(self, ws: Any, pod: str):
+        self._ws, self._pod = ws, pod
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
+        import websocket  # loaded already: the stream was made with it
+
         view = memoryview(data).cast("B")
-        for at in range(0, len(view), CHUNK):
-            self._ws.send_binary(b"\x00" + bytes(view[at:at + CHUNK]))
+        try:
+            for at in range(0, len(view), CHUNK):
+                self._ws.send_binary(b"\x00" + bytes(view[at:at + CHUNK]))
+        except websocket.WebSocketException as exc:
+            # As a pipe says it: the stream above (controller/reconnect.py) takes an OSError for
+            # a break and re-attaches; a websocket's own type (the apiserver restarted) escaped it.
+            raise BrokenPipeError(f"the exec stream to pod {self._pod} closed: {exc}") from exc
         return len(view)
 
 
@@ -81,7 +88,7 @@ class PodExec:
         self._ws.settimeout(None)  # a node's stream may be quiet between calls; heartbeats say if it is alive
         read_fd, self._write_fd = os.pipe()
         self.inbound = os.fdopen(read_fd, "rb", buffering=0)
-        self.outbound = io.BufferedWriter(_SocketWriter(self._ws), buffer_size=CHUNK)
+        self.outbound = io.BufferedWriter(_SocketWriter(self._ws, pod), buffer_size=CHUNK)
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self.status: Optional[dict[str, Any]] = None
         self.ended = threading.Event()
