@@ -5,7 +5,7 @@
 Starts the test cluster (tests/k8s_cluster.py: Kubernetes v1.20.2, one real kubelet), then:
 - a background minute with no pool, to know what the cluster's own parts (kubelet, scheduler,
   controller-manager, the test DNS server) ask meanwhile;
-- for each size, a real `GPUPool(provider="kubernetes")` (as tests/kube.py builds it): its start
+- for each size, a real `GPUPool(provider="kubernetes")` (as tests/harness/kube.py builds it): its start
   (`with pool:` entered: pods made, running, agents up over exec streams), one idle minute inside
   `with pool:`, and its teardown.
 Before and after each phase it reads the apiserver's /metrics: `apiserver_request_total` summed by
@@ -82,7 +82,7 @@ def mem_available_gib() -> float:
 
 def measure(sizes: list[int], idle: float) -> dict:
     from tests.k8s_cluster import K8sCluster
-    from tests.kube import kube_pool
+    from tests.harness.kube import kube_pool
 
     cluster = K8sCluster(Path(tempfile.mkdtemp(prefix="skytasks-bench-k8s-api-"))).start()
     results: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M"), "idle_seconds": idle, "pools": {}}

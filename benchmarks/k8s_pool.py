@@ -29,7 +29,7 @@ def kubernetes_pools(torchrun_s: float, sizes: tuple[int, ...] = (2, 4, 8), repe
     import workloads
     from skytasks import PoolStartError, distributed_task, rank_info
     from tests.k8s_cluster import K8sCluster
-    from tests.kube import kube_pool, sharing
+    from tests.harness.kube import kube_pool, sharing
 
     cluster = K8sCluster(Path(tempfile.mkdtemp(prefix="skytasks-bench-k8s-"))).start()
     try:

@@ -222,7 +222,7 @@ def ssh_dispatch(repeats: int) -> dict:
     127.0.0.2): what connecting, shipping the package and starting agents over SSH adds."""
     import tempfile
 
-    from tests.sshd import SSHServer, free_port
+    from tests.harness.sshd import SSHServer, free_port
 
     hosts = ["127.0.0.1", "127.0.0.2"]
     server = SSHServer(Path(tempfile.mkdtemp(prefix="skytasks-bench-sshd-")), hosts, free_port())

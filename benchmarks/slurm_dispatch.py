@@ -23,7 +23,7 @@ def slurm_dispatch(repeats: int) -> dict:
 
     import workloads
     from skytasks import GPUPool, distributed_task
-    from tests.slurm_cluster import SlurmCluster
+    from tests.harness.slurm_cluster import SlurmCluster
 
     cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="skytasks-bench-slurm-")), nodes=2, gpus_per_node=0).start()
     old = os.environ.get("SLURM_CONF")

@@ -142,7 +142,7 @@ def _run_flow(cluster) -> None:
     from prefect import flow, get_run_logger
 
     from skytasks import distributed_task
-    from tests.kube import kube_pool
+    from tests.harness.kube import kube_pool
 
     template = cluster.host_python_template()
     template["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "200m"}}

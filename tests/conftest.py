@@ -191,7 +191,7 @@ def moto():
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """The SLURM test cluster (three namespaced nodes): one for the session."""
-    from tests.slurm_cluster import SlurmCluster, available
+    from tests.harness.slurm_cluster import SlurmCluster, available
 
     why = available()
     if why:

@@ -24,7 +24,7 @@ import yaml
 
 from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.errors import PoolConfigError, PoolStartError
-from tests.sshd import SSHServer
+from tests.harness.sshd import SSHServer
 
 ROOT = Path(__file__).resolve().parent.parent
 REGION = "us-east-1"
@@ -601,7 +601,7 @@ def test_a_termination_that_fails_reaches_the_flow_runs_log_an_event_and_the_cal
     from skytasks import PoolTeardownError
     from skytasks.providers.aws import resources
     from skytasks.providers.aws.provider import AWSProvider
-    from tests.prefect_api import logs_when
+    from tests.harness.prefect_api import logs_when
     from tests.test_prefect_native import _wait_for_events
 
     monkeypatch.setattr(resources, "POLL_SECONDS", 0.01)  # the group's DependencyViolation retries

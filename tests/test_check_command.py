@@ -16,7 +16,7 @@ import pytest
 
 from skytasks import GPUPool
 from tests.conftest import started_here
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the system's own Python: no torch, no cloudpickle
 

@@ -8,7 +8,7 @@ import os
 import pytest
 from prefect import flow
 
-from tests.prefect_api import settled_task_runs
+from tests.harness.prefect_api import settled_task_runs
 from skytasks import GPUPool, distributed_task, rank_info
 
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")

@@ -202,7 +202,7 @@ def test_min_nodes_is_checked_before_anything_starts():
 
 
 def test_an_elastic_ssh_pool_starts_with_the_hosts_that_answer_and_says_why_not_more(tmp_path):
-    from tests.sshd import SSHServer, free_port
+    from tests.harness.sshd import SSHServer, free_port
 
     server = SSHServer(tmp_path / "sshd", ["127.0.0.1"], free_port())  # 127.0.0.2 has no sshd
     hosts = [f"root@127.0.0.1:{server.port}", f"root@127.0.0.2:{server.port}"]

@@ -128,7 +128,7 @@ def test_example_flow_on_an_elastic_pool_loses_a_node_after_a_notice_and_finishe
     assert 2 <= r["first_epoch"] <= epochs  # resumed after the notice's checkpoint
     assert r["steps"] == (epochs - r["first_epoch"] + 1) * 12  # attempt 2 ran exactly the epochs left
 
-    from tests.prefect_api import logs_when, settled_task_runs
+    from tests.harness.prefect_api import logs_when, settled_task_runs
 
     flow_run_id = state.state_details.flow_run_id
 

@@ -16,7 +16,7 @@ from prefect.client.orchestration import get_client
 
 from skytasks import DistributedTaskError, GPUPool, RankProcessDied, RemoteRankError, distributed_task, rank_info
 from tests.conftest import gone, running, skytasks_processes, wait_for_no_skytasks_processes
-from tests.prefect_api import settled_task_runs
+from tests.harness.prefect_api import settled_task_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 FAIL_FAST_SECONDS = 5.0  # the target: from the failure to the caller seeing it

@@ -1,7 +1,7 @@
 """provider="kubernetes" where GPUs come from on a cloud: autoscaled node pools, exact GPU types,
 placement across nodes, and a node that stops reporting, on the two-node test cluster.
 
-No node autoscaler can be installed here: `tests/autoscaler_standin.py` posts the Events Cluster
+No node autoscaler can be installed here: `tests/harness/autoscaler_standin.py` posts the Events Cluster
 Autoscaler posts (same reasons, source and message shapes, read in its source), then labels a node
 as a node that joins would. Each rule is tested against it: a scale-up waited for, a refusal that
 fails fast, a silent (fixed) cluster that fails after the silence (30 s by default, 10 s here), a
@@ -22,8 +22,8 @@ import pytest
 from skytasks import PoolStartError, distributed_task, rank_info
 from skytasks.events import NodeLost, listen
 from skytasks.providers.kubernetes import gpu_types
-from tests.autoscaler_standin import AutoscalerStandIn
-from tests.kube import Said, held, kube_pool
+from tests.harness.autoscaler_standin import AutoscalerStandIn
+from tests.harness.kube import Said, held, kube_pool
 
 SELECTOR = {"skytasks-test/group": "gpu-a"}  # no node carries it until "the autoscaler" adds one
 SILENCE = 10  # SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS here (30 by default): the rule, sooner

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.autoscaler_standin import AutoscalerStandIn
+from tests.harness.autoscaler_standin import AutoscalerStandIn
 from tests.conftest import gone, running
 from tests.k8s_cluster import NODE_GRACE, NODE_NAME, NODES, SERVICE_IP, K8sCluster, _v1_hierarchies
 

@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 
 from skytasks import PoolStartError
-from tests.kube import held, kube_pool
+from tests.harness.kube import held, kube_pool
 
 CONTROLLER = f"the controller runs Python {sys.version.split()[0]} with cloudpickle {cloudpickle.__version__}"
 

@@ -16,7 +16,7 @@ import pytest
 from skytasks import PoolStartError
 from skytasks.providers.kubernetes import pod_status
 from skytasks.providers.kubernetes.pod_status import PULL_FAILING_SECONDS, Fail, Wait, as_pull_failing, start_decision
-from tests.kube import held, kube_pool
+from tests.harness.kube import held, kube_pool
 from tests.test_k8s_start_rules import pod
 
 DNS = ('rpc error: code = Unknown desc = failed to pull and unpack image "nonexistent.invalid/x:1": failed to resolve '

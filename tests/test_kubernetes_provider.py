@@ -21,7 +21,7 @@ import pytest
 
 from skytasks import PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.events import NodeLost, NodeReplaced, listen
-from tests.kube import Said, held, kube_pool
+from tests.harness.kube import Said, held, kube_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,7 +188,7 @@ def test_a_controller_ended_by_a_signal_deletes_its_pods(k8s, tmp_path, how):
     program.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from tests.kube import kube_pool
+        from tests.harness.kube import kube_pool
         from tests.k8s_cluster import K8sCluster
         class C: pass
         cluster = C()
@@ -214,7 +214,7 @@ def test_a_sigkilled_controllers_pods_end_themselves_and_gc_deletes_the_rest(k8s
     program.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from tests.kube import kube_pool
+        from tests.harness.kube import kube_pool
         class C: pass
         cluster = C()
         cluster.image, cluster.admin_kubeconfig = {k8s.image!r}, {str(k8s.admin_kubeconfig)!r}

@@ -28,7 +28,7 @@ import pytest
 from skytasks import GPUPool, ScriptResult, distributed_task, rank_info, run_script
 from skytasks.node import socket_interface
 from skytasks.node.ports import free_port
-from tests.sshd import SSHServer
+from tests.harness.sshd import SSHServer
 
 
 # --- what runs on the nodes (standard library only: a script imports it as probe.py) --------
@@ -313,7 +313,7 @@ def test_slurm_run_script_listens_on_the_cluster_address_only(cluster, tmp_path)
 
 
 def test_kubernetes_pods_listen_on_their_node_address_only_during_a_call(k8s_cluster):
-    from tests.kube import kube_pool
+    from tests.harness.kube import kube_pool
 
     results = distributed_task(listeners_during_a_call, pool=kube_pool(k8s_cluster, procs_per_node=2))()
     head = set(results[0]["head"])

@@ -79,7 +79,7 @@ def test_with_no_node_recoveries_the_loss_is_the_error(tmp_path):
 
 
 def test_an_unreachable_ssh_host_is_named_when_it_cannot_be_replaced(tmp_path):
-    from tests.sshd import SSHServer, free_port
+    from tests.harness.sshd import SSHServer, free_port
 
     server = SSHServer(tmp_path / "sshd", ["127.0.0.1", "127.0.0.2"], free_port())
     pool = GPUPool(provider="ssh", nodes=2, hosts=[f"root@127.0.0.1:{server.port}", f"root@127.0.0.2:{server.port}"],

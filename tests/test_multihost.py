@@ -18,7 +18,7 @@ import pytest
 
 from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
 from tests.conftest import running, skytasks_processes
-from tests.sshd import SSHServer
+from tests.harness.sshd import SSHServer
 
 SUBNET = "10.231.77"
 BRIDGE_ADDRESS = f"{SUBNET}.1"

@@ -23,7 +23,7 @@ from skytasks.providers import agent_args
 from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.python_check import Controller, Found
 from tests.conftest import started_here
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("127.0.0.1", "127.0.0.2")

@@ -16,7 +16,7 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.settings import PREFECT_API_URL
 from prefect_aws import AwsCredentials
 
-from tests.prefect_api import logs_when, settled_task_runs
+from tests.harness.prefect_api import logs_when, settled_task_runs
 from skytasks import GPUPool, distributed_task, rank_info, report, stdout
 
 LIVE_MARK = "line-before-the-long-sleep"

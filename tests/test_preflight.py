@@ -27,7 +27,7 @@ from skytasks import GPUPool, PoolStartError, distributed_task, rank_info
 from skytasks.events import PoolShrank, listen
 from skytasks.preflight.report import NodeUnhealthy, PoolHealthy, PreflightTable
 from tests.conftest import wait_for_no_skytasks_processes
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 SLOW_QUOTA_US, PERIOD_US = 5000, 100000  # 5% of one CPU

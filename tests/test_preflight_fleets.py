@@ -20,7 +20,7 @@ from skytasks import GPUPool, distributed_task
 from skytasks.events import NodeReplaced, listen
 from skytasks.preflight.report import NodeUnhealthy
 from tests.conftest import wait_for_no_skytasks_processes
-from tests.kube import held, kube_pool, sharing
+from tests.harness.kube import held, kube_pool, sharing
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 SLOW_QUOTA_US, PERIOD_US = 5000, 100000  # 5% of one CPU, as tests/test_preflight.py's slow host

@@ -43,7 +43,7 @@ def _call_under_capture(cluster) -> dict:
     arg = (arg_marker * ((4 << 20) // len(arg_marker) + 1))[:4 << 20]
     pool = GPUPool(provider="slurm", nodes=2, procs_per_node=1, remote_python=sys.executable,
                    ready_timeout_seconds=60, env={"SKYTASKS_TEST_MARKER": marker})
-    from tests.kube import Said
+    from tests.harness.kube import Said
 
     with cluster.capture() as capture, Said() as said:
         with pool:
@@ -168,7 +168,7 @@ def test_a_kubernetes_pool_over_a_kubeconfig_that_skips_tls_verification_runs_se
     agents' exec streams are sealed, and a call with a 4 MB argument goes through them whole."""
     import json
 
-    from tests.kube import kube_pool
+    from tests.harness.kube import kube_pool
 
     config = json.loads(k8s_cluster.admin_kubeconfig.read_text())
     cluster_entry = config["clusters"][0]["cluster"]

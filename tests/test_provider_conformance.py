@@ -27,7 +27,7 @@ from skytasks.protocol import Op
 from skytasks.providers.registry import provider_for
 from skytasks.wire import ChannelClosed, read_frame
 from tests.conftest import wait_for_no_skytasks_processes
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 
 class Fleet:
@@ -179,7 +179,7 @@ class KubernetesFleet(Fleet):
         self.cluster = cluster
 
     def pool(self, **fields: Any) -> GPUPool:
-        from tests.kube import kube_pool
+        from tests.harness.kube import kube_pool
 
         template = self.cluster.host_python_template()
         template["spec"]["containers"].append({"resources": {"requests": {"cpu": f"{self.CPU}m"}}})
@@ -211,7 +211,7 @@ class KubernetesFleet(Fleet):
             self.cluster.kubectl("delete", "pod", "someone-elses", "--grace-period=0", "--force", check=False)
 
     def leftovers(self) -> list[str]:
-        from tests.kube import held
+        from tests.harness.kube import held
 
         deadline = time.monotonic() + 30
         while (left := held(self.cluster)) and time.monotonic() < deadline:
@@ -223,7 +223,7 @@ class KubernetesFleet(Fleet):
 
         from skytasks.providers.kubernetes import cluster
         from skytasks.providers.kubernetes.gc import sweep
-        from tests.kube import credentials
+        from tests.harness.kube import credentials
 
         cfg = cluster.configuration(credentials(self.cluster.admin_kubeconfig))
         return sweep(client.CoreV1Api(cluster.api_client(cfg)), "default", now=now)

@@ -237,7 +237,7 @@ def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(mo
     state = long_flow(return_state=True)
     assert state.is_completed()
     flow_run_id = state.state_details.flow_run_id
-    from tests.prefect_api import logs_when, settled_task_runs
+    from tests.harness.prefect_api import logs_when, settled_task_runs
 
     runs = {r.name: r for r in settled_task_runs(flow_run_id, expect=3)}
 

@@ -19,7 +19,7 @@ from skytasks.errors import RankFailure
 from skytasks.prefect_records.rank_runs import final_state
 from skytasks.prefect_records.record_queue import RECORDED_AT
 from skytasks.prefect_records.run_states import RecordCopies, new_id
-from tests.prefect_api import logs_when, settled_task_runs
+from tests.harness.prefect_api import logs_when, settled_task_runs
 
 
 @pytest.mark.parametrize("choice, world, mode", [

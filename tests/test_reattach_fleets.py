@@ -25,7 +25,7 @@ from skytasks.events import AttemptRestarted, NodeLost, NodeReconnected, listen
 from skytasks.providers.registry import provider_for
 from skytasks.wire import read_frame
 from skytasks.protocol import Op
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 GREETING = b"door says hello\n"
 

@@ -31,7 +31,7 @@ from skytasks.node.attach import CLIENT
 from skytasks.providers import NodeLink
 from skytasks.providers.local.provider import LOOPBACK, LocalProvider
 from skytasks.providers.processes import end_child
-from tests.prefect_api import logs_when
+from tests.harness.prefect_api import logs_when
 from tests.test_prefect_native import _wait_for_events
 
 LINES = 300

@@ -18,7 +18,7 @@ from skytasks import DistributedTaskError, GPUPool, distributed_task
 from skytasks.errors import PoolConfigError, ScriptFailed
 from skytasks.script import ScriptResult, run_script
 from tests.conftest import skytasks_processes, started_here
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,7 +142,7 @@ def test_run_script_in_a_flow_records_rank_runs_with_their_logs(project, tmp_pat
     state = scripted(return_state=True)
     assert state.result() == [ScriptResult(0, 0), ScriptResult(1, 0)]
 
-    from tests.prefect_api import logs_when, settled_task_runs
+    from tests.harness.prefect_api import logs_when, settled_task_runs
 
     by_name = {r.name: r for r in settled_task_runs(state.state_details.flow_run_id, expect=3)}
     assert {"train-script", "train-script[rank 0/2]", "train-script[rank 1/2]"} <= set(by_name)

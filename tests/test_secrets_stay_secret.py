@@ -26,7 +26,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect_aws import AwsCredentials
 
 from skytasks import GPUPool, distributed_task, rank_info
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 ACCESS_KEY = "AKIASKYTASKSTEST0042"
 SECRET_KEY = "aws-secret-0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c"
@@ -151,7 +151,7 @@ def _setup(provider: str, request) -> Setup:
                              aws_credentials=AwsCredentials(**creds), **login, **common),
                      ssh_key=login.get("ssh_private_key", ""))
     if provider == "kubernetes":
-        from tests.kube import kube_pool
+        from tests.harness.kube import kube_pool
 
         k8s = request.getfixturevalue("k8s_cluster")
         return Setup(kube_pool(k8s, aws_credentials=AwsCredentials(**creds), **common),
@@ -240,7 +240,7 @@ def test_no_secret_appears_in_anything_skytasks_wrote(provider, request, capfd):
     console = capfd.readouterr()
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    from tests.prefect_api import logs_when
+    from tests.harness.prefect_api import logs_when
 
     logs_when(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])),
               lambda found: sum("has its secrets: True" in log.message for log in found) >= 3)

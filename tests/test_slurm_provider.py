@@ -20,7 +20,7 @@ import pytest
 
 from skytasks import GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.providers.slurm import job as slurm_job
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import pytest
 
 from skytasks import DistributedTaskError, GPUPool, PoolStartError, RankProcessDied, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
-from tests.sshd import SSHServer, free_port, keygen
+from tests.harness.sshd import SSHServer, free_port, keygen
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("127.0.0.1", "127.0.0.2")

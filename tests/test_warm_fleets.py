@@ -27,7 +27,7 @@ from prefect.client.orchestration import get_client
 
 from skytasks import GPUPool
 from tests.conftest import gone
-from tests.sshd import SSHServer, free_port
+from tests.harness.sshd import SSHServer, free_port
 
 PROGRAM = Path(__file__).parent / "programs" / "warm_fleet_call.py"
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.kube import held
+from tests.harness.kube import held
 from tests.test_warm_fleets import (_env, pod_of, pods_of, pool_name, save_kubernetes, save_slurm,  # noqa: F401
                                     skytasks_jobs, use, wait_until)
 

@@ -27,7 +27,7 @@ from skytasks import GPUPool
 from skytasks.errors import PoolConfigError
 from skytasks.prefect_records.warm_store import PrefectWarmStore, block_name
 from tests.conftest import gone
-from tests.prefect_api import logs_when
+from tests.harness.prefect_api import logs_when
 
 PROGRAM = Path(__file__).parent / "programs" / "warm_call.py"
 ROOT = Path(__file__).resolve().parent.parent
