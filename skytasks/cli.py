@@ -96,7 +96,7 @@ def _aws_gc(args: argparse.Namespace) -> list[str]:
 
 def _slurm_gc(args: argparse.Namespace) -> int:
     from skytasks.blocks.gpu_pool import GPUPool
-    from skytasks.providers.reporting import PoolReporter
+    from skytasks.event_bus import PoolReporter
     from skytasks.providers.slurm.gc import sweep_jobs
     from skytasks.providers.slurm.shell import SlurmShell
     from skytasks.providers.slurm.spec import SlurmSpec

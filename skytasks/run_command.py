@@ -45,7 +45,7 @@ def run_command(args: argparse.Namespace) -> int:
     from skytasks.controller.console import ConsoleObserver
     from skytasks.prefect_records.record_queue import HeldObserver
     from skytasks.controller.runner import SHOW_RESOURCES, run_call
-    from skytasks.providers.reporting import EVENT_HOLDER
+    from skytasks.event_bus import EVENT_HOLDER
 
     try:
         if args.pool and early is not None:

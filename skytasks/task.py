@@ -134,7 +134,7 @@ def say_default_pool(pool: Any) -> None:
     """One line, on the console and in the run's log: the call runs here because nothing said where."""
     per = f" x {pool.procs_per_node} processes" if pool.procs_per_node > 1 else ""
     line = f"no pool given: a local pool of {pool.nodes} nodes{per} on this machine"
-    from skytasks.providers.reporting import PoolReporter
+    from skytasks.event_bus import PoolReporter
 
     PoolReporter(pool.display_name, "local").note(line)
 

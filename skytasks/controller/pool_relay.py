@@ -19,7 +19,7 @@ from skytasks.controller.peer_tls import PoolTLS, pool_tls
 from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, message
 from skytasks.resume import RELAY_LABEL, subkey
-from skytasks.providers.reporting import console_logger
+from skytasks.event_bus import console_logger
 from skytasks.settings import settings
 
 

@@ -19,7 +19,7 @@ from skytasks.events import PoolDown, PoolUp
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeProvider, PreloadsImports
 from skytasks.providers.registry import provider_for
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 
 # The pools entered with `with pool:` in this context, innermost last. A contextvar follows async
 # tasks, Prefect's task threads and `asyncio.to_thread` (they copy the context); a thread started

@@ -42,7 +42,7 @@ from skytasks.events import PoolAttached, PoolExpired, PoolReleased
 from skytasks.pool_spec import PoolSpec
 from skytasks.protocol import Op, message
 from skytasks.providers import NodeLink, NodeProvider
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.wire import FrameWriter
 
 __all__ = ["WarmPool", "WarmStore", "default_store", "register_store", "spec_digest", "who_am_i"]

@@ -20,7 +20,7 @@ from contextvars import copy_context
 from typing import Any, Callable
 from uuid import UUID
 
-from skytasks.providers.reporting import console_logger
+from skytasks.event_bus import console_logger
 
 
 

@@ -1,6 +1,6 @@
 """A pool's typed events (`skytasks.events`) as Prefect records them.
 
-Registered with the providers' reporter (`skytasks.providers.reporting.add_sink`) when
+Registered with the providers' reporter (`skytasks.event_bus.add_sink`) when
 `skytasks.prefect_records` is imported, so neither providers nor the controller import Prefect.
 Inside a flow run each event becomes a line in the run's log at its level, a provider's progress
 updates the pool's progress artifact in place, and an event with a Prefect name is emitted with
@@ -18,7 +18,7 @@ from typing import Any
 
 from skytasks.events import Event, PoolAttached, PoolExpired, PoolReleased, ProviderProgress, level_of
 from skytasks.prefect_records.events import emit, pool_resource
-from skytasks.providers.reporting import flow_run_id
+from skytasks.event_bus import flow_run_id
 
 WARM_EVENTS = (PoolAttached, PoolReleased, PoolExpired)
 _progress_artifacts: dict[tuple[str, Any], Any] = {}  # (pool, flow run) -> its progress artifact's id

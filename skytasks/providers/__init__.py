@@ -3,7 +3,7 @@
 Everything after the agent's stream exists (spawning ranks, calls, failures, teardown of rank
 processes) is the shared rank lifecycle in `skytasks.controller`. A provider is the
 `NodeProvider` protocol below, and reports what happens to its nodes through the `PoolReporter`
-it is given (`skytasks.providers.reporting`); the controller asks it, never its name, what it can do.
+it is given (`skytasks.event_bus`); the controller asks it, never its name, what it can do.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from skytasks.settings import settings
 
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
-    from skytasks.providers.reporting import PoolReporter
+    from skytasks.event_bus import PoolReporter
     from skytasks.workdir import WorkdirRequest
 
 

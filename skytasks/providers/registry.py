@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from skytasks.errors import PoolConfigError
 from skytasks.providers import NodeProvider, ProviderClass, ProviderPlugin, aws, kubernetes, local, slurm, ssh
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec

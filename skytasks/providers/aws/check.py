@@ -129,7 +129,7 @@ def _dry_run(spec: PoolSpec, ec2: Any, ssm: Any, cidr: str, name: str) -> Check:
     from skytasks.providers.aws.provider import launch_request
     from skytasks.providers.aws.resources import pool_tags
     from skytasks.providers.remote_fields import lease_expiry
-    from skytasks.providers.reporting import flow_run_id
+    from skytasks.event_bus import flow_run_id
 
     aws = spec.own(AWSSpec)
     try:

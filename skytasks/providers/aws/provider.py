@@ -25,7 +25,7 @@ from typing import Any, Callable
 from skytasks.errors import PoolGone, PoolStartError
 from skytasks.providers import NodeLink, NodeProvider
 from skytasks.providers.remote_fields import Lease
-from skytasks.providers.reporting import PoolReporter, flow_run_id
+from skytasks.event_bus import PoolReporter, flow_run_id
 from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.aws.capacity import launch_what_can_be_had, refused
 from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async

@@ -31,7 +31,7 @@ from skytasks.providers.kubernetes.node_agents import PodAgents
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
 from skytasks.providers.kubernetes.spec import KubernetesSpec
 from skytasks.providers.remote_fields import Lease
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.providers.teardown import uninterruptible
 from skytasks.settings import settings
 

@@ -20,7 +20,7 @@ from skytasks.node.rank_template import torch_import_env
 from skytasks.node.ports import free_port
 from skytasks.providers.local.forked_agents import AdoptedAgent, AgentProcess, agent_process, boot_id, started_at
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.settings import settings
 from skytasks.wire import widen_pipe
 

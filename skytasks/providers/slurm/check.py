@@ -16,7 +16,7 @@ from typing import Iterator
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.checks import Check
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.providers.slurm import job as slurm_job
 from skytasks.providers.slurm.shell import SlurmShell
 from skytasks.providers.slurm.spec import SlurmSpec

@@ -18,26 +18,21 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable, Optional
 
-from skytasks.errors import PoolStartError
-from skytasks.node import attach
 from skytasks import stream_seal
+from skytasks.errors import PoolStartError
 from skytasks.node.ports import port_snippet
 from skytasks.pool_spec import PoolSpec
-from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers import NodeLink
+from skytasks.providers.remote.agent_start import AgentStarter, NodePython, bootstrap
+from skytasks.providers.remote.reattach import reach_agent
 from skytasks.providers.reporting import PoolReporter
-from skytasks.providers.package_in import PACKAGE_IN, read_line
 from skytasks.providers.slurm.shell import SlurmShell, Step
-from skytasks.providers.ssh import env_in, python_check
-from skytasks.providers.ssh.bridge import await_answer
-from skytasks.providers.ssh.nodes import package_bundle
+from skytasks.providers.slurm.spec import SlurmSpec
 
-# argv: digest, bundle size, then the agent's own arguments. Stdlib only. The env comes first on
-# stdin (env_in: a startup variable such as LD_LIBRARY_PATH restarts this Python with it, before
-# the check), then the package if the answer is "need".
 # The heartbeat's folder on this node (`job.heartbeat_folders`): this user's 0700 folder of the
 # job if there is one, else a new one (mkdtemp: a random name, 0700); a folder of that name that
 # is a link, another user's or open to others is passed over. The agent is told the file in it.
@@ -57,16 +52,11 @@ def _heartbeat_in_its_folder(argv):
     argv[at] = os.path.join(folder, "beat")
 """
 
-BOOTSTRAP = env_in.ENV_IN + "\n_env_in()\n" + python_check.CHECK + PACKAGE_IN + HEARTBEAT_FOLDER + r"""
-import os, sys
-if not _python_ok():
-    sys.exit(3)
-os.chdir(os.path.expanduser("~"))
-_package_in(os.path.join(".cache", "skytasks", sys.argv[1]), int(sys.argv[2]))
-_heartbeat_in_its_folder(sys.argv)
-os.environ.pop("SKYTASKS_STREAM_SEALED", None)  # the agent's stream is sealed; its ranks need not know
-os.execv(sys.executable, [sys.executable] + sys.argv[3:])
-"""
+# argv: digest, bundle size, then the agent's own arguments. The env comes first on the stream,
+# then the package if the answer is "need" (remote.agent_start).
+BOOTSTRAP = bootstrap(HEARTBEAT_FOLDER + """os.chdir(os.path.expanduser("~"))
+home = os.path.join(".cache", "skytasks", sys.argv[1])
+""", env=True, then="_heartbeat_in_its_folder(sys.argv)\n")
 
 
 def srun(job_id: str, node: str) -> list[str]:
@@ -87,54 +77,22 @@ class NodeSteps:
         # again by an attach step; never signalled while the agent lives (see Step.let_go).
         self._agents: dict[str, Step] = {}
         self._workdirs: dict[str, str] = {}
-        self._bundle: tuple[bytes, str] | None = None  # the controller's skytasks, tarred once
+        self._starter = AgentStarter(BOOTSTRAP, spec.own(SlurmSpec).ready_timeout_seconds, env=spec.env)
 
     def start_agent(self, node_rank: int, name: str, address: str, job_id: str, args: list[str]) -> NodeLink:
-        if self._bundle is None:
-            self._bundle = package_bundle()
-        bundle, digest = self._bundle
-        env = self._spec.env
+        def open_step(code: str, argv: list[str]) -> _StepWay:
+            step = self._shell.open([*srun(job_id, name), *self._paths(), self._python, "-c", code, *argv],
+                                    f"node {node_rank} {name}")
+            self._steps[name] = self._agents[name] = step
+            return _StepWay(step, lambda: self._said_at_the_end(name))
+
+        python = NodePython(f"node {node_rank} ({name}, job {job_id})", self._python, self._python_default, "srun: ")
         # munge authenticates srun's I/O, nothing encrypts it: sealed (skytasks.stream_seal)
         # before the env, the pool's key or a call crosses the cluster's network.
-        seal = stream_seal.identity() if stream_seal.wanted(private=False) else None
-        code = (stream_seal.node_prelude(seal.pin) if seal else "") + BOOTSTRAP
-        argv = [*srun(job_id, name), *self._paths(), self._python, "-c", code, digest, str(len(bundle)), *args]
-        step = self._steps[name] = self._agents[name] = self._shell.open(argv, f"node {node_rank} {name}")
-        timeout = self._spec.own(SlurmSpec).ready_timeout_seconds
-        where = f"node {node_rank} ({name}, job {job_id})"
-        if seal is not None:
-            try:
-                step = self._steps[name] = self._agents[name] = _sealed(step, seal, timeout)
-            except stream_seal.SealFailed as exc:  # the node's Python did not start, most likely
-                said = self._said_at_the_end(name) or str(exc)
-                raise PoolStartError(python_check.did_not_start(where, self._python, f"srun: {said}",
-                                                                self._python_default)) from None
-        try:
-            step.outbound.write(env_in.frame(dict(env)))
-            step.outbound.flush()
-        except (OSError, ValueError):  # the step ended already: its own words come below
-            pass
-        first = read_line(step.inbound, timeout, step.close)
-        found = python_check.parse(first)
-        # Another Python (or cloudpickle) first, as it is what to fix; then a lack. Before any rank
-        # and before the package is sent: the step ends, stop() cancels the job.
-        wrong = python_check.wrong_python(where, self._python, found, self._python_default) if found else None
-        if found is not None and (wrong or found.missing):
-            step.close()
-            raise PoolStartError(wrong or python_check.cannot_import(where, self._python, found, self._python_default))
-        if found is None:
-            said = self._said_at_the_end(name) or first.decode(errors="replace")
-            step.close()
-            raise PoolStartError(python_check.did_not_start(where, self._python, f"srun: {said}",
-                                                            self._python_default))
-        answer = read_line(step.inbound, timeout, step.close)
-        if answer == b"need\n":
-            step.outbound.write(bundle)
-            step.outbound.flush()
-        elif answer != b"have\n":
-            step.close()
-            raise PoolStartError(f"{where}: the node agent did not start ({self._python} on the node); "
-                                 f"srun said: {self.last_words(name) or answer!r}")
+        way, started = self._starter.start(open_step, args, python, sealed=stream_seal.wanted(private=False))
+        step = way.step
+        if started.sealed is not None:
+            step = self._steps[name] = self._agents[name] = _over_seal(step, started.sealed)
         return self._link(node_rank, name, address, step)
 
     def _paths(self) -> list[str]:
@@ -156,19 +114,13 @@ class NodeSteps:
         """A new stream to the node's running agent: a step beside it in the same allocation
         (`srun --overlap`) running `python -c attach.CLIENT DOOR`. Ending this step never touches
         the agent's own. NodeGone when nothing is behind the door (the agent ended)."""
-        seal = stream_seal.identity() if stream_seal.wanted(private=False) else None
-        client = stream_seal.attach_argv(self._python, seal.pin, door) if seal else attach.argv(self._python, door)
-        started = time.monotonic()
-        step = self._shell.open([*srun(job_id, name), *self._paths(), *client], f"node {node_rank} {name} attach")
-        try:
-            await_answer(step.inbound, timeout, step.exit_code, lambda: " / ".join(step.stderr_tail),
-                         f"node {node_rank} ({name}, job {job_id})")
-            if seal is not None:  # a fresh agreement for each new stream
-                step = _sealed(step, seal, max(1.0, timeout - (time.monotonic() - started)))
-        except BaseException:
-            step.close()
-            raise
-        self._steps[name] = step
+        def open_step(client: list[str]) -> _StepWay:
+            step = self._shell.open([*srun(job_id, name), *self._paths(), *client], f"node {node_rank} {name} attach")
+            return _StepWay(step, lambda: " / ".join(step.stderr_tail))
+
+        way, sealed = reach_agent(open_step, self._python, door, timeout, f"node {node_rank} ({name}, job {job_id})",
+                                  sealed=stream_seal.wanted(private=False))
+        step = self._steps[name] = way.step if sealed is None else _over_seal(way.step, sealed)
         return self._link(node_rank, name, address, step)
 
     def _said_at_the_end(self, name: str, wait: float = 2.0) -> str:
@@ -190,7 +142,7 @@ class NodeSteps:
 
     def prepare_workdir(self, request, nodes: list[tuple[str, str]]) -> tuple[str, str | None]:
         """The workdir onto every node in parallel, content-addressed as for ssh nodes."""
-        from skytasks.providers.ssh.workdir import sync_workdir
+        from skytasks.providers.remote.workdir import sync_workdir
         from skytasks.workdir import describe_sync, read_workdir
 
         tree = request.tree or read_workdir(request.root)
@@ -219,9 +171,33 @@ class NodeSteps:
             self.end(name)
 
 
-def _sealed(step: Step, seal: stream_seal.Identity, timeout: float) -> Step:
+@dataclass
+class _StepWay:
+    """A step as the agent starter and the re-attach drive it (remote.agent_start.AgentWay)."""
+
+    step: Step
+    said: Callable[[], str]
+
+    @property
+    def inbound(self) -> BinaryIO:
+        return self.step.inbound
+
+    @property
+    def outbound(self) -> BinaryIO:
+        return self.step.outbound
+
+    def close(self) -> None:
+        self.step.close()
+
+    def last_words(self) -> str:
+        return self.said()
+
+    def exit_code(self) -> Optional[int]:
+        return self.step.exit_code()
+
+
+def _over_seal(step: Step, ends: stream_seal.SealedEnds) -> Step:
     """The step with its stream sealed: the same step to its users, plain bytes on its ends."""
-    ends = stream_seal.seal_controller_end(step.inbound, step.outbound, seal, timeout, step.close)
 
     def closing(end: Callable[[], None]) -> Callable[[], None]:
         def both() -> None:

@@ -30,7 +30,7 @@ from skytasks.errors import PoolConfigError, PoolGone, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink, NodeProvider, agent_args
 from skytasks.providers.remote_fields import Lease
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.slurm import job as slurm_job, lease as slurm_lease
 from skytasks.providers.slurm.node_steps import NodeSteps

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Callable, Optional
 from skytasks.errors import PoolStartError
 from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.providers.ssh.nodes import load_known_hosts, parse_host
 from skytasks.providers.ssh.bridge import bridge_process
 

@@ -28,7 +28,7 @@ from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.node import attach
 from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink, agent_args
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.bridge import Forwarding, await_answer, bridge_process
 

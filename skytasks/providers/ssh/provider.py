@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeProvider
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes, parse_host
 from skytasks.providers.ssh.spec import SSHSpec
 
