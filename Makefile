@@ -21,7 +21,7 @@ system-deps:
 		command -v sbatch && test -x /usr/sbin/munged && command -v chromium) >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server iproute2 \
 		slurmctld slurmd slurm-client munge chromium >/dev/null)
-	@# The k8s tests run a real Kubernetes v1.20.2 (tests/k8s_cluster.py): its packages, and its
+	@# The k8s tests run a real Kubernetes v1.20.2 (tests/harness/k8s/): its packages, and its
 	@# binaries built from Debian's source once per machine (about 5 min; cached in ~/.cache/skytasks).
 	@sh scripts/k8s/build.sh
 

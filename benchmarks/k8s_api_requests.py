@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/k8s_api_requests.py [--sizes 2,64] [--idle 60]      (root)
 
-Starts the test cluster (tests/k8s_cluster.py: Kubernetes v1.20.2, one real kubelet), then:
+Starts the test cluster (tests/harness/k8s/: Kubernetes v1.20.2, one real kubelet), then:
 - a background minute with no pool, to know what the cluster's own parts (kubelet, scheduler,
   controller-manager, the test DNS server) ask meanwhile;
 - for each size, a real `GPUPool(provider="kubernetes")` (as tests/harness/kube.py builds it): its start
@@ -81,7 +81,7 @@ def mem_available_gib() -> float:
 
 
 def measure(sizes: list[int], idle: float) -> dict:
-    from tests.k8s_cluster import K8sCluster
+    from tests.harness.k8s import K8sCluster
     from tests.harness.kube import kube_pool
 
     cluster = K8sCluster(Path(tempfile.mkdtemp(prefix="skytasks-bench-k8s-api-"))).start()

@@ -1,4 +1,4 @@
-"""Kubernetes: the trivial all_reduce on pods of the real test cluster (tests/k8s_cluster.py: one
+"""Kubernetes: the trivial all_reduce on pods of the real test cluster (tests/harness/k8s/: one
 real kubelet with containerd), against torchrun's whole-process time in the same run.
 
     .venv/bin/python benchmarks/run.py --only kubernetes      (root; `make test` builds the cluster)
@@ -28,7 +28,7 @@ def timed(fn) -> float:
 def kubernetes_pools(torchrun_s: float, sizes: tuple[int, ...] = (2, 4, 8), repeats: int = 3) -> dict:
     import workloads
     from skytasks import PoolStartError, distributed_task, rank_info
-    from tests.k8s_cluster import K8sCluster
+    from tests.harness.k8s import K8sCluster
     from tests.harness.kube import kube_pool, sharing
 
     cluster = K8sCluster(Path(tempfile.mkdtemp(prefix="skytasks-bench-k8s-"))).start()

@@ -1,5 +1,5 @@
 """Screenshot a Kubernetes call's flow run in Prefect's UI: start a Prefect server on loopback and
-the test cluster (tests/k8s_cluster.py: a real Kubernetes v1.20.2 on this machine), keep the pool's
+the test cluster (tests/harness/k8s/: a real Kubernetes v1.20.2 on this machine), keep the pool's
 pods Pending for a few seconds behind a "blocker" pod that holds the node's CPU, then delete it so
 they schedule and the call runs. Headless Chromium, driven over the DevTools protocol as in
 scripts/screenshot_flow_run.py (whose helpers this reuses), waits for what each picture shows:
@@ -260,7 +260,7 @@ def main(out_dir: Path) -> None:
     api, ui = f"http://127.0.0.1:{port}/api", f"http://127.0.0.1:{port}"
     os.environ.update({"PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                        "PREFECT_UI_API_URL": api})
-    from tests.k8s_cluster import K8sCluster
+    from tests.harness.k8s import K8sCluster
 
     # SIGTERM ends the script through its finally: the cluster, the server and Chromium stop.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

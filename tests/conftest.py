@@ -166,6 +166,19 @@ def no_leaked_processes():
 # -- the fleets' servers, shared by every module that uses them -------------------------------
 
 
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on two loopback addresses (two "machines", LOOPBACK_HOSTS), one per
+    test module: a module may change its keys or its sessions without touching another's.
+    `tests.harness.ssh_pools.ssh_pool(sshd)` is a pool on it."""
+    from tests.harness.ssh_pools import LOOPBACK_HOSTS
+    from tests.harness.sshd import SSHServer, free_port
+
+    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(LOOPBACK_HOSTS), free_port())
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def moto():
     """moto's EC2 server on loopback, with a loopback VPC and subnet: one for the session."""
@@ -219,7 +232,7 @@ def k8s_cluster(tmp_path_factory):
     all (not root; `make system-deps` installs and builds the rest). A test that kills a node
     (`kill_node`) restarts it (`restart_node`) before it ends. SKYTASKS_TEST_K8S_NODES=1 starts
     one node instead (to tell whether a failure comes from pods spread over two)."""
-    from tests.k8s_cluster import K8sCluster, available
+    from tests.harness.k8s import K8sCluster, available
 
     why = available()
     if why:

@@ -16,7 +16,7 @@ import pytest
 
 from skytasks import GPUPool
 from tests.conftest import started_here
-from tests.harness.sshd import SSHServer, free_port
+from tests.harness.ssh_pools import ssh_pool
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the system's own Python: no torch, no cloudpickle
 
@@ -42,19 +42,6 @@ def no_agents() -> None:
 
 
 # -- ssh ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = SSHServer(tmp_path_factory.mktemp("sshd"), ["127.0.0.1", "127.0.0.2"], free_port())
-    yield server
-    server.stop()
-
-
-def ssh_pool(server: SSHServer, hosts: list[str], **overrides) -> GPUPool:
-    fields = dict(provider="ssh", nodes=len(hosts), hosts=[f"root@{h}:{server.port}" for h in hosts],
-                  ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable)
-    return GPUPool(**{**fields, **overrides})
 
 
 def test_ssh_hosts_that_answer_with_a_python_that_has_torch_pass(sshd):

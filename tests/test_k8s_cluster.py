@@ -1,4 +1,4 @@
-"""The Kubernetes test cluster itself (tests/k8s_cluster.py), through the `kubernetes` client:
+"""The Kubernetes test cluster itself (tests/harness/k8s/), through the `kubernetes` client:
 two nodes, pods across them, a lost node, and the autoscaler stand-in's Events."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from tests.harness.autoscaler_standin import AutoscalerStandIn
 from tests.conftest import gone, running
-from tests.k8s_cluster import NODE_GRACE, NODE_NAME, NODES, SERVICE_IP, K8sCluster, _v1_hierarchies
+from tests.harness.k8s import NODE_GRACE, NODE_NAME, NODES, SERVICE_IP, K8sCluster, _v1_hierarchies
 
 kubernetes = pytest.importorskip("kubernetes")
 from kubernetes import client, config  # noqa: E402

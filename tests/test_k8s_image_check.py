@@ -1,6 +1,6 @@
 """A kubernetes pool whose pods hold another Python than the controller's fails its start naming
 k8s_image and both versions, before any rank, and leaves nothing in the cluster. On the real
-test cluster (tests/k8s_cluster.py), its pods running this machine's Python 3.12."""
+test cluster (tests/harness/k8s/), its pods running this machine's Python 3.12."""
 
 from __future__ import annotations
 

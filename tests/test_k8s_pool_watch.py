@@ -1,5 +1,5 @@
 """PoolWatch (skytasks/providers/kubernetes/pool_watch.py) against the real test cluster
-(tests/k8s_cluster.py): pods and events seen from one LIST and a WATCH each, a resourceVersion the
+(tests/harness/k8s/): pods and events seen from one LIST and a WATCH each, a resourceVersion the
 server no longer holds (410) listed again, a killed and restarted kube-apiserver, and a 429 and a
 503 from a real HTTP proxy in front of the real apiserver. The backoff's pure rules are tested
 without a cluster at the end."""

@@ -1,4 +1,4 @@
-"""provider="kubernetes" against a real Kubernetes (tests/k8s_cluster.py: etcd, kube-apiserver,
+"""provider="kubernetes" against a real Kubernetes (tests/harness/k8s/: etcd, kube-apiserver,
 controller-manager, scheduler, and a kubelet with containerd and runc running real containers).
 
 The controller reaches its pods through the API server only: nothing listens on this machine
@@ -189,7 +189,7 @@ def test_a_controller_ended_by_a_signal_deletes_its_pods(k8s, tmp_path, how):
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from tests.harness.kube import kube_pool
-        from tests.k8s_cluster import K8sCluster
+        from tests.harness.k8s import K8sCluster
         class C: pass
         cluster = C()
         cluster.image, cluster.admin_kubeconfig = {k8s.image!r}, {str(k8s.admin_kubeconfig)!r}

@@ -16,11 +16,8 @@ import inspect
 import ipaddress
 import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,7 @@ import pytest
 from skytasks import GPUPool, ScriptResult, distributed_task, rank_info, run_script
 from skytasks.node import socket_interface
 from skytasks.node.ports import free_port
-from tests.harness.sshd import SSHServer
+from tests.harness.netns import bridged_hosts, netns_pool
 
 
 # --- what runs on the nodes (standard library only: a script imports it as probe.py) --------
@@ -229,58 +226,14 @@ def test_a_head_name_that_means_loopback_here_is_not_used_when_peers_are_elsewhe
 SUBNET = "10.231.53"  # not test_multihost's: the two may run at once
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = uuid.uuid4().hex[:4]
-    bridge, names = f"sktlb{tag}", [f"sktl{tag}n{i}" for i in range(2)]
-    made: list[tuple[str, str]] = []
-    servers = []
-    try:
-        ip("link", "add", bridge, "type", "bridge")
-        made.append(("link", bridge))
-        ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        addresses = []
-        for i, ns in enumerate(names):
-            address, host_end = f"{SUBNET}.{i + 2}", f"sktl{tag}v{i}"
-            ip("netns", "add", ns)
-            made.append(("netns", ns))
-            ip("link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            made.append(("link", host_end))
-            ip("link", "set", host_end, "master", bridge)
-            ip("link", "set", host_end, "up")
-            for cmd in (["addr", "add", f"{address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
-                        ["link", "set", "lo", "up"]):
-                ip("-n", ns, *cmd)
-            addresses.append(address)
-        for i, ns in enumerate(names):
-            servers.append(SSHServer(tmp_path_factory.mktemp(f"sshd{i}"), [addresses[i]], 22, netns=ns))
-        key = subprocess.run(["ssh-keygen", "-y", "-f", str(servers[0].folder / "client_key")],
-                             capture_output=True, text=True, check=True).stdout
-        (servers[1].folder / "authorized_keys").write_text(key)  # one client key for both hosts
-        yield {"addresses": addresses, "servers": servers, "netns": names}
-    finally:
-        for server in servers:
-            server.stop()
-        for kind, name in reversed(made):
-            subprocess.run(["ip", kind, "del", name], capture_output=True)
-
-
-def ssh_pool(hosts, **fields) -> GPUPool:
-    servers = hosts["servers"]
-    return GPUPool(provider="ssh", nodes=2, hosts=[f"root@{a}" for a in hosts["addresses"]],
-                   ssh_private_key=servers[0].client_key, remote_python=sys.executable,
-                   known_hosts="".join(s.known_hosts() for s in servers), **fields)
+    with bridged_hosts(tmp_path_factory.mktemp, SUBNET, "sktl") as made:
+        yield made
 
 
 def test_ssh_hosts_listen_on_their_own_address_only_during_a_call(hosts):
-    results = distributed_task(listeners_during_a_call, pool=ssh_pool(hosts, procs_per_node=2))()
+    results = distributed_task(listeners_during_a_call, pool=netns_pool(hosts, procs_per_node=2))()
     seen = check(results, 2, {hosts["addresses"][0]})
     # Each node's listeners are on its own address, or loopback (its ranks' own), nowhere else.
     for s in seen:
@@ -288,7 +241,7 @@ def test_ssh_hosts_listen_on_their_own_address_only_during_a_call(hosts):
 
 
 def test_ssh_hosts_run_script_listens_on_their_own_address_only(hosts, tmp_path):
-    results = run_probe_script(ssh_pool(hosts, procs_per_node=2), tmp_path)
+    results = run_probe_script(netns_pool(hosts, procs_per_node=2), tmp_path)
     check_script(results, 2, {hosts["addresses"][0]})
 
 

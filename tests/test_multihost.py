@@ -8,84 +8,21 @@ Only heartbeats can tell, on both ends.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 import time
-import uuid
 
 import pytest
 
-from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info
+from skytasks import DistributedTaskError, distributed_task, rank_info
 from tests.conftest import running, skytasks_processes
-from tests.harness.sshd import SSHServer
+from tests.harness.netns import bridged_hosts, ip, netns_pool
 
 SUBNET = "10.231.77"
-BRIDGE_ADDRESS = f"{SUBNET}.1"
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = uuid.uuid4().hex[:4]
-    bridge, names = f"sktbr{tag}", [f"skt{tag}n{i}" for i in range(2)]
-    try:
-        ip("netns", "add", names[0])
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
-    ip("netns", "del", names[0])
-    made: list[tuple[str, str]] = []
-    servers = []
-    try:
-        ip("link", "add", bridge, "type", "bridge")
-        made.append(("link", bridge))
-        ip("addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        addresses, outside = [], []
-        for i, ns in enumerate(names):
-            address, host_end = f"{SUBNET}.{i + 2}", f"skt{tag}v{i}"
-            ip("netns", "add", ns)
-            made.append(("netns", ns))
-            ip("link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            made.append(("link", host_end))
-            ip("link", "set", host_end, "master", bridge)
-            ip("link", "set", host_end, "up")
-            for cmd in (["addr", "add", f"{address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
-                        ["link", "set", "lo", "up"]):
-                ip("-n", ns, *cmd)
-            addresses.append(address)
-            outside.append(host_end)
-        for i, ns in enumerate(names):
-            servers.append(SSHServer(tmp_path_factory.mktemp(f"sshd{i}"), [addresses[i]], 22, netns=ns))
-        yield {"addresses": addresses, "links": outside, "servers": servers}
-    finally:
-        for server in servers:
-            server.stop()
-        for kind, name in reversed(made):
-            subprocess.run(["ip", kind, "del", name], capture_output=True)
-
-
-def netns_pool(hosts, **overrides) -> GPUPool:
-    servers = hosts["servers"]
-    # One client key per server: each "machine" has its own authorized_keys.
-    fields = dict(provider="ssh", nodes=2, hosts=[f"root@{a}" for a in hosts["addresses"]],
-                  ssh_private_key=servers[0].client_key, remote_python=sys.executable,
-                  known_hosts="".join(s.known_hosts() for s in servers))
-    return GPUPool(**{**fields, **overrides})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_client_key(hosts):
-    """Let the first server's client key into the second server too."""
-    first, second = hosts["servers"]
-    key = subprocess.run(["ssh-keygen", "-y", "-f", str(first.folder / "client_key")], capture_output=True,
-                         text=True, check=True).stdout
-    (second.folder / "authorized_keys").write_text(key)
+    with bridged_hosts(tmp_path_factory.mktemp, SUBNET, "skt") as made:
+        yield made
 
 
 def where_am_i() -> dict:

@@ -23,10 +23,9 @@ from skytasks.providers import agent_args
 from skytasks.providers.ssh import env_in, python_check
 from skytasks.providers.ssh.python_check import Controller, Found
 from tests.conftest import started_here
-from tests.harness.sshd import SSHServer, free_port
+from tests.harness.ssh_pools import ssh_pool
 
 ROOT = Path(__file__).resolve().parent.parent
-HOSTS = ("127.0.0.1", "127.0.0.2")
 HERE = Controller("3.11.7", (3, 11, 7), "3.1.3")
 CONTROLLER = f"the controller runs Python {sys.version.split()[0]} with cloudpickle {cloudpickle.__version__}"
 
@@ -195,19 +194,6 @@ def test_cloudpickle_s_version_is_read_from_the_module_where_it_has_no_metadata(
 
 
 # -- real pools ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
-    yield server
-    server.stop()
-
-
-def ssh_pool(server: SSHServer, **overrides) -> GPUPool:
-    fields = dict(provider="ssh", nodes=2, hosts=[f"root@{h}:{server.port}" for h in HOSTS],
-                  ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable)
-    return GPUPool(**{**fields, **overrides})
 
 
 def start_fails(pool: GPUPool) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from skytasks import GPUPool, PoolStartError, distributed_task, rank_info
 from skytasks.events import PoolShrank, listen
 from skytasks.preflight.report import NodeUnhealthy, PoolHealthy, PreflightTable
 from tests.conftest import wait_for_no_skytasks_processes
+from tests.harness import netns
 from tests.harness.sshd import SSHServer, free_port
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
@@ -182,45 +182,12 @@ def test_full_on_a_fixed_pool_fails_the_start_naming_the_slow_host_before_user_c
 
 # -- a namespace host with no route to the head ----------------------------------------------
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def split_hosts(tmp_path_factory):
     """Two hosts in network namespaces, each on a link of its own to this machine: the controller
     reaches both, neither reaches the other (no route)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = uuid.uuid4().hex[:4]
-    made: list[tuple[str, str]] = []
-    servers: list[SSHServer] = []
-    try:
-        addresses = []
-        for i, subnet in enumerate(("10.231.81", "10.231.82")):
-            ns, outside = f"skp{tag}n{i}", f"skp{tag}v{i}"
-            ip("netns", "add", ns)
-            made.append(("netns", ns))
-            ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            made.append(("link", outside))
-            ip("addr", "add", f"{subnet}.1/24", "dev", outside)
-            ip("link", "set", outside, "up")
-            for cmd in (["addr", "add", f"{subnet}.2/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
-                        ["link", "set", "lo", "up"]):
-                ip("-n", ns, *cmd)
-            addresses.append(f"{subnet}.2")
-        first = SSHServer(tmp_path_factory.mktemp("sshd-ns0"), [addresses[0]], 22, netns=made[0][1])
-        servers.append(first)
-        key = subprocess.run(["ssh-keygen", "-y", "-f", str(first.folder / "client_key")], capture_output=True,
-                             text=True, check=True).stdout
-        servers.append(SSHServer(tmp_path_factory.mktemp("sshd-ns1"), [addresses[1]], 22, netns=made[2][1],
-                                 authorized_key=key))
-        yield {"addresses": addresses, "servers": servers}
-    finally:
-        for server in servers:
-            server.stop()
-        for kind, name in reversed(made):
-            subprocess.run(["ip", kind, "del", name], capture_output=True)
+    with netns.split_hosts(tmp_path_factory.mktemp, ("10.231.81", "10.231.82"), "skp") as made:
+        yield made
 
 
 def test_a_node_that_cannot_reach_the_head_fails_basic_in_seconds_named(split_hosts, tmp_path):

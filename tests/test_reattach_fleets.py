@@ -22,10 +22,11 @@ import pytest
 from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.errors import NodeGone
 from skytasks.events import AttemptRestarted, NodeLost, NodeReconnected, listen
+from skytasks.protocol import Op
 from skytasks.providers.registry import provider_for
 from skytasks.wire import read_frame
-from skytasks.protocol import Op
-from tests.harness.sshd import SSHServer, free_port
+from tests.harness import ssh_pools
+from tests.harness.sshd import SSHServer
 
 GREETING = b"door says hello\n"
 
@@ -130,20 +131,8 @@ def reattach_checks(provider, node_id: int, door: StandInDoor) -> None:
 
 # -- ssh ---------------------------------------------------------------------------------------
 
-HOSTS = ("127.0.0.1", "127.0.0.2")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
-    yield server
-    server.stop()
-
-
 def ssh_pool(server: SSHServer, **fields) -> GPUPool:
-    return GPUPool(provider="ssh", nodes=2, hosts=[f"root@{h}:{server.port}" for h in HOSTS],
-                   ssh_private_key=server.client_key, known_hosts=server.known_hosts(),
-                   remote_python=sys.executable, ready_timeout_seconds=30, **fields)
+    return ssh_pools.ssh_pool(server, ready_timeout_seconds=30, **fields)
 
 
 def sessions_of(server: SSHServer) -> list:

@@ -18,7 +18,8 @@ from skytasks import DistributedTaskError, GPUPool, distributed_task
 from skytasks.errors import PoolConfigError, ScriptFailed
 from skytasks.script import ScriptResult, run_script
 from tests.conftest import skytasks_processes, started_here
-from tests.harness.sshd import SSHServer, free_port
+from tests.harness.ssh_pools import ssh_pool
+from tests.harness.sshd import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,21 +197,6 @@ def test_gitignored_files_and_dot_git_stay_behind(project):
 
 
 # -- workdir on ssh nodes (a real OpenSSH server on two loopback "hosts") ------------------------
-
-HOSTS = ("127.0.0.1", "127.0.0.2")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
-    yield server
-    server.stop()
-
-
-def ssh_pool(server: SSHServer) -> GPUPool:
-    return GPUPool(provider="ssh", nodes=2, hosts=[f"root@{h}:{server.port}" for h in HOSTS],
-                   ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable)
-
 
 def _home() -> str:
     return os.path.expanduser("~")

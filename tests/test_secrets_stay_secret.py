@@ -26,6 +26,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect_aws import AwsCredentials
 
 from skytasks import GPUPool, distributed_task, rank_info
+from tests.harness.ssh_pools import ssh_pool
 from tests.harness.sshd import SSHServer, free_port
 
 ACCESS_KEY = "AKIASKYTASKSTEST0042"
@@ -102,14 +103,6 @@ def cache_files(since: float) -> str:
 
 
 @pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    hosts = ["127.0.0.1", "127.0.0.2"]
-    server = SSHServer(tmp_path_factory.mktemp("sshd"), hosts, free_port())
-    yield {"hosts": hosts, "port": server.port, "key": server.client_key, "known_hosts": server.known_hosts()}
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def login_node(request, tmp_path_factory):
     """A real sshd on loopback playing a SLURM login node, with the pool's key."""
     cluster = request.getfixturevalue("cluster")
@@ -135,11 +128,9 @@ def _setup(provider: str, request) -> Setup:
         return Setup(GPUPool(aws_credentials=AwsCredentials(**creds), **common))
     if provider == "ssh":
         sshd = request.getfixturevalue("sshd")
-        hosts = sshd["hosts"] + [sshd["hosts"][0]]
-        return Setup(GPUPool(provider="ssh", hosts=[f"root@{h}:{sshd['port']}" for h in hosts],
-                             ssh_private_key=sshd["key"], known_hosts=sshd["known_hosts"],
-                             remote_python=sys.executable, aws_credentials=AwsCredentials(**creds), **common),
-                     ssh_key=sshd["key"])
+        hosts = [*sshd.addresses, sshd.addresses[0]]
+        return Setup(ssh_pool(sshd, hosts, aws_credentials=AwsCredentials(**creds), **common),
+                     ssh_key=sshd.client_key)
     if provider.startswith("slurm"):
         request.getfixturevalue("cluster")
         login: dict[str, Any] = {}

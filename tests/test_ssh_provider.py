@@ -11,25 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from skytasks import DistributedTaskError, GPUPool, PoolStartError, RankProcessDied, distributed_task, rank_info
+from skytasks import DistributedTaskError, PoolStartError, RankProcessDied, distributed_task, rank_info
 from tests.conftest import skytasks_processes, wait_for_no_skytasks_processes
-from tests.harness.sshd import SSHServer, free_port, keygen
+from tests.harness.ssh_pools import LOOPBACK_HOSTS, ssh_pool
+from tests.harness.sshd import keygen
 
 ROOT = Path(__file__).resolve().parent.parent
-HOSTS = ("127.0.0.1", "127.0.0.2")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
-    yield {"port": server.port, "key": server.client_key, "known_hosts": server.known_hosts(), "dir": server.folder}
-    server.stop()
-
-
-def ssh_pool(sshd, **overrides) -> GPUPool:
-    fields = dict(provider="ssh", nodes=2, hosts=[f"root@{h}:{sshd['port']}" for h in HOSTS],
-                  ssh_private_key=sshd["key"], known_hosts=sshd["known_hosts"], remote_python=sys.executable)
-    return GPUPool(**{**fields, **overrides})
+HOSTS = LOOPBACK_HOSTS
 
 
 def where() -> dict:
@@ -53,13 +41,13 @@ def test_a_two_node_gloo_job_across_two_ssh_hosts(sshd):
 
 def test_a_wrong_host_key_is_refused_naming_the_host(sshd, tmp_path):
     other = keygen(tmp_path / "other_host_key")
-    wrong = "".join(f"[{h}]:{sshd['port']} {' '.join(other.split()[:2])}\n" for h in HOSTS)
+    wrong = "".join(f"[{h}]:{sshd.port} {' '.join(other.split()[:2])}\n" for h in HOSTS)
     with pytest.raises(PoolStartError, match=r"node \d \(127\.0\.0\.\d:\d+\): host key of 127\.0\.0\.\d"):
         distributed_task(where, pool=ssh_pool(sshd, known_hosts=wrong))()
 
 
 def test_an_unknown_host_is_refused(sshd):
-    only_first = sshd["known_hosts"].splitlines()[0] + "\n"
+    only_first = sshd.known_hosts().splitlines()[0] + "\n"
     with pytest.raises(PoolStartError, match=r"node 1 \(127\.0\.0\.2:\d+\): host key of 127\.0\.0\.2"):
         distributed_task(where, pool=ssh_pool(sshd, known_hosts=only_first))()
 
@@ -93,8 +81,8 @@ from skytasks import distributed_task, rank_info
 def forever():
     open(os.path.join({str(tmp_path)!r}, f"rank{{rank_info().rank}}"), "w").write(str(os.getpid()))
     time.sleep(3600)
-pool = GPUPool(provider="ssh", nodes=2, hosts={[f"root@{h}:{sshd['port']}" for h in HOSTS]!r},
-               ssh_private_key={sshd['key']!r}, known_hosts={sshd['known_hosts']!r}, remote_python={sys.executable!r},
+pool = GPUPool(provider="ssh", nodes=2, hosts={[f"root@{h}:{sshd.port}" for h in HOSTS]!r},
+               ssh_private_key={sshd.client_key!r}, known_hosts={sshd.known_hosts()!r}, remote_python={sys.executable!r},
                reattach_seconds=5)
 distributed_task(forever, pool=pool, init_torch=False)()
 """)
@@ -200,7 +188,7 @@ def test_the_env_reaches_the_node_s_python_on_stdin_and_the_stream_after_it_is_u
     """The bootstrap's half of env_in, in a local Python: the env arrives, a startup variable
     (PYTHONOPTIMIZE) restarts the interpreter with it in the same process, the bytes after the
     env line are left for the agent, and nothing of the env is on the command line."""
-    from skytasks.providers.ssh import env_in
+    from skytasks.providers.remote import env_in
 
     code = env_in.ENV_IN + "\n_env_in()\n" + (
         "import os, sys\n"

@@ -27,7 +27,8 @@ from prefect.client.orchestration import get_client
 
 from skytasks import GPUPool
 from tests.conftest import gone
-from tests.harness.sshd import SSHServer, free_port
+from tests.harness.ssh_pools import ssh_pool
+from tests.harness.sshd import SSHServer
 
 PROGRAM = Path(__file__).parent / "programs" / "warm_fleet_call.py"
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,20 +87,9 @@ def pool_name():
 
 # -- ssh ----------------------------------------------------------------------------------------
 
-HOSTS = ("127.0.0.1", "127.0.0.2")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = SSHServer(tmp_path_factory.mktemp("sshd"), list(HOSTS), free_port())
-    yield server
-    server.stop()
-
-
 def save_ssh(server: SSHServer, name: str, **fields) -> None:
-    GPUPool(provider="ssh", nodes=2, hosts=[f"root@{h}:{server.port}" for h in HOSTS],
-            ssh_private_key=server.client_key, known_hosts=server.known_hosts(), remote_python=sys.executable,
-            ready_timeout_seconds=60, reattach_seconds=5, **{"keep_warm_minutes": 2.0, **fields}).save(name, overwrite=True)
+    ssh_pool(server, ready_timeout_seconds=60, reattach_seconds=5,
+             **{"keep_warm_minutes": 2.0, **fields}).save(name, overwrite=True)
 
 
 def test_ssh_the_next_process_attaches_to_the_same_agents_and_a_node_lost_unheld_is_replaced(sshd, pool_name, tmp_path):

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Kubernetes v1.20.2 for the test cluster (tests/k8s_cluster.py), built once per machine.
+# Kubernetes v1.20.2 for the test cluster (tests/harness/k8s/), built once per machine.
 #
 # Debian bookworm's own source package is the only complete Kubernetes to be had here (no
 # prebuilt control plane in Debian, PyPI or npm; trixie's is kubectl-only). It is built with

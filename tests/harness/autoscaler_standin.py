@@ -1,4 +1,4 @@
-"""A stand-in for a node autoscaler on the Kubernetes test cluster (tests/k8s_cluster.py): it says
+"""A stand-in for a node autoscaler on the Kubernetes test cluster (tests/harness/k8s/): it says
 on a pending pod what Cluster Autoscaler or Karpenter would, as core/v1 Events of the very
 shape they post, and then makes "a node join" the way a cloud's node does (the labels the pod
 requires, a taint lifted, GPUs advertised).

@@ -1,4 +1,4 @@
-"""Pools on the Kubernetes test cluster (tests/k8s_cluster.py), as a user makes them: a
+"""Pools on the Kubernetes test cluster (tests/harness/k8s/), as a user makes them: a
 KubernetesCredentials block from a kubeconfig, an image, and a pod template that mounts this
 machine's Python (the test image has none of its own)."""
 
