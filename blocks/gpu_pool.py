@@ -19,7 +19,6 @@ from prefect.blocks.core import Block
 from prefect.blocks.fields import SecretDict
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, WithJsonSchema, model_validator
 
-import skytasks.prefect_records  # noqa: F401 - the Prefect side of pool events (flow-run logs, Prefect events)
 from skytasks.blocks.aws_credentials_field import UNSET, LazyAwsCredentials, default_aws_credentials
 from skytasks.blocks.nested_blocks import block_class, type_block_fields
 from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS, LocalSettings, ProviderSettings,
@@ -280,12 +279,13 @@ def train(epochs: int = 3) -> dict:
     # -- bringing nodes up and down: the runtime does it ------------------------------------
 
     def runtime(self) -> PoolRuntime:
-        """This pool's runtime (skytasks.controller.pool_runtime), made from its spec on first use."""
-        from skytasks.controller.pool_runtime import PoolRuntime
+        """This pool's runtime (skytasks.controller.pool_runtime), made from its spec on first use by
+        the composition root (skytasks.wiring), which hands it Prefect's parts."""
+        from skytasks.wiring import pool_runtime
 
         rt = self._runtime
         if rt is None or (not rt.is_up and rt.spec != (spec := self.spec())):
-            rt = self._runtime = PoolRuntime(self.spec() if rt is None else spec, self)
+            rt = self._runtime = pool_runtime(self.spec() if rt is None else spec, self)
         return rt
 
     @property

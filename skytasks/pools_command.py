@@ -2,9 +2,10 @@
 and `skytasks pools down NAME` (end one now, once no process holds it).
 
 A warm pool is a saved pool with `keep_warm_minutes` whose nodes outlive the process that held
-them (skytasks.controller.warm). Its record is a Prefect secret; this command reads it, and asks
-a node's agent what it knows (who holds the pool, since when it is idle, when it ends). It only
-reads: it never writes a record or ends a node, and a provider that cannot be read now is said so.
+them (skytasks.controller.warm). Its record is a Prefect secret; this command reads it, and has
+the warm pool ask a node's agent what it knows (`WarmPool.probe`: who holds the pool, since when
+it is idle, when it ends). It only reads: it never writes a record or ends a node, and a provider
+that cannot be read now is said so.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ def add_parser(commands: Any) -> None:
 
 
 def pools_command(args: Any) -> int:
-    import skytasks.prefect_records  # noqa: F401 - its events reach Prefect (skytasks.pool.expired)
-    from skytasks.controller.warm import default_store
+    from skytasks.wiring import hear_pool_events_in_prefect, prefect_warm_store
 
+    hear_pool_events_in_prefect()  # e.g. skytasks.pool.expired, when `down` finds the pool gone
     if args.action == "down":
         if not args.name:
             print("skytasks pools down: which pool? (skytasks pools down NAME)", file=sys.stderr)
             return 2
         return _down(args.name)
     rows = []
-    for name in default_store().names():
+    for name in prefect_warm_store().names():
         row = _row(name)
         if row is not None:
             rows.append(row)
@@ -51,69 +52,9 @@ def _warm_pool(name: str) -> Any:
     return cast(GPUPool, GPUPool.load(name)).runtime().warm_pool()
 
 
-def probe(warm: Any) -> dict[str, Any] | None:
-    """What a warm pool's first node that answers says of it (mode "probe": nothing is taken):
-    its record's fields, with `holder`, `unheld_since`, `expires_at` where the agent says them.
-    Only reads: a pool whose nodes are found gone is said so (`ended`), and the next process that
-    uses it clears its record; one that cannot be asked now is said so, never taken for gone."""
-    from skytasks.controller.reconnect import HANDSHAKE_SECONDS, Refused, door_handshake
-    from skytasks.controller.warm import REACH_SECONDS, who_am_i
-    from skytasks.errors import NodeGone, PoolConfigError, PoolGone
-
-    _, record = warm.store.newest(warm.name)
-    if record is None or record.get("state") == "starting":
-        return record
-    provider = warm.make_provider()
-    try:
-        provider.adopt(record.get("handle") or {})
-    except PoolGone as exc:
-        return {**record, "ended": str(exc)}
-    except PoolConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - not the provider's word that it is gone
-        return {**record, "holder": f"(cannot be asked now: {type(exc).__name__}: {exc})"}
-    key, unreachable = bytes.fromhex(record["pool_key"]), ""
-    try:
-        for node in sorted(record.get("nodes", []), key=lambda n: n["node_id"]):
-            if not node.get("door"):
-                continue
-            try:
-                link = provider.reattach(node["node_id"], node["door"], REACH_SECONDS)
-            except NodeGone:
-                continue
-            except Exception as exc:  # noqa: BLE001 - maybe only out of reach now: never taken for gone
-                unreachable = f"{type(exc).__name__}: {exc}"
-                continue
-            try:
-                state = dict(door_handshake(link, key, node.get("instance", ""), "probe", "probe", 0, who_am_i(),
-                                            time.monotonic() + HANDSHAKE_SECONDS).get("state") or {})
-            except Refused as exc:
-                if not exc.holder:
-                    unreachable = str(exc)
-                    continue
-                state = {"holder": exc.holder, "held_since": exc.since}
-            except Exception as exc:  # noqa: BLE001
-                unreachable = f"{type(exc).__name__}: {exc}"
-                continue
-            finally:
-                try:
-                    link.let_go_lost()
-                except Exception:  # noqa: BLE001
-                    pass
-            return {**record, **state}
-    finally:
-        try:
-            provider.leave_running()
-        except Exception:  # noqa: BLE001 - it let go of nothing this process holds
-            pass
-    if unreachable:
-        return {**record, "holder": f"(no node answered: {unreachable})"}
-    return {**record, "ended": "none of its nodes runs any more"}
-
-
 def _row(name: str) -> tuple[str, ...] | None:
     try:
-        info = probe(_warm_pool(name))
+        info = _warm_pool(name).probe()
     except Exception as exc:  # noqa: BLE001 - one pool that cannot be asked does not hide the others
         return (name, "?", "?", "?", f"cannot be asked: {exc}", "?")
     if info is None:

@@ -117,14 +117,14 @@ def _on_local_pool(options: Any, call_args: tuple, min_nodes: int | None = None)
     """The call on a local pool, made without Prefect: its ranks start while Prefect is imported
     (a second or so) on the recording thread. The pool is what `GPUPool()` of this shape gives."""
     from skytasks.controller.packing import pack_call
-    from skytasks.controller.pool_runtime import PoolRuntime
     from skytasks.controller.runner import PreparedCall
     from skytasks.pool_spec import PoolSpec
     from skytasks.script import run_on_rank
+    from skytasks.wiring import pool_runtime
 
     spec = PoolSpec(name="local-pool", provider="local", nodes=options.nodes, procs_per_node=options.procs_per_node,
                     accelerators_per_node=None, min_nodes=min_nodes)
-    return PreparedCall(run_on_rank, PoolRuntime(spec, owner=None), options), pack_call(run_on_rank, call_args, {})
+    return PreparedCall(run_on_rank, pool_runtime(spec, owner=None), options), pack_call(run_on_rank, call_args, {})
 
 
 def _on_saved_pool(args: argparse.Namespace, options: Any, call_args: tuple) -> tuple[Any, Any]:

@@ -135,7 +135,9 @@ def say_default_pool(pool: Any) -> None:
     per = f" x {pool.procs_per_node} processes" if pool.procs_per_node > 1 else ""
     line = f"no pool given: a local pool of {pool.nodes} nodes{per} on this machine"
     from skytasks.event_bus import PoolReporter
+    from skytasks.wiring import hear_pool_events_in_prefect
 
+    hear_pool_events_in_prefect()  # said before the pool's runtime (the composition root) is built
     PoolReporter(pool.display_name, "local").note(line)
 
 

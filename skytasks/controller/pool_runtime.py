@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator
 
 from skytasks.controller.pool_relay import PoolRelay
 from skytasks.controller.session import PoolSession
-from skytasks.controller.warm import WarmPool, WarmStore, default_store, who_am_i
+from skytasks.controller.warm import WarmPool, WarmStore, who_am_i
+from skytasks.errors import PoolConfigError
 from skytasks.events import PoolDown, PoolUp
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeProvider, PreloadsImports
@@ -38,7 +39,10 @@ class TerminationRequested(SystemExit):
 
 
 class PoolRuntime:
-    def __init__(self, spec: PoolSpec, owner: Any):
+    """`warm_store`: what makes the store of warm pools' records, handed in by the composition
+    root (skytasks.wiring: Prefect's secrets); called at the first warm use."""
+
+    def __init__(self, spec: PoolSpec, owner: Any, warm_store: Callable[[], WarmStore] | None = None):
         self.spec = spec
         self.owner = owner  # the block, for `active_pool()`
         self._session: PoolSession | None = None
@@ -48,7 +52,8 @@ class PoolRuntime:
         self._tokens: list[contextvars.Token] = []
         self._previous_sigterm: Any = None
         # A warm pool (keep_warm_minutes): which process holds its nodes is in their agents, and
-        # where they are in its record (`warm_store`: Prefect's secrets unless given another).
+        # where they are in its record (`warm_store`, made when first needed).
+        self._make_warm_store = warm_store
         self.warm_store: WarmStore | None = None
         self._warm: dict[int, tuple[WarmPool, int]] = {}  # id(session) -> its warm pool, calls before it
         self._calls = 0  # calls run on this pool by this process
@@ -91,7 +96,12 @@ class PoolRuntime:
     def warm_pool(self, make_provider: Callable[[], NodeProvider] | None = None) -> WarmPool:
         """This saved pool as a warm pool (`skytasks pools`, and its sessions when keep_warm_minutes
         is set); PoolConfigError for a pool that was never saved."""
-        return WarmPool(self.spec, getattr(self.owner, "saved_name", None), self.warm_store or default_store(),
+        if self.warm_store is None:
+            if self._make_warm_store is None:
+                raise PoolConfigError("keep_warm_minutes: this pool's runtime was given no store for warm pools' "
+                                      "records (build it with skytasks.wiring.pool_runtime)")
+            self.warm_store = self._make_warm_store()
+        return WarmPool(self.spec, getattr(self.owner, "saved_name", None), self.warm_store,
                         make_provider or (lambda: provider_for(self.spec)), self._new_session)
 
     def _new_session(self, provider: NodeProvider, relay: PoolRelay | None) -> PoolSession:

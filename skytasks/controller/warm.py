@@ -25,40 +25,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import socket
-import sys
 import time
 from typing import Any, Callable
 
 from skytasks.controller.pool_relay import PoolRelay
-from skytasks.controller.reconnect import HANDSHAKE_SECONDS, Refused, door_handshake
 from skytasks.controller.session import PoolSession
 from skytasks.controller.warm_claim import (ASK_AGAIN, HELD_BACKOFF, NODE_GONE, POOL_GONE, RECORD_VERSION, STARTING,
                                             UNREAD, UNREAD_BACKOFF, UP, Backoff, ClaimKeeper, ClaimWatch, NodeTries,
-                                            WarmStore, default_store, register_store, tombstone, verdict)
-from skytasks.errors import NodeGone, PoolConfigError, PoolGone, PoolStartError
+                                            WarmStore, tombstone, verdict)
+from skytasks.controller.warm_nodes import (REACH_SECONDS, HeldElsewhere, Unread, ask_first_node, give_back, hold,
+                                            leave, who_am_i)
+from skytasks.errors import PoolConfigError, PoolGone, PoolStartError
+from skytasks.event_bus import PoolReporter
 from skytasks.events import PoolAttached, PoolExpired, PoolReleased
 from skytasks.pool_spec import PoolSpec
-from skytasks.protocol import Op, message
 from skytasks.providers import NodeLink, NodeProvider
-from skytasks.event_bus import PoolReporter
-from skytasks.wire import FrameWriter
 
-__all__ = ["WarmPool", "WarmStore", "default_store", "register_store", "spec_digest", "who_am_i"]
+__all__ = ["REACH_SECONDS", "WarmPool", "WarmStore", "spec_digest", "who_am_i"]
 
-REACH_SECONDS = 15.0  # the most one node's way in is given
 DEFAULT_WAIT_SECONDS = 900.0  # ready_timeout_seconds' default, for providers that have no such field
-
-
-class HeldElsewhere(Exception):
-    def __init__(self, holder: str, since: float | None):
-        super().__init__(holder)
-        self.holder, self.since = holder, since
-
-
-class Unread(Exception):
-    """The provider, or some of the pool's nodes, could not be read now: maybe only out of reach."""
 
 
 def spec_digest(spec: PoolSpec) -> str:
@@ -66,17 +51,6 @@ def spec_digest(spec: PoolSpec) -> str:
     shape = [spec.provider, spec.nodes, spec.min_nodes, spec.procs_per_node, spec.accelerators_per_node,
              sorted(spec.env.items()), repr(spec.part)]
     return hashlib.sha256(json.dumps(shape, default=str).encode()).hexdigest()[:16]
-
-
-def who_am_i() -> str:
-    """This process as another one waiting for the pool reads it: its flow run, pid and host."""
-    where = f"pid {os.getpid()} on {socket.gethostname()}"
-    context = sys.modules.get("prefect.context")
-    try:
-        run = context.FlowRunContext.get().flow_run if context else None
-    except Exception:  # noqa: BLE001
-        run = None
-    return f"flow run {run.name!r} ({run.id}), {where}" if run is not None else where
 
 
 def wait_limit(spec: PoolSpec) -> float:
@@ -132,6 +106,29 @@ class WarmPool:
         finally:
             self._forget()
         return True
+
+    def probe(self) -> dict[str, Any] | None:
+        """What the pool's first node that answers says of it (`skytasks pools`; mode "probe":
+        nothing is taken): its record's fields, with `holder`, `unheld_since`, `expires_at` where
+        the agent says them; None when it has no record. Only reads: a pool whose nodes are
+        found gone is said so (`ended`), and the next process that uses it clears its record; one
+        that cannot be asked now is said so, never taken for gone."""
+        _, record = self.store.newest(self.name)
+        if record is None or record.get("state") == STARTING:
+            return record
+        provider = self.make_provider()
+        try:
+            provider.adopt(record.get("handle") or {})
+        except PoolGone as exc:
+            return {**record, "ended": str(exc)}
+        except PoolConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - not the provider's word that it is gone
+            return {**record, "holder": f"(cannot be asked now: {type(exc).__name__}: {exc})"}
+        try:
+            return ask_first_node(provider, record)
+        finally:
+            leave(provider)
 
     def _take(self, deadline: float) -> PoolSession | None:
         """The pool's running nodes, held by this process (waiting in line for them); None when
@@ -228,7 +225,7 @@ class WarmPool:
         except PoolConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed read is not the provider's word that it is gone
-            _leave(provider)
+            leave(provider)
             raise Unread(f"the provider could not be read: {type(exc).__name__}: {exc}", False) from None
         session = self._build(provider, PoolRelay())  # the pool's next key: the agents get it once held
         held: list[tuple[NodeLink, dict[str, Any]]] = []
@@ -236,62 +233,35 @@ class WarmPool:
         unread: list[tuple[int, str, str]] = []
         try:
             for node in sorted(record.get("nodes", []), key=lambda n: n["node_id"]):
-                kind, taken = self._hold(provider, node, bytes.fromhex(record["pool_key"]), session.holder)
+                kind, taken = hold(provider, node, bytes.fromhex(record["pool_key"]), session.holder)
                 if kind == NODE_GONE or kind == UNREAD:
                     (gone if kind == NODE_GONE else unread).append((node["node_id"], node.get("address", ""), taken))
                 else:
                     held.append(taken)
         except HeldElsewhere:
-            _give_back(held, provider)
+            give_back(held, provider)
             raise
         decision = verdict(NodeTries(len(held), len(gone), len(unread)), unread_since, time.monotonic(),
                            max(self.spec.reattach_seconds, 10.0))
         if decision == ASK_AGAIN:
-            _give_back(held, provider)
+            give_back(held, provider)
             raise Unread(f"node {unread[0][0]} ({unread[0][1]}) {unread[0][2]}", bool(held))
         if decision == POOL_GONE:
             self.expire(provider, "none of its nodes runs any more")
             return None
         fresh = {**{k: v for k, v in record.items() if k != "generation"}, **_keys(session.relay), "state": UP}
         if not self._write(fresh, self.generation):  # the record moved on as we took the nodes: read it again
-            _give_back(held, provider)
+            give_back(held, provider)
             raise HeldElsewhere("the process that just wrote the pool's record", time.time())
         self.generation += 1
         self.record = fresh
         return session.adopt(held, gone, unread)
 
-    def _hold(self, provider: NodeProvider, node: dict[str, Any], key: bytes, holder: str) -> tuple[str, Any]:
-        """One node's agent, held: ("held", (its new stream, what it says of itself)); or
-        (NODE_GONE or UNREAD, why). HeldElsewhere when another process holds it."""
-        if not node.get("door"):
-            return NODE_GONE, "it was lost before the pool was released"
-        try:
-            link = provider.reattach(node["node_id"], node["door"], REACH_SECONDS)
-        except NodeGone as exc:
-            return NODE_GONE, f"found gone while the pool was warm: {exc}"
-        except Exception as exc:  # noqa: BLE001 - out of reach now is not gone
-            return UNREAD, f"could not be reached: {type(exc).__name__}: {exc}"
-        try:
-            attached = door_handshake(link, key, node.get("instance", ""), holder, "hold", 0, who_am_i(),
-                                      time.monotonic() + HANDSHAKE_SECONDS)
-        except Refused as exc:
-            _let_go(link)
-            if exc.holder:
-                raise HeldElsewhere(exc.holder, exc.since) from None
-            if exc.restarted:
-                return NODE_GONE, str(exc)
-            return UNREAD, str(exc)  # e.g. a key newer than the record read: read it again
-        except Exception as exc:  # noqa: BLE001
-            _let_go(link)
-            return UNREAD, f"its door did not answer: {type(exc).__name__}: {exc}"
-        link.address = node.get("address") or link.address
-        return "held", (link, {**attached.get("state", {}), "door": node["door"], "instance": node.get("instance", "")})
-
     def expire(self, provider: NodeProvider, why: str) -> None:
         """The provider said the pool's nodes are gone: its record becomes a tombstone (only if
         nobody wrote it since it was read), then what is left of the nodes is cleared, quietly."""
         if not self._forget():
-            _leave(provider)
+            leave(provider)
             return
         try:
             provider.stop()
@@ -361,28 +331,3 @@ def _keys(relay: PoolRelay) -> dict[str, str]:
     peers = relay.peers_message("")
     return {"pool_key": relay.key, "tls_cert": peers["cert"], "tls_key": peers["key"]}
 
-
-def _leave(provider: NodeProvider) -> None:
-    try:
-        provider.leave_running()
-    except Exception:  # noqa: BLE001 - it let go of nothing this process holds
-        pass
-
-
-def _let_go(link: NodeLink) -> None:
-    try:
-        link.let_go_lost()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _give_back(held: list[tuple[NodeLink, dict[str, Any]]], provider: NodeProvider) -> None:
-    """Nodes taken and given back at once (another process holds the rest, or some could not be
-    read): RELEASE on each new stream, then close; the provider lets go, ending nothing."""
-    for link, _ in held:
-        try:
-            FrameWriter(link.outbound).send(message(Op.RELEASE))
-        except Exception:  # noqa: BLE001 - its stream closing frees it too
-            pass
-        _let_go(link)
-    _leave(provider)

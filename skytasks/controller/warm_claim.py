@@ -21,7 +21,6 @@ Pure: every rule takes `now`, so tests/test_warm_decisions.py drives them with a
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,7 +34,9 @@ UNREAD_BACKOFF = (1.0, 30.0)
 
 
 class WarmStore(Protocol):
-    """Where warm pools' records are kept, by pool name (a secret store: they hold the pool's key)."""
+    """Where warm pools' records are kept, by pool name (a secret store: they hold the pool's key).
+    The controller is handed one (skytasks.wiring: Prefect's secrets, prefect_records/warm_store.py)
+    and never looks one up."""
 
     def newest(self, pool: str) -> tuple[int, dict[str, Any] | None]:
         """The newest generation (0: never written) and its record (None: none, or a tombstone)."""
@@ -46,22 +47,6 @@ class WarmStore(Protocol):
 
     def names(self) -> list[str]:
         """The pools that have a live record."""
-
-
-_store: WarmStore | None = None
-
-
-def register_store(store: WarmStore) -> None:
-    """The Prefect side registers its store as it is imported (skytasks.prefect_records.warm_store)."""
-    global _store
-    _store = store
-
-
-def default_store() -> WarmStore:
-    if _store is None:  # registers itself; named, so the controller never imports Prefect
-        importlib.import_module("skytasks.prefect_records.warm_store")
-    assert _store is not None
-    return _store
 
 
 def tombstone(pool: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A pool's typed events (`skytasks.events`) as Prefect records them.
 
-Registered with the providers' reporter (`skytasks.event_bus.add_sink`) when
-`skytasks.prefect_records` is imported, so neither providers nor the controller import Prefect.
+Added to the pool event bus (`skytasks.event_bus.add_sink`) by the composition root
+(`skytasks.wiring`) when a pool's runtime is built, so neither providers nor the controller import
+Prefect.
 Inside a flow run each event becomes a line in the run's log at its level, a provider's progress
 updates the pool's progress artifact in place, and an event with a Prefect name is emitted with
 its payload, related to the pool, the flow run and the task run:

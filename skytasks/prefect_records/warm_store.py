@@ -12,8 +12,8 @@ the server's unique block name makes it atomic, so of two writers that read gene
 wins. A writer whose generation is not the newest when it looks again (a very stale one, whose
 name had been cleaned away) deletes what it made and is told it lost. Older generations are
 deleted by their document id once a newer one stands: never by name, which a newer record may
-have taken meanwhile. `skytasks.controller.warm_claim.WarmStore` is the protocol this implements
-(the controller never imports Prefect).
+have taken meanwhile. `skytasks.controller.warm_claim.WarmStore` is the protocol this implements;
+the composition root (skytasks.wiring) hands it to the controller, which never imports Prefect.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from uuid import UUID
 from prefect.blocks.system import Secret
 from pydantic import SecretStr
 
-from skytasks.controller.warm_claim import GONE, register_store
+from skytasks.controller.warm_claim import GONE
 
 PREFIX = "skytasks-warm-"
 GENERATION = "--g"  # a slug never holds two dashes in a row: the generation's mark cannot be a name's
@@ -139,6 +139,3 @@ class PrefectWarmStore:
                 client.delete_block_document(doc_id)
         except ObjectNotFound:
             pass  # gone already (another writer's clean-up)
-
-
-register_store(PrefectWarmStore())
