@@ -32,6 +32,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import workloads  # noqa: E402
 
 from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info  # noqa: E402
+from tests.harness.workloads import hf_train  # noqa: E402
 
 RESULTS: dict = {}
 ROUNDS = 3
@@ -166,25 +167,9 @@ def oom() -> dict:
     raise AssertionError("the call did not fail")
 
 
-def hf_train(steps: int) -> dict:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
-
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                                     num_attention_heads=2, intermediate_size=64, num_labels=2))
-    data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.tensor(i % 2)} for i in range(64)]
-    args = TrainingArguments(output_dir="/tmp/skytasks-hf", per_device_train_batch_size=4, max_steps=steps,
-                             report_to=[], logging_steps=1, save_strategy="no")
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    out = trainer.train()
-    return {"world": trainer.args.world_size, "device": str(trainer.args.device), "loss": round(out.training_loss, 4),
-            "param_device": str(next(model.parameters()).device), "forked": os.environ["SKYTASKS_CTRL_FD"] == "3"}
-
-
 @check("an unchanged Hugging Face Trainer on the GPU")
 def hf() -> dict:
-    (seen,) = distributed_task(hf_train, pool=GPUPool(nodes=1))(5)
+    (seen,) = distributed_task(hf_train, pool=GPUPool(nodes=1))(5, use_cpu=False)
     assert seen["device"] == "cuda:0" and seen["param_device"] == "cuda:0" and seen["world"] == 1, seen
     return seen
 

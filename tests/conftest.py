@@ -154,8 +154,10 @@ def no_sshd_left_at_the_end():
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_processes():
+def no_leaked_processes(request):
     yield
+    if getattr(request.module, "POOLS_STAY_UP", False):
+        return  # the module's `pools` stay up between its tests: checked once they are down
     left = wait_for_no_skytasks_processes()
     assert not left, f"leaked skytasks processes: {[(p.pid, p.info['cmdline']) for p in left]}"
     servers = orphaned_fork_servers()
@@ -177,6 +179,51 @@ def sshd(tmp_path_factory):
     server = SSHServer(tmp_path_factory.mktemp("sshd"), list(LOOPBACK_HOSTS), free_port())
     yield server
     server.stop()
+
+
+@pytest.fixture
+def slurm_queue_empty_after(request):
+    """For modules that mark themselves with it (`pytestmark = pytest.mark.usefixtures(...)`):
+    after each test that used the SLURM cluster, its queue empties within 30 s (a job left behind
+    is cancelled, and the test fails naming it)."""
+    yield
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        left = c.wait_queue_empty(timeout=30)
+        if left:
+            c.run("scancel", "-u", "root", check=False)
+        assert not left, f"jobs left in the queue: {left}"
+
+
+@pytest.fixture
+def k8s(k8s_cluster):
+    """The session's Kubernetes test cluster, and after the test nothing skytasks made left in its
+    default namespace (pods, owner config maps: `kube.held`) within 60 s."""
+    from tests.harness.kube import held
+
+    yield k8s_cluster
+    deadline = time.monotonic() + 60
+    while (left := held(k8s_cluster)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], f"left in the cluster: {left}"
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """Two local pools up for the whole module, `four` (2 nodes x 2) and `two` (1 x 2), so ranks
+    start once per pool; for modules that set POOLS_STAY_UP, whose leak check runs here, when
+    the pools are down, instead of after each test."""
+    import contextlib
+
+    from skytasks import GPUPool
+
+    four, two = GPUPool(nodes=2, procs_per_node=2), GPUPool(nodes=1, procs_per_node=2)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(four)
+        stack.enter_context(two)
+        yield {"four": four, "two": two}
+    left = wait_for_no_skytasks_processes()
+    assert not left, f"leaked skytasks processes: {[p.pid for p in left]}"
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from skytasks import PoolStartError, distributed_task, rank_info
 from skytasks.events import NodeLost, listen
 from skytasks.providers.kubernetes import gpu_types
 from tests.harness.autoscaler_standin import AutoscalerStandIn
-from tests.harness.kube import Said, held, kube_pool
+from tests.harness.kube import Said, kube_pool
 
 SELECTOR = {"skytasks-test/group": "gpu-a"}  # no node carries it until "the autoscaler" adds one
 SILENCE = 10  # SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS here (30 by default): the rule, sooner
@@ -32,15 +32,6 @@ SILENCE = 10  # SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS here (30 by default): th
 @pytest.fixture(autouse=True)
 def shorter_silence(monkeypatch):
     monkeypatch.setenv("SKYTASKS_K8S_AUTOSCALER_SILENCE_SECONDS", str(SILENCE))
-
-
-@pytest.fixture
-def k8s(k8s_cluster):
-    yield k8s_cluster
-    deadline = time.monotonic() + 60
-    while (left := held(k8s_cluster)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left == [], f"left in the cluster: {left}"
 
 
 @pytest.fixture

@@ -22,17 +22,9 @@ import pytest
 from skytasks import PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.events import NodeLost, NodeReplaced, listen
 from tests.harness.kube import Said, held, kube_pool
+from tests.harness.workloads import hf_train, lightning_fit
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def k8s(k8s_cluster):
-    yield k8s_cluster
-    deadline = time.monotonic() + 60
-    while (left := held(k8s_cluster)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left == [], f"left in the cluster: {left}"
 
 
 def where():
@@ -331,51 +323,6 @@ def test_a_controller_in_a_pod_uses_its_service_account(k8s, limited):
     finally:
         k8s.kubectl("delete", "pod", "controller", "-n", limited, "--grace-period=0", "--force", check=False)
     assert held(k8s, limited) == []
-
-
-def lightning_fit(root: str) -> dict:
-    """A user's Lightning code, unchanged: a Trainer with DDP on 2 nodes of one process each."""
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Regression(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, _):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    torch.manual_seed(int(os.environ["RANK"]))  # different data per rank: only DDP keeps weights equal
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=1, num_nodes=2, max_epochs=2, default_root_dir=root,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    model = Regression()
-    trainer.fit(model, DataLoader(data, batch_size=16))
-    return dict(global_rank=trainer.global_rank, world_size=trainer.world_size, node_rank=trainer.node_rank,
-                weights=[round(v, 6) for v in model.layer.weight.detach().flatten().tolist()])
-
-
-def hf_train(steps: int) -> dict:
-    """A user's Hugging Face Trainer, unchanged: a tiny BERT made from its config (no download)."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
-
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                                     num_attention_heads=2, intermediate_size=64, num_labels=2))
-    data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.tensor(i % 2)} for i in range(64)]
-    args = TrainingArguments(output_dir="/tmp/skytasks-hf", per_device_train_batch_size=4, max_steps=steps,
-                             report_to=[], logging_steps=1, save_strategy="no", use_cpu=True)
-    out = Trainer(model=model, args=args, train_dataset=data).train()
-    return {"world": args.world_size, "rank": args.process_index, "loss": round(out.training_loss, 4),
-            "weights": round(float(next(model.parameters()).detach().sum()), 5)}
 
 
 def test_users_code_unchanged_on_two_pods(k8s, tmp_path):

@@ -26,6 +26,7 @@ from skytasks import GPUPool, ScriptResult, distributed_task, rank_info, run_scr
 from skytasks.node import socket_interface
 from skytasks.node.ports import free_port
 from tests.harness.netns import bridged_hosts, netns_pool
+from tests.harness.workloads import regression_module
 
 
 # --- what runs on the nodes (standard library only: a script imports it as probe.py) --------
@@ -298,20 +299,9 @@ import json, os, sys
 import torch
 import lightning as L
 
+""" + inspect.getsource(regression_module) + """
 
-class Tiny(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, _):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
+Tiny = regression_module()
 data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
 trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=1, num_nodes=int(os.environ["WORLD_SIZE"]),
                     max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -20,16 +20,8 @@ import pytest
 from skytasks import GPUPool, distributed_task
 from skytasks.stream_seal import UNSEALED_FOR_TESTS
 
-
-@pytest.fixture(autouse=True)
-def queue_empty_after(request):
-    yield
-    if "cluster" in request.fixturenames:
-        c = request.getfixturevalue("cluster")
-        left = c.wait_queue_empty(timeout=30)
-        if left:
-            c.run("scancel", "-u", "root", check=False)
-        assert not left, f"jobs left in the queue: {left}"
+# After each test that used the SLURM cluster, its queue is empty (conftest).
+pytestmark = pytest.mark.usefixtures("slurm_queue_empty_after")
 
 
 def what_the_rank_got(arg: bytes) -> tuple[str, str]:

@@ -9,29 +9,10 @@ leak check runs when the module's pools are down instead of after each test.
 
 from __future__ import annotations
 
-import contextlib
+from skytasks import distributed_task
 
-import pytest
-
-from skytasks import GPUPool, distributed_task
-from tests.conftest import wait_for_no_skytasks_processes
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_processes():
-    """Overrides conftest's per-test check: this module's pools stay up between its tests."""
-    yield
-
-
-@pytest.fixture(scope="module")
-def pools():
-    four, two = GPUPool(nodes=2, procs_per_node=2), GPUPool(nodes=1, procs_per_node=2)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(four)
-        stack.enter_context(two)
-        yield {"four": four, "two": two}
-    left = wait_for_no_skytasks_processes()
-    assert not left, f"leaked skytasks processes: {[p.pid for p in left]}"
+# conftest's `pools` (four, two) stay up between this module's tests: its leak check runs once they are down.
+POOLS_STAY_UP = True
 
 
 # -- what the ranks run ------------------------------------------------------------------------

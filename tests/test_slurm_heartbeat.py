@@ -19,7 +19,10 @@ import pytest
 from skytasks import distributed_task
 from skytasks.node import heartbeat_file
 from skytasks.providers.slurm import job as slurm_job
-from tests.test_slurm_provider import queue_empty_after, slurm_pool  # noqa: F401 - the fixture, for the cluster test
+from tests.test_slurm_provider import slurm_pool
+
+# After each test that used the SLURM cluster, its queue is empty (conftest).
+pytestmark = pytest.mark.usefixtures("slurm_queue_empty_after")
 
 INTRUDER = "skytasks-intruder"
 

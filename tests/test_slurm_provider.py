@@ -21,19 +21,11 @@ import pytest
 from skytasks import GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.providers.slurm import job as slurm_job
 from tests.harness.sshd import SSHServer, free_port
+from tests.harness.workloads import lightning_fit
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def queue_empty_after(request):
-    yield
-    if "cluster" in request.fixturenames:
-        c = request.getfixturevalue("cluster")
-        left = c.wait_queue_empty(timeout=30)
-        if left:
-            c.run("scancel", "-u", "root", check=False)
-        assert not left, f"jobs left in the queue: {left}"
+# After each test that used the SLURM cluster, its queue is empty (conftest).
+pytestmark = pytest.mark.usefixtures("slurm_queue_empty_after")
 
 
 def slurm_pool(**overrides) -> GPUPool:
@@ -506,42 +498,9 @@ def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_
     assert "Preempted" in err and "the elastic pool goes on with the 2 nodes left" in err, err
 
 
-def lightning_fit(root: str) -> dict:
-    """A user's Lightning code, unchanged: the Trainer finds SLURM's variables and must see one
-    job of 4 tasks, not 4 jobs of one."""
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Regression(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, _):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    torch.manual_seed(int(os.environ["RANK"]))  # different data per rank: only DDP keeps weights equal
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, num_nodes=2, max_epochs=2,
-                        default_root_dir=root, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    model = Regression()
-    trainer.fit(model, DataLoader(data, batch_size=16))
-    env = trainer.strategy.cluster_environment
-    return dict(env=type(env).__name__, global_rank=trainer.global_rank, world_size=trainer.world_size,
-                node_rank=trainer.node_rank, local_rank=trainer.local_rank,
-                weights=[round(v, 6) for v in model.layer.weight.detach().flatten().tolist()],
-                slurm={k: os.environ[k] for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
-                                                   "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "SLURM_GTIDS")})
-
-
 def test_a_lightning_trainer_on_a_slurm_pool_sees_one_job_with_each_rank_its_own_task(cluster, tmp_path):
-    out = distributed_task(lightning_fit, pool=slurm_pool(), backend="gloo")(str(tmp_path))
+    # The Trainer finds SLURM's variables and must see one job of 4 tasks, not 4 jobs of one.
+    out = distributed_task(lightning_fit, pool=slurm_pool(), backend="gloo")(str(tmp_path), devices=2)
     assert [r["env"] for r in out] == ["SLURMEnvironment"] * 4  # Lightning chose SLURM's variables...
     assert [(r["global_rank"], r["world_size"], r["node_rank"], r["local_rank"]) for r in out] == [
         (0, 4, 0, 0), (1, 4, 0, 1), (2, 4, 1, 0), (3, 4, 1, 1)]  # ...and they say where each rank is

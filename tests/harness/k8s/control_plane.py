@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
-from tests.harness.k8s.daemons import _killpg, _popen, _reap
+from tests.harness.k8s.daemons import _killpg, _popen, _popen_kept, _reap
 from tests.harness.k8s.layout import BIN, NODE_GRACE, NODE_IP, NODES, SERVICE_IP, SERVICE_SUBNET
 
 
@@ -172,19 +171,9 @@ class ControlPlane:
         _killpg(old, signal.SIGKILL)
         _reap(old)
         t0 = time.monotonic()
-        started: list[subprocess.Popen] = []
-        up = threading.Event()
-
-        def keep() -> None:
-            # The kernel ends the apiserver when the thread that started it exits (_popen's
-            # pdeathsig): a thread of its own that waits on it, so a caller's thread may restart it.
-            started.append(_popen(self._apiserver_command, self.logs_dir / "apiserver.log"))
-            up.set()
-            started[0].wait()
-
-        threading.Thread(target=keep, daemon=True, name="k8s-apiserver").start()
-        up.wait(30)
-        self.daemons["apiserver"] = started[0]
+        # From a thread of its own that waits on it: the kernel ends the apiserver when the thread
+        # that started it exits (_popen's pdeathsig), and a caller's thread may restart it.
+        self.daemons["apiserver"] = _popen_kept(self._apiserver_command, self.logs_dir / "apiserver.log")
         self._wait_apiserver(t0 + timeout)
         self.timings["restart:apiserver"] = took = time.monotonic() - t0
         return took
