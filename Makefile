@@ -79,7 +79,7 @@ test: setup system-deps
 
 bench: setup
 	$(UV_INSTALL) "matplotlib>=3.8"  # docs/scale.png; not needed by the tests
-	$(PY) benchmarks/run.py
+	$(PY) -m benchmarks.run  # from the repository root: benchmarks/ imports tests.harness
 
 clean:
 	rm -rf $(VENV) checkpoints .pytest_cache

@@ -25,12 +25,9 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-import workloads  # noqa: E402
-
+from benchmarks import workloads  # noqa: E402
 from skytasks import DistributedTaskError, GPUPool, distributed_task, rank_info  # noqa: E402
 from tests.harness.workloads import hf_train  # noqa: E402
 

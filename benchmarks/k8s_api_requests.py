@@ -23,7 +23,6 @@ import argparse
 import json
 import re
 import ssl
-import sys
 import tempfile
 import time
 import urllib.request
@@ -33,7 +32,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
 
 OUT = HERE / "results-k8s-api.json"
 # The requests a pool itself makes (the rest are the cluster's parts, answering to the pods).

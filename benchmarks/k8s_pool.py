@@ -26,7 +26,7 @@ def timed(fn) -> float:
 
 
 def kubernetes_pools(torchrun_s: float, sizes: tuple[int, ...] = (2, 4, 8), repeats: int = 3) -> dict:
-    import workloads
+    from benchmarks import workloads
     from skytasks import PoolStartError, distributed_task, rank_info
     from tests.harness.k8s import K8sCluster
     from tests.harness.kube import kube_pool, sharing

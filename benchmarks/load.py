@@ -203,7 +203,7 @@ def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[s
     expected_runs = flows * calls * (1 + RANKS_PER_FLOW)
     with Servers(server_settings) as servers:
         started = time.time()
-        procs = [subprocess.Popen([sys.executable, __file__, "--plain-flow" if plain else "--flow", str(calls)],
+        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.load", "--plain-flow" if plain else "--flow", str(calls)],
                                   cwd=ROOT, env=servers.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                  for _ in range(flows)]
@@ -251,7 +251,6 @@ def load(flows: int, calls: int, timeout: float = 300.0, server_settings: dict[s
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     if sys.argv[1:2] == ["--flow"]:
         _flow_process(int(sys.argv[2]))
     elif sys.argv[1:2] == ["--plain-flow"]:

@@ -18,12 +18,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-import workloads  # noqa: E402
-
+from benchmarks import workloads  # noqa: E402
 from skytasks import GPUPool, distributed_task  # noqa: E402
 from skytasks.node.ports import free_port  # noqa: E402
 
@@ -69,8 +66,7 @@ def dispatch(repeats: int) -> dict:
 
 FIRST_COLD_CALL = """
 import sys, time
-sys.path[:0] = sys.argv[1:]
-import workloads
+from benchmarks import workloads
 from skytasks import GPUPool, distributed_task
 task = distributed_task(workloads.all_reduce_once, name="all_reduce", pool=GPUPool(nodes=1, procs_per_node=2))
 started = time.perf_counter()
@@ -82,7 +78,7 @@ print("RESULT", time.perf_counter() - started)
 def _first_cold_call() -> float:
     """The first cold call of a fresh controller process (its imports not counted, as a flow's
     process has them before it calls): what `skytasks run` or a flow's first call pays."""
-    out = subprocess.run([sys.executable, "-c", FIRST_COLD_CALL, str(HERE.parent), str(HERE)],
+    out = subprocess.run([sys.executable, "-c", FIRST_COLD_CALL], cwd=HERE.parent,
                          capture_output=True, text=True, check=True).stdout
     return float(out.split("RESULT")[1].split()[0])
 
@@ -265,7 +261,7 @@ def main() -> None:
     out = HERE / "results.json"
 
     if args.only is None or args.only == "cli":
-        from cli_run import cli_run
+        from benchmarks.cli_run import cli_run
 
         results["cli_run"] = c = cli_run(repeats)
         print("\n0. the same 4-rank script, `torchrun --nproc-per-node 4` against `skytasks run --nodes 2 "
@@ -297,7 +293,7 @@ def main() -> None:
             return update_results(out, ssh_dispatch=d)
 
     if args.only == "slurm" or (args.only is None and os.geteuid() == 0):
-        from slurm_dispatch import slurm_dispatch
+        from benchmarks.slurm_dispatch import slurm_dispatch
 
         results["slurm_dispatch"] = d = slurm_dispatch(repeats)
         print("\n5b. trivial all_reduce on 2 SLURM nodes, 1 rank each (median seconds)")
@@ -307,7 +303,7 @@ def main() -> None:
             return update_results(out, slurm_dispatch=d)
 
     if args.only == "kubernetes" or (args.only is None and os.geteuid() == 0):
-        from k8s_pool import kubernetes_pools
+        from benchmarks.k8s_pool import kubernetes_pools
 
         torchrun_s = statistics.median(torchrun("all_reduce")[0] for _ in range(repeats))
         results["kubernetes"] = k = kubernetes_pools(torchrun_s, repeats=repeats)
@@ -322,7 +318,7 @@ def main() -> None:
             return update_results(out, kubernetes=k)
 
     if args.only is None or args.only == "recovery":
-        from recovery import recovery
+        from benchmarks.recovery import recovery
 
         results["recovery"] = r = recovery(repeats)
         print("\n6. recovery on the local pool (median seconds)")
@@ -332,7 +328,7 @@ def main() -> None:
             return update_results(out, recovery=r)
 
     if args.only is None or args.only == "preemption":
-        from preemption import preemption
+        from benchmarks.preemption import preemption
 
         results["preemption"] = p = preemption(repeats)
         print("\n7. a preemption notice on an elastic local pool, 2 nodes x 2 ranks (median seconds after the notice)")
@@ -342,14 +338,14 @@ def main() -> None:
             return update_results(out, preemption=p)
 
     if args.only == "scale":
-        from scale import scale
+        from benchmarks.scale import scale
 
         print("\nscale: real agents and ranks, 8 per node, init_torch=False")
         rows = scale([16, 64, 256] if args.quick else [16, 64, 256, 1024], repeats)
         return update_results(out, scale=rows)
 
     if args.only == "load":
-        from load import TUNED_SERVER, load
+        from benchmarks.load import TUNED_SERVER, load
 
         flows, calls = (4, 10) if args.quick else (16, 50)
         rows = []

@@ -233,7 +233,7 @@ def measure(ranks: int, repeats: int) -> dict:
 def scale(sizes: list[int], repeats: int) -> list[dict]:
     rows = []
     for ranks in sizes:
-        done = subprocess.run([sys.executable, __file__, str(ranks), str(repeats)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "benchmarks.scale", str(ranks), str(repeats)], capture_output=True, text=True,
                               cwd=ROOT, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"scale {ranks} failed:\n{done.stderr[-3000:]}")
@@ -281,6 +281,5 @@ def _plot(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     print(json.dumps(measure(int(sys.argv[1]), int(sys.argv[2]))))

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 def slurm_dispatch(repeats: int) -> dict:
     import os
 
-    import workloads
+    from benchmarks import workloads
     from skytasks import GPUPool, distributed_task
     from tests.harness.slurm_cluster import SlurmCluster
 

@@ -28,9 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_run import SCRIPT, _free_port, _Server, _timed  # noqa: E402 - benchmarks/ is run as scripts
-from warm_attach import FLOW, POOL, _run  # noqa: E402
+from benchmarks.cli_run import SCRIPT, _free_port, _Server, _timed
+from benchmarks.warm_attach import FLOW, POOL, _run
 
 REPO = Path(__file__).resolve().parent.parent
 

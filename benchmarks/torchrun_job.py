@@ -1,13 +1,11 @@
 """What a user would run under torchrun for the same work (benchmarks only)."""
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-import workloads  # noqa: E402
+# Run by torchrun as a script: its own folder (benchmarks/) is first on sys.path.
+import workloads
 
 if __name__ == "__main__":
     kind = sys.argv[1]

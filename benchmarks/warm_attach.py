@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_run import _Server  # noqa: E402 - benchmarks/ is run as scripts, not a package
+from benchmarks.cli_run import _Server
 
 POOL = "bench-warm"
 FLOW = """

@@ -37,10 +37,7 @@ from pathlib import Path
 import httpx
 import websockets
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-
-from screenshot_flow_run import (  # noqa: E402
+from scripts.screenshot_flow_run import (
     CHROMIUM_FLAGS,
     HEIGHT,
     WIDTH,
@@ -49,6 +46,8 @@ from screenshot_flow_run import (  # noqa: E402
     _is_node_green,
     _png_rgb,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 STEPS = 8
 

@@ -30,10 +30,9 @@ from typing import Any
 import httpx
 import websockets
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from scripts.screenshot_flow_run import CHROMIUM_FLAGS, HEIGHT, WIDTH, Page, _free_port
 
-from scripts.screenshot_flow_run import CHROMIUM_FLAGS, HEIGHT, WIDTH, Page, _free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PROVIDERS = ("local", "ssh", "aws", "slurm", "kubernetes")
 
