@@ -248,6 +248,14 @@ def moto():
     server.stop()
 
 
+def moto_bucket(moto: dict, name: str) -> dict:
+    """A new S3 bucket on the session's moto server (one server answers for every AWS service):
+    a client for it, and the credentials a pool reaches it with."""
+    client = moto["creds"].get_client("s3")
+    client.create_bucket(Bucket=name)
+    return {"client": client, "creds": moto["creds"]}
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """The SLURM test cluster (three namespaced nodes): one for the session."""

@@ -12,6 +12,7 @@ import pytest
 
 from skytasks import GPUPool, distributed_task, rank_info
 from skytasks.checkpoint import Checkpointer
+from tests.conftest import moto_bucket
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -68,10 +69,7 @@ def test_a_failed_attempt_resumes_from_the_newest_local_checkpoint(tmp_path, uni
 
 @pytest.fixture(scope="module")
 def s3(moto):
-    """A bucket on the session's moto server (one server answers for every AWS service)."""
-    client = moto["creds"].get_client("s3")
-    client.create_bucket(Bucket="ckpts")
-    return {"client": client, "creds": moto["creds"]}
+    return moto_bucket(moto, "ckpts")
 
 
 def test_resume_from_s3_with_the_pools_aws_credentials(s3, uninterrupted):

@@ -14,6 +14,7 @@ import pytest
 
 from skytasks import CheckpointError, DistributedTaskError, GPUPool, distributed_task
 from skytasks.checkpoint import Checkpointer
+from tests.conftest import moto_bucket
 
 SYSTEM = f"{os.system.__module__}.system"  # how a pickle names os.system: posix.system on Linux
 
@@ -133,9 +134,7 @@ def test_a_models_and_optimizers_state_dict_still_loads_on_every_rank(tmp_path):
 
 @pytest.fixture(scope="module")
 def bucket(moto):
-    client = moto["creds"].get_client("s3")
-    client.create_bucket(Bucket="secure-ckpts")
-    return {"client": client, "creds": moto["creds"]}
+    return moto_bucket(moto, "secure-ckpts")
 
 
 def test_an_s3_checkpoint_is_refused_when_hostile_and_loads_when_real(bucket, tmp_path):

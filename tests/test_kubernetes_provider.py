@@ -174,23 +174,28 @@ def test_a_pod_asked_to_leave_is_a_preemption_with_its_grace_period(k8s, tmp_pat
     assert out == [(2, 2), (2, 2)]  # the next attempt went on from the step after the checkpoint
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigint"])
-def test_a_controller_ended_by_a_signal_deletes_its_pods(k8s, tmp_path, how):
-    program = tmp_path / "hold.py"
+def holding_controller(k8s, folder: Path, pool_fields: str = "") -> subprocess.Popen:
+    """A controller in a process of its own that starts a kube pool on the cluster (with
+    `pool_fields`, Python keyword text) and holds it: it prints UP once the pool is up."""
+    program = folder / "hold.py"
     program.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from tests.harness.kube import kube_pool
-        from tests.harness.k8s import K8sCluster
         class C: pass
         cluster = C()
         cluster.image, cluster.admin_kubeconfig = {k8s.image!r}, {str(k8s.admin_kubeconfig)!r}
         cluster.host_python_template = lambda: {k8s.host_python_template()!r}
-        with kube_pool(cluster):
+        with kube_pool(cluster, {pool_fields}):
             print("UP", flush=True)
             time.sleep(300)
     """))
-    proc = subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigint"])
+def test_a_controller_ended_by_a_signal_deletes_its_pods(k8s, tmp_path, how):
+    proc = holding_controller(k8s, tmp_path)
     try:
         assert proc.stdout.readline().strip() == "UP"
         assert len([h for h in held(k8s) if h.startswith("pods/")]) == 2
@@ -202,20 +207,7 @@ def test_a_controller_ended_by_a_signal_deletes_its_pods(k8s, tmp_path, how):
 
 
 def test_a_sigkilled_controllers_pods_end_themselves_and_gc_deletes_the_rest(k8s, tmp_path):
-    program = tmp_path / "hold.py"
-    program.write_text(textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(ROOT)!r})
-        from tests.harness.kube import kube_pool
-        class C: pass
-        cluster = C()
-        cluster.image, cluster.admin_kubeconfig = {k8s.image!r}, {str(k8s.admin_kubeconfig)!r}
-        cluster.host_python_template = lambda: {k8s.host_python_template()!r}
-        with kube_pool(cluster, idle_minutes=0.1):
-            print("UP", flush=True)
-            time.sleep(300)
-    """))
-    proc = subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE, text=True)
+    proc = holding_controller(k8s, tmp_path, "idle_minutes=0.1")
     try:
         assert proc.stdout.readline().strip() == "UP"
     finally:

@@ -10,6 +10,7 @@ leak check runs when the module's pools are down instead of after each test.
 from __future__ import annotations
 
 from skytasks import distributed_task
+from tests.harness.workloads import whole
 
 # conftest's `pools` (four, two) stay up between this module's tests: its leak check runs once they are down.
 POOLS_STAY_UP = True
@@ -53,17 +54,6 @@ def train(model, opt, steps: int, same_input: bool) -> None:
         model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-def whole(model, opt) -> dict:
-    """Every parameter and every Adam moment, gathered whole (the same on every rank)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    out = {f"param {k}": v.full_tensor().clone() for k, v in model.state_dict().items()}
-    for fqn, moments in get_optimizer_state_dict(model, opt)["state"].items():
-        for name, value in moments.items():
-            out[f"{name} {fqn}"] = value.full_tensor().clone() if hasattr(value, "full_tensor") else value.clone()
-    return out
 
 
 def placements(model) -> dict:

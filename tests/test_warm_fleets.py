@@ -4,7 +4,7 @@ process (the same agents, the same pods) instead of being started again; a node 
 held the pool is replaced before the next holder's first call; and an unheld pool ends itself,
 leaving nothing.
 
-Each controller is a process of its own (tests/programs/warm_fleet_call.py, a Prefect flow run),
+Each controller is a process of its own (tests/programs/warm_call.py, a Prefect flow run),
 as a deployment's runs are: the real sshd on loopback and the Kubernetes test cluster.
 """
 
@@ -30,7 +30,7 @@ from tests.conftest import gone
 from tests.harness.ssh_pools import ssh_pool
 from tests.harness.sshd import SSHServer
 
-PROGRAM = Path(__file__).parent / "programs" / "warm_fleet_call.py"
+PROGRAM = Path(__file__).parent / "programs" / "warm_call.py"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -87,6 +87,18 @@ def pool_name():
 
 # -- ssh ----------------------------------------------------------------------------------------
 
+def an_unheld_agent_killed_is_replaced(pool_name: str, first: dict, tmp_path: Path) -> dict:
+    """Node 1's agent dies while nobody holds the pool: the next holder replaces it before its
+    call, and node 0's agent serves on. What the next holder saw."""
+    lost = first["pids"][1]
+    os.kill(lost, signal.SIGKILL)
+    wait_until(lambda: gone(lost), 10, "the killed agent gone")
+    third = use(pool_name, tmp_path / "third.json")
+    assert third["ranks"] == [0, 1]
+    assert third["pids"][0] == first["pids"][0] and third["pids"][1] != lost and not gone(third["pids"][1])
+    return third
+
+
 def save_ssh(server: SSHServer, name: str, **fields) -> None:
     ssh_pool(server, ready_timeout_seconds=60, reattach_seconds=5,
              **{"keep_warm_minutes": 2.0, **fields}).save(name, overwrite=True)
@@ -103,13 +115,7 @@ def test_ssh_the_next_process_attaches_to_the_same_agents_and_a_node_lost_unheld
     attached = events(pool_name, since, "attached")
     assert any(e["related"] and any(r["prefect.resource.id"] == f"prefect.flow-run.{second['flow_run_id']}"
                                     for r in e["related"]) for e in attached), attached
-    # node 1's agent dies while nobody holds the pool: the next holder replaces it before its call
-    lost = first["pids"][1]
-    os.kill(lost, signal.SIGKILL)
-    wait_until(lambda: gone(lost), 10, "the killed agent gone")
-    third = use(pool_name, tmp_path / "third.json")
-    assert third["ranks"] == [0, 1]
-    assert third["pids"][0] == first["pids"][0] and third["pids"][1] != lost and not gone(third["pids"][1])
+    an_unheld_agent_killed_is_replaced(pool_name, first, tmp_path)
 
 
 def test_ssh_a_dead_holder_frees_the_pool_within_reattach_seconds(sshd, pool_name, tmp_path):
@@ -218,12 +224,7 @@ def test_slurm_the_next_process_attaches_to_the_same_agents_in_the_same_job_and_
     jobs = skytasks_jobs(cluster)
     second = use(pool_name, tmp_path / "second.json")  # its srun steps beside the agents, its own ended
     assert second["pids"] == first["pids"] and second["ranks"] == [0, 1] and skytasks_jobs(cluster) == jobs
-    lost = first["pids"][1]
-    os.kill(lost, signal.SIGKILL)
-    wait_until(lambda: gone(lost), 10, "the killed agent gone")
-    third = use(pool_name, tmp_path / "third.json")
-    assert third["ranks"] == [0, 1]
-    assert third["pids"][0] == first["pids"][0] and third["pids"][1] != lost and not gone(third["pids"][1])
+    third = an_unheld_agent_killed_is_replaced(pool_name, first, tmp_path)
     pools_down(pool_name)
     wait_until(lambda: not skytasks_jobs(cluster), 60, "the pool's jobs cancelled")
     assert all(gone(p) for p in third["pids"])

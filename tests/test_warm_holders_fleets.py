@@ -81,7 +81,7 @@ def test_an_apiserver_restart_while_a_second_process_attaches_deletes_nothing(k8
     pods = sorted(pod_of(w) for w in first["where"])
     before = sorted(held(k8s_cluster))
     assert len(before) == 3, before  # two pods and their owner
-    second = _start("warm_fleet_call.py", pool_name, str(tmp_path / "second.json"))
+    second = _start("warm_call.py", pool_name, str(tmp_path / "second.json"))
     try:
         time.sleep(4)  # the second process is reading the pool's owner and its pods
         k8s_cluster.restart_apiserver()

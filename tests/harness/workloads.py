@@ -1,5 +1,5 @@
 """Users' training code, unchanged, that the tests and `benchmarks/gpu_check.py` run on real ranks:
-a Lightning Trainer and a Hugging Face Trainer. They travel to the ranks by value (skytasks
+a Lightning Trainer and a Hugging Face Trainer; and what the sharded checkpoint tests compare. They travel to the ranks by value (skytasks
 ships the project's own modules), so nothing here needs to be importable on a node."""
 
 from __future__ import annotations
@@ -71,3 +71,14 @@ def hf_train(steps: int, use_cpu: bool = True) -> dict:
     return {"world": args.world_size, "rank": args.process_index, "device": str(args.device),
             "loss": round(out.training_loss, 4), "weights": round(float(first.detach().sum()), 5),
             "param_device": str(first.device), "forked": os.environ.get("SKYTASKS_CTRL_FD") == "3"}
+
+
+def whole(model, opt) -> dict:
+    """Every parameter and every Adam moment, gathered whole (the same on every rank)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    out = {f"param {k}": v.full_tensor().clone() for k, v in model.state_dict().items()}
+    for fqn, moments in get_optimizer_state_dict(model, opt)["state"].items():
+        for name, value in moments.items():
+            out[f"{name} {fqn}"] = value.full_tensor().clone() if hasattr(value, "full_tensor") else value.clone()
+    return out

@@ -1,10 +1,12 @@
-"""A controller process that uses a saved warm pool once, as a flow run, for tests/test_warm_pools.py.
+"""A controller process that uses a saved warm pool once, as a flow run, for the warm pool tests
+(tests/test_warm_pools.py, test_warm_fleets.py and the holders' tests), on any provider.
 
     python warm_call.py POOL_NAME OUT_JSON [SECONDS]
 
 Inside `with pool:` it runs one call whose ranks sleep SECONDS (0: none), writing READY to
-OUT_JSON.ready once the ranks are inside it, then writes what it saw to OUT_JSON: the agents' pids,
-how long the pool took to come up and its first call, and its flow run's id.
+OUT_JSON.ready once the ranks are inside it, then writes what it saw to OUT_JSON: each node's agent
+pid, where it runs (host or pod) and its node id, how long the pool took to come up and its first
+call, and its flow run's id and name.
 """
 
 import json
@@ -40,9 +42,11 @@ def use_pool() -> dict:
         up = time.monotonic() - started
         ranks = work(SECONDS)
         first = time.monotonic() - started
-        pids = [n.pid for n in pool.runtime().session.nodes]
+        nodes = pool.runtime().session.nodes
+        seen = {"pids": [n.pid for n in nodes], "where": [n.link.where or n.link.address for n in nodes],
+                "node_ids": [n.link.node_id for n in nodes]}
     run = FlowRunContext.get().flow_run
-    return {"pids": pids, "up_seconds": up, "first_call_seconds": first, "ranks": ranks, "flow_run_id": str(run.id),
+    return {**seen, "up_seconds": up, "first_call_seconds": first, "ranks": ranks, "flow_run_id": str(run.id),
             "flow_run_name": run.name}
 
 
