@@ -8,7 +8,6 @@ like the call's other events (`skytasks.controller.call_run`).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +18,7 @@ REPORT_KEYS = ("checkpoint", "checkpoint_step", "checkpoint_bytes", "checkpoint_
 
 
 @dataclass(frozen=True)
-class CheckpointCommitted(Event):
-    LEVEL = logging.INFO
-    PREFECT_EVENT = "skytasks.checkpoint.committed"
+class CheckpointCommitted(Event, prefect="skytasks.checkpoint.committed"):
     step: int
     bytes: int
     blocked_seconds: float  # how long `save` held the training loop (staging, with async_save)

@@ -5,51 +5,39 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from skytasks.events import Event
-from skytasks.preflight.rules import measured
+from skytasks.events.event import Event, counted
+from skytasks.preflight.rules import Finding, measured
 
 
 @dataclass(frozen=True)
-class NodeUnhealthy(Event):
-    """A node failed a check before any user code ran on it."""
-
-    LEVEL = logging.WARNING
-    PREFECT_EVENT = "skytasks.node.unhealthy"
-    PAYLOAD = ("node", "address", "check", "figure", "threshold", "unit")
-    node: int
-    address: str
-    check: str
-    figure: Optional[float]
-    threshold: Optional[float]
-    unit: str
-    detail: str = ""
+class NodeUnhealthy(Finding, Event, level=logging.WARNING, prefect="skytasks.node.unhealthy",
+                    payload=("node", "address", "check", "figure", "threshold", "unit")):
+    """A node failed a check before any user code ran on it: its `Finding`, said as an event."""
 
     def text(self) -> str:
         return f"preflight: node {self.node} ({self.address}) is unhealthy: the {self.check} check{measured(self)}"
 
 
 @dataclass(frozen=True)
-class PoolHealthy(Event):
+class PoolHealthy(Event, prefect="skytasks.pool.healthy", payload=("nodes", "seconds")):
     """Every node of the pool passed its checks."""
 
-    PREFECT_EVENT = "skytasks.pool.healthy"
-    PAYLOAD = ("nodes", "seconds")
     nodes: int
     seconds: float
     level: str = "basic"
 
     def text(self) -> str:
-        return f"preflight ({self.level}): {self.nodes} node{'s' * (self.nodes != 1)} healthy in {self.seconds:.2f}s"
+        return f"preflight ({self.level}): {counted(self.nodes, 'node')} healthy in {self.seconds:.2f}s"
 
 
 @dataclass(frozen=True)
-class PreflightTable(Event):
+class PreflightTable(Event, level=logging.DEBUG):
     """The figures of one start's preflight, a row per node and round (a round after a node was
-    dropped or replaced checks the nodes again): the flow run's artifact `<task>-preflight`."""
+    dropped or replaced checks the nodes again): the flow run's artifact `<task>-preflight`. Said at
+    DEBUG: the table is the artifact's; the console gets the verdicts."""
 
-    LEVEL = logging.DEBUG  # the table is the artifact's; the console gets the verdicts
     ARTIFACT = "preflight"
     level: str
     rows: tuple[dict[str, Any], ...]
