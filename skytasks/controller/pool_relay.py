@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from skytasks.controller.channel import RELAY_TREE_NODES, NodeChannel
-from skytasks.controller.peer_tls import PoolTLS, pool_tls
+from skytasks.tls.pool_identity import PoolTLS, pool_tls
 from skytasks.node.peers import relay_tree
 from skytasks.protocol import Op, message
 from skytasks.resume import RELAY_LABEL, subkey
@@ -37,7 +37,7 @@ class PoolRelay:
         if not settings().peer_tls:  # every pool start says so: it is never to be left on by mistake
             console_logger().warning(TLS_OFF_WARNING)
         self._secret = secrets.token_bytes(32)  # the peer challenge's: only the pool's agents know it
-        self._tls: PoolTLS | None = None  # made at the first PEERS (controller/peer_tls.py)
+        self._tls: PoolTLS | None = None  # made at the first PEERS (tls/pool_identity.py)
         self._linked: tuple[tuple[str, int], ...] = ()  # the tree whose links the agents were told to open
         self._lock = threading.Lock()  # the tree sent last
         self._tls_lock = threading.Lock()

@@ -3,9 +3,10 @@ receiving end read through memory (`TLSReader`), the sending end in large writes
 
 Each agent presents the pool's certificate and trusts that one alone (`check_hostname` off: peers
 are addressed by IP, the certificate is pinned instead). The certificate and its key are made per
-pool by the controller (controller/peer_tls.py) and handed to each agent in its PEERS message over
-the controller's own channel (pipes, SSH with pinned host keys, srun, the Kubernetes API's exec),
-never put in a file that outlives loading it, a command line, the environment or a log.
+pool by the controller (skytasks/tls/pool_identity.py) and handed to each agent in its PEERS
+message over the controller's own channel (pipes, SSH with pinned host keys, srun, the Kubernetes
+API's exec), never put in a file that outlives loading it, a command line, the environment or a
+log.
 
 TLS costs what AES-GCM costs and little more: the receiving end reads TLS through memory (many
 records per system call, each decrypted straight into the frame's buffer), and the sending end
