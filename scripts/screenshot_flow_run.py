@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -96,8 +98,10 @@ class Page:
         print(path)
 
 
-async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], artifacts: list[dict],
-                 out_dir: Path) -> None:
+@contextlib.asynccontextmanager
+async def devtools_page(devtools_port: int) -> AsyncIterator[Page]:
+    """A new blank tab of the Chromium whose DevTools listen on `devtools_port` (within 30 s of
+    its start), WIDTH x HEIGHT."""
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -112,6 +116,12 @@ async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], arti
         await page.send("Page.enable")
         await page.send("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1,
                         mobile=False)
+        yield page
+
+
+async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], artifacts: list[dict],
+                 out_dir: Path) -> None:
+    async with devtools_page(devtools_port) as page:
         rank0 = next(t for t in tasks if t["name"].endswith("[rank 0/2]"))
         flow_url = f"{ui}/runs/flow-run/{run['id']}"
         await page.open(flow_url, shows=run["name"])
@@ -119,7 +129,7 @@ async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], arti
         await page.open(f"{ui}/runs/task-run/{rank0['id']}", shows="[rank 0]")
         await page.wait_for("used over the call")  # what the rank used, on its own page
         await page.screenshot(out_dir / "rank-task-run.png")
-        await _graph_expanded(page, flow_url, out_dir)
+        await _graph_expanded(page, flow_url, out_dir / "flow-run-graph.png")
         await page.open(flow_url, shows=run["name"])
         await page.send("Runtime.evaluate", expression="""[...document.querySelectorAll('*')]
             .filter(e => e.children.length === 0 && e.textContent.trim() === 'Artifacts').pop().click()""")
@@ -131,7 +141,7 @@ async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], arti
         await page.screenshot(out_dir / "rank-table.png")
 
 
-async def _graph_expanded(page: Page, flow_url: str, out_dir: Path) -> None:
+async def _graph_expanded(page: Page, flow_url: str, path: Path) -> None:
     """The graph is a canvas, so the parent task's node is found in a screenshot: the first run
     of its green, left to right, top to bottom, above the state bar. A click on it opens its
     rank runs below it."""
@@ -151,7 +161,7 @@ async def _graph_expanded(page: Page, flow_url: str, out_dir: Path) -> None:
         raise RuntimeError("no task run node found in the graph")
     await page.click(node[0] + 12, node[1] + 10)  # the node's chevron: expand
     await asyncio.sleep(3.0)
-    await page.screenshot(out_dir / "flow-run-graph.png")
+    await page.screenshot(path)
 
 
 def _is_node_green(rgb: tuple[int, int, int]) -> bool:
@@ -194,6 +204,39 @@ def _png_rgb(data: bytes) -> list[list[tuple[int, int, int]]]:
     return rows
 
 
+def _wait_healthy(api: str) -> None:
+    """Until the Prefect server at `api` answers its health check."""
+    while True:
+        try:
+            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
+def _latest_flow_run(api: str) -> tuple[dict, list[dict]]:
+    """The flow run that started last, and its task runs."""
+    run = httpx.post(f"{api}/flow_runs/filter", json={"limit": 1, "sort": "START_TIME_DESC"}).json()[0]
+    return run, httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
+
+
+def _chromium(profile: str, devtools_port: int) -> subprocess.Popen:
+    """Headless Chromium with its DevTools on loopback, its profile in `profile`."""
+    return subprocess.Popen(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                             f"--remote-debugging-port={devtools_port}", "--remote-debugging-address=127.0.0.1",
+                             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop(procs: tuple[subprocess.Popen | None, ...], *folders: str | Path) -> None:
+    """The browser and the server, then their folders."""
+    for proc in procs:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp())
@@ -206,29 +249,16 @@ def main(out_dir: Path) -> None:
     browser = None
     profile = tempfile.mkdtemp()
     try:
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        _wait_healthy(api)
         subprocess.run([sys.executable, str(ROOT / "flows/ddp_train.py")], env={**env, "SKYTASKS_EXAMPLE_EPOCHS": "4",
                        "SKYTASKS_EXAMPLE_SAMPLES": "512"}, check=True, cwd=ROOT)
-        run = httpx.post(f"{api}/flow_runs/filter", json={"limit": 1, "sort": "START_TIME_DESC"}).json()[0]
-        tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
-        browser = subprocess.Popen(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-                                    f"--remote-debugging-port={devtools_port}", "--remote-debugging-address=127.0.0.1",
-                                    "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run, tasks = _latest_flow_run(api)
+        browser = _chromium(profile, devtools_port)
         artifacts = httpx.post(f"{api}/artifacts/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
         print(f"artifacts of the flow run: {sorted(a['key'] for a in artifacts)}")
         asyncio.run(_shoot(devtools_port, ui, run, tasks, artifacts, out_dir))
     finally:
-        for proc in (browser, server):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=30)
-        shutil.rmtree(profile, ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
+        _stop((browser, server), profile, home)
 
 
 if __name__ == "__main__":

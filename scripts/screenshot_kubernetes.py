@@ -22,7 +22,6 @@ run on a machine (its node's address is fixed): this waits until no other kube-a
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import shutil
@@ -35,16 +34,17 @@ import time
 from pathlib import Path
 
 import httpx
-import websockets
 
 from scripts.screenshot_flow_run import (
-    CHROMIUM_FLAGS,
-    HEIGHT,
     WIDTH,
     Page,
+    _chromium,
     _free_port,
-    _is_node_green,
-    _png_rgb,
+    _graph_expanded,
+    _latest_flow_run,
+    _stop,
+    _wait_healthy,
+    devtools_page,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,20 +165,7 @@ def _run_flow(cluster) -> None:
 
 async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], artifacts: list[dict],
                  state_event: dict, out_dir: Path) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            target = httpx.put(f"http://127.0.0.1:{devtools_port}/json/new?about:blank", timeout=2).json()
-            break
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.3)
-    async with websockets.connect(target["webSocketDebuggerUrl"], max_size=1 << 26) as ws:
-        page = Page(ws)
-        await page.send("Page.enable")
-        await page.send("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1,
-                        mobile=False)
+    async with devtools_page(devtools_port) as page:
         flow_url = f"{ui}/runs/flow-run/{run['id']}"
         await page.open(flow_url, shows="Insufficient cpu")
         await page.screenshot(out_dir / "k8s-flow-run.png")
@@ -214,28 +201,6 @@ async def _shoot(devtools_port: int, ui: str, run: dict, tasks: list[dict], arti
 async def _click_text(page: Page, text: str) -> None:
     await page.send("Runtime.evaluate", expression=f"""[...document.querySelectorAll('*')]
         .filter(e => e.children.length === 0 && e.textContent.trim() === {json.dumps(text)}).pop().click()""")
-
-
-async def _graph_expanded(page: Page, flow_url: str, path: Path) -> None:
-    """As screenshot_flow_run's: find the parent task's green node in the graph's canvas and click
-    its chevron to open its rank runs."""
-    await page.open(flow_url, shows="train")
-    where = await page.send("Runtime.evaluate", returnByValue=True, expression="""
-        (() => { const c = document.querySelector('canvas'); if (!c) return null;
-                 const r = c.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()""")
-    box = where.get("result", {}).get("value")
-    if not box:
-        raise RuntimeError("the flow run page has no graph canvas")
-    shot = await page.send("Page.captureScreenshot", format="png")
-    pixels = _png_rgb(base64.b64decode(shot["data"]))
-    x0, y0, w, h = (int(v) for v in box)
-    node = next(((x, y) for y in range(y0 + 10, y0 + h - 40) for x in range(x0, x0 + w)
-                 if _is_node_green(pixels[y][x]) and all(_is_node_green(pixels[y][x + d]) for d in range(1, 30))), None)
-    if node is None:
-        raise RuntimeError("no task run node found in the graph")
-    await page.click(node[0] + 12, node[1] + 10)
-    await asyncio.sleep(3.0)
-    await page.screenshot(path)
 
 
 def _completed_event(api: str, task_run_id: str, timeout: float = 30.0) -> dict:
@@ -274,37 +239,24 @@ def main(out_dir: Path) -> None:
         cluster = K8sCluster(work / "cluster")
         cluster.start(timeout=300)
         print(f"cluster up in {cluster.timings['start']:.0f} s", flush=True)
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        _wait_healthy(api)
         _start_blocker(cluster)
         _run_flow(cluster)
         cluster.stop()  # nothing below needs it
-        run = httpx.post(f"{api}/flow_runs/filter", json={"limit": 1, "sort": "START_TIME_DESC"}).json()[0]
-        tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
+        run, tasks = _latest_flow_run(api)
         for t in sorted(tasks, key=lambda t: t["name"]):
             print(f"{t['name']}: {t['state']['type']} {t['state'].get('message') or ''}")
         rank0 = next(t for t in tasks if t["name"].endswith("[rank 0/2]"))
         state_event = _completed_event(api, rank0["id"])
         artifacts = httpx.post(f"{api}/artifacts/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
         print(f"artifacts of the flow run: {sorted(a['key'] for a in artifacts)}")
-        browser = subprocess.Popen(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-                                    f"--remote-debugging-port={devtools_port}", "--remote-debugging-address=127.0.0.1",
-                                    "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        browser = _chromium(profile, devtools_port)
         asyncio.run(_shoot(devtools_port, ui, run, tasks, artifacts, state_event, out_dir))
         ok = True
     finally:
         if cluster is not None:
             cluster.stop()
-        for proc in (browser, server):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=30)
-        shutil.rmtree(profile, ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
+        _stop((browser, server), profile, home)
         if ok:
             shutil.rmtree(work, ignore_errors=True)
         else:
