@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from benchmarks import workloads  # noqa: E402
+from benchmarks import reports, workloads  # noqa: E402
 from skytasks import GPUPool, distributed_task  # noqa: E402
 from skytasks.node.ports import free_port  # noqa: E402
 
@@ -249,6 +249,36 @@ def update_results(out: Path, **figures: object) -> None:
     print(f"\nupdated {out}")
 
 
+def _figure(args: argparse.Namespace, out: Path, results: dict, key: str, run, report) -> bool:
+    """One section: measure, print, and with --only write it alone into results.json (True: done)."""
+    results[key] = figures = run()
+    report(figures)
+    if args.only:
+        update_results(out, **{key: figures})
+    return bool(args.only)
+
+
+def _kubernetes(repeats: int) -> dict:
+    from benchmarks.k8s_pool import kubernetes_pools
+
+    torchrun_s = statistics.median(torchrun("all_reduce")[0] for _ in range(repeats))
+    return kubernetes_pools(torchrun_s, repeats=repeats)
+
+
+def _load(quick: bool) -> list[dict]:
+    from benchmarks.load import TUNED_SERVER, load
+
+    flows, calls = (4, 10) if quick else (16, 50)
+    rows = []
+    # Prefect alone first (the same flows, as many task runs by Prefect's own @task), then
+    # skytasks on the same server settings, then on a server whose recorders write in batches.
+    for plain, settings in ((True, None), (False, None), (False, TUNED_SERVER)):
+        reports.load_row(flows, calls, plain, settings is not None)
+        rows.append(row := load(flows, calls, server_settings=settings, plain=plain))
+        reports.load_row(flows, calls, plain, settings is not None, row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
@@ -259,83 +289,42 @@ def main() -> None:
     repeats = 1 if args.quick else 3
     results: dict = {"machine": f"{os.cpu_count()} cores", "python": sys.version.split()[0]}
     out = HERE / "results.json"
+    root = os.geteuid() == 0  # the SLURM and Kubernetes test clusters run as root
 
-    if args.only is None or args.only == "cli":
+    def cli_run() -> dict:
         from benchmarks.cli_run import cli_run
 
-        results["cli_run"] = c = cli_run(repeats)
-        print("\n0. the same 4-rank script, `torchrun --nproc-per-node 4` against `skytasks run --nodes 2 "
-              "--procs-per-node 2` (median wall seconds of whole commands)")
-        print(f"   torchrun {c['torchrun_s']:.2f}   skytasks run, a server running {c['with_server_s']:.2f} "
-              f"({c['with_server_ratio']:.2f}x)   none configured {c['no_server_s']:.2f} ({c['no_server_ratio']:.2f}x)")
-        if args.only:
-            return update_results(out, cli_run=c)
+        return cli_run(repeats)
 
-    if args.only is None or args.only == "broadcast":
-        results["broadcast"] = b = broadcast([10, 100] if args.quick else [10, 100, 500], [2] if args.quick else [2, 4])
-        low, high = b["raw_pipe_range_mb_per_s"]
-        print(f"\n4. argument broadcast (raw pipe on this machine: median {b['raw_pipe_mb_per_s']:.0f} MB/s, "
-              f"{low:.0f}-{high:.0f} through the run)")
-        print("   nodes    MB  peer TLS  call (median)  MB/s moved  of pipe  same bytes again")
-        for r in b["rows"]:
-            tls = {True: "on", False: "off", None: "-"}[r["peer_tls"]]
-            print(f"   {r['nodes']:>5} {r['mb']:>5}  {tls:>8}  {r['call_s']:>13.3f}  {r['mb_per_s']:>10.0f}  "
-                  f"{r['fraction_of_pipe']:>6.0%}  {r['repeat_s']:>16.3f}")
-        if args.only:
-            return update_results(out, broadcast=b)
-
-    if args.only is None or args.only == "ssh":
-        results["ssh_dispatch"] = d = ssh_dispatch(repeats)
-        print("\n5. trivial all_reduce on 2 ssh hosts, 1 rank each (median seconds)")
-        print(f"   torchrun (local, 2 procs) {d['torchrun_s']:.2f}   skytasks ssh cold {d['cold_s']:.2f} "
-              f"({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
-        if args.only:
-            return update_results(out, ssh_dispatch=d)
-
-    if args.only == "slurm" or (args.only is None and os.geteuid() == 0):
+    def slurm() -> dict:
         from benchmarks.slurm_dispatch import slurm_dispatch
 
-        results["slurm_dispatch"] = d = slurm_dispatch(repeats)
-        print("\n5b. trivial all_reduce on 2 SLURM nodes, 1 rank each (median seconds)")
-        print(f"   torchrun (srun in a running allocation) {d['torchrun_s']:.2f}   skytasks slurm cold, own "
-              f"allocation {d['cold_s']:.2f} ({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
-        if args.only:
-            return update_results(out, slurm_dispatch=d)
+        return slurm_dispatch(repeats)
 
-    if args.only == "kubernetes" or (args.only is None and os.geteuid() == 0):
-        from benchmarks.k8s_pool import kubernetes_pools
-
-        torchrun_s = statistics.median(torchrun("all_reduce")[0] for _ in range(repeats))
-        results["kubernetes"] = k = kubernetes_pools(torchrun_s, repeats=repeats)
-        print("\n5c. Kubernetes (the test cluster's real kubelet): a pool up, a warm call, an unschedulable pod's "
-              "error, a lost pod's retry (median seconds; torchrun's whole process: "
-              f"{k['torchrun_s']:.2f})")
-        print("   " + "   ".join(f"{n} pods up {k[f'pool_up_{n}_s']:.2f} ({k[f'pool_up_{n}_ratio']:.1f}x)"
-                                  for n in (2, 4, 8)))
-        print(f"   warm call {k['warm_s']:.4f} ({k['warm_ratio']:.4f}x)   unschedulable -> error "
-              f"{k['unschedulable_error_s']:.2f}   pod deleted -> retry's ranks ran {k['lost_pod_to_retry_s']:.2f}")
-        if args.only:
-            return update_results(out, kubernetes=k)
-
-    if args.only is None or args.only == "recovery":
+    def recovery() -> dict:
         from benchmarks.recovery import recovery
 
-        results["recovery"] = r = recovery(repeats)
-        print("\n6. recovery on the local pool (median seconds)")
-        print(f"   a node is lost -> replaced, and the retry's ranks running: {r['lost_node_to_retry_running_s']:.2f}")
-        print(f"   hang detected -> the caller has the error: {r['hang_detected_to_error_s']:.2f}")
-        if args.only:
-            return update_results(out, recovery=r)
+        return recovery(repeats)
 
-    if args.only is None or args.only == "preemption":
+    def preemption() -> dict:
         from benchmarks.preemption import preemption
 
-        results["preemption"] = p = preemption(repeats)
-        print("\n7. a preemption notice on an elastic local pool, 2 nodes x 2 ranks (median seconds after the notice)")
-        print(f"   every rank knows {p['every_rank_s']:.3f}   the head's checkpoint on disk "
-              f"{p['checkpoint_on_disk_s']:.3f}   the retry running on the node left {p['retry_running_s']:.2f}")
-        if args.only:
-            return update_results(out, preemption=p)
+        return preemption(repeats)
+
+    sizes = ([10, 100] if args.quick else [10, 100, 500], [2] if args.quick else [2, 4])
+    sections = [  # (--only's name, run without --only, results' key, measure, report)
+        ("cli", True, "cli_run", cli_run, reports.cli),
+        ("broadcast", True, "broadcast", lambda: broadcast(*sizes), reports.broadcast),
+        ("ssh", True, "ssh_dispatch", lambda: ssh_dispatch(repeats), reports.ssh),
+        ("slurm", root, "slurm_dispatch", slurm, reports.slurm),
+        ("kubernetes", root, "kubernetes", lambda: _kubernetes(repeats), reports.kubernetes),
+        ("recovery", True, "recovery", recovery, reports.recovery),
+        ("preemption", True, "preemption", preemption, reports.preemption),
+    ]
+    for name, by_default, key, run, report in sections:
+        if args.only == name or (args.only is None and by_default):
+            if _figure(args, out, results, key, run, report):
+                return
 
     if args.only == "scale":
         from benchmarks.scale import scale
@@ -345,64 +334,30 @@ def main() -> None:
         return update_results(out, scale=rows)
 
     if args.only == "load":
-        from benchmarks.load import TUNED_SERVER, load
+        return update_results(out, load=_load(args.quick))
 
-        flows, calls = (4, 10) if args.quick else (16, 50)
-        rows = []
-        # Prefect alone first (the same flows, as many task runs by Prefect's own @task), then
-        # skytasks on the same server settings, then on a server whose recorders write in batches.
-        for plain, settings in ((True, None), (False, None), (False, TUNED_SERVER)):
-            print(f"\nload: {flows} flows at once x {calls} warm calls, 4 ranks each, Prefect server on PostgreSQL "
-                  f"({'its recorder batching' if settings else 'its defaults'})"
-                  + (": Prefect's own tasks, as many task runs (the baseline)" if plain else ""))
-            rows.append(row := load(flows, calls, server_settings=settings, plain=plain))
-            print(f"   flows took {row['flows_took_s']:.1f}s; the record settled {row['settled_after_flows_s']:.1f}s "
-                  f"after the last ended; task runs {row['task_runs']} of {row['task_runs_expected']} "
-                  f"({row['task_runs_final']} final), logs {row['logs']} ({row['logs_per_call']:.1f} a call)")
-        return update_results(out, load=rows)
+    from prefect.testing.utilities import prefect_test_harness
 
     if args.only == "flow":
-        from prefect.testing.utilities import prefect_test_harness
-
         fastest = min(torchrun("all_reduce")[0] for _ in range(repeats))
         with prefect_test_harness(server_startup_timeout=120):
             w = warm_in_flow(fastest)
             rows = fan_out([2, 8, 64])
-        print(f"warm in flow: median {w['median_s']:.3f} ({w['median_ratio']:.3f}x fastest torchrun {fastest:.2f}), "
-              f"p90 {w['p90_s']:.3f} ({w['p90_over_median']:.2f}x), max {w['max_s']:.3f}, "
-              f"plain task {w['plain_task_median_s']:.3f}")
-        for r in rows:
-            print(f"fan-out {r['ranks']}: outside a flow {r['call_s']:.2f}, in a flow {r['call_in_flow_s']:.2f}, "
-                  f"Prefect part {r['prefect_s']:.2f}")
+        reports.flow_only(w, rows, fastest)
         return update_results(out, warm_in_flow={**w, "torchrun_fastest_s": fastest}, fan_out_in_flow_check=rows)
 
     results["dispatch"] = d = dispatch(repeats)
-    print("\n1. trivial 2-rank all_reduce (median seconds)")
-    print(f"   torchrun fastest {d['torchrun_s']:.2f} (--standalone {d['torchrun_standalone_s']:.2f})"
-          f"   skytasks cold, a controller's first {d['first_cold_s']:.2f} ({d['first_cold_ratio']:.2f}x)"
-          f"   cold, later {d['cold_s']:.2f} ({d['cold_ratio']:.2f}x)   warm {d['warm_s']:.4f} ({d['warm_ratio']:.4f}x)")
+    reports.dispatch(d)
     if args.only == "dispatch":
         return update_results(out, dispatch=d)
-
-    from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
         results["warm_in_flow"] = w = warm_in_flow(d["torchrun_s"])
         results["fan_out"] = rows = fan_out([2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64])
-    print(f"\n1b. the same call, warm, {w['calls']} times inside a flow (seconds)")
-    print(f"   plain Prefect task {w['plain_task_median_s']:.3f}   skytasks median {w['median_s']:.3f} "
-          f"({w['median_ratio']:.3f}x fastest torchrun)   p90 {w['p90_s']:.3f} ({w['p90_over_median']:.2f}x median)"
-          f"   max {w['max_s']:.3f}")
-
+    reports.in_flow(w)
     results["throughput"] = t = throughput(repeats)
-    print("\n2. DDP training throughput (steps/s, same model and data)")
-    print(f"   torchrun {t['torchrun_steps_per_s']:.1f}   skytasks {t['skytasks_steps_per_s']:.1f} ({t['ratio']:.3f}x)")
-
-    print("\n3. fan-out on the local pool, init_torch=False (seconds)")
-    print("   ranks  all running  call  call in flow  Prefect part")
-    for r in rows:
-        print(f"   {r['ranks']:>5}  {r['all_running_s']:>11.2f}  {r['call_s']:>4.2f}  {r['call_in_flow_s']:>12.2f}  {r['prefect_s']:>12.2f}")
-
+    reports.throughput(t)
+    reports.fan_out(rows)
 
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwritten {out}")
