@@ -1,6 +1,7 @@
-"""Users' training code, unchanged, that the tests and `benchmarks/gpu_check.py` run on real ranks:
-a Lightning Trainer and a Hugging Face Trainer; and what the sharded checkpoint tests compare. They travel to the ranks by value (skytasks
-ships the project's own modules), so nothing here needs to be importable on a node."""
+"""Users' training code, unchanged, that the tests and `benchmarks/gpu_check.py` run on real
+ranks (a Lightning Trainer, a Hugging Face Trainer), and what the sharded checkpoint tests
+compare. They travel to the ranks by value (skytasks ships the project's own modules), so
+nothing here needs to be importable on a node."""
 
 from __future__ import annotations
 

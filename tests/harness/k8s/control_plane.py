@@ -9,6 +9,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from tests.harness.k8s.daemons import _killpg, _popen, _popen_kept, _reap
 from tests.harness.k8s.layout import BIN, NODE_GRACE, NODE_IP, NODES, SERVICE_IP, SERVICE_SUBNET
@@ -133,17 +134,22 @@ class ControlPlane:
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited ({p.returncode}):\n{self.logs()}")
 
-    def _wait_apiserver(self, deadline: float) -> None:
+    def _poll(self, done: Callable[[], bool], deadline: float, not_yet: Callable[[], str], every: float) -> None:
+        """Until `done()` (an OSError from the API counts as not yet), failing at once if a daemon
+        exited, and at `deadline` with `not_yet()` and the logs."""
         while True:
             self._check_daemons()
             try:
-                if self._get("/readyz")[0] == 200:
+                if done():
                     return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the apiserver is not ready:\n{self.logs()}")
-            time.sleep(0.1)
+                raise RuntimeError(f"{not_yet()}:\n{self.logs()}")
+            time.sleep(every)
+
+    def _wait_apiserver(self, deadline: float) -> None:
+        self._poll(lambda: self._get("/readyz")[0] == 200, deadline, lambda: "the apiserver is not ready", 0.1)
 
     def _start_controllers(self) -> None:
         p = self.pki

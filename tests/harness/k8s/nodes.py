@@ -186,21 +186,16 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         """Until every running node is Ready and the `default` service account has its token
         (noting in `timings` when each node was, from t0)."""
         waiting = {n.name for n in self._nodes if n.process is not None}
-        while True:
-            self._check_daemons()
-            try:
-                for name in sorted(waiting):
-                    if self.node_ready(name):
-                        waiting.discard(name)
-                        if t0 is not None:
-                            self.timings[f"node_ready:{name}"] = time.monotonic() - t0
-                if not waiting and self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not Ready: {sorted(waiting)}:\n{self.logs()}")
-            time.sleep(0.2)
+
+        def ready() -> bool:
+            for name in sorted(waiting):
+                if self.node_ready(name):
+                    waiting.discard(name)
+                    if t0 is not None:
+                        self.timings[f"node_ready:{name}"] = time.monotonic() - t0
+            return not waiting and self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
+
+        self._poll(ready, deadline, lambda: f"not Ready: {sorted(waiting)}", 0.2)
 
     def wait_node(self, name: str, ready: bool = True, timeout: float = 60.0) -> float:
         """Polls until the node is Ready (ready=True) or is not (False: NotReady or Unknown, as a
