@@ -226,6 +226,19 @@ def pools():
     assert not left, f"leaked skytasks processes: {[p.pid for p in left]}"
 
 
+@pytest.fixture
+def pool_name():
+    """A fresh name to save a pool under; whatever is left of the pool is ended after the test
+    (`skytasks pools down`)."""
+    import uuid
+
+    from tests.harness.warm import pools_down
+
+    name = f"warm-{uuid.uuid4().hex[:8]}"
+    yield name
+    pools_down(name)
+
+
 @pytest.fixture(scope="session")
 def moto():
     """moto's EC2 server on loopback, with a loopback VPC and subnet: one for the session."""

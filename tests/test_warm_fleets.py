@@ -22,22 +22,17 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import psutil
-import pytest
 from prefect.client.orchestration import get_client
 
 from skytasks import GPUPool
 from tests.conftest import gone
 from tests.harness.ssh_pools import ssh_pool
 from tests.harness.sshd import SSHServer
+from tests.harness.warm import api_env as _env
+from tests.harness.warm import pools_down
 
 PROGRAM = Path(__file__).parent / "programs" / "warm_call.py"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _env() -> dict[str, str]:
-    from prefect.settings import PREFECT_API_URL
-
-    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
 def use(name: str, out: Path, timeout: float = 300) -> dict:
@@ -46,11 +41,6 @@ def use(name: str, out: Path, timeout: float = 300) -> dict:
                           text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return json.loads(out.read_text())
-
-
-def pools_down(name: str) -> None:
-    subprocess.run([sys.executable, "-m", "skytasks.cli", "pools", "down", name], env=_env(), cwd=ROOT,
-                   capture_output=True, timeout=180)
 
 
 def events(name: str, since: datetime, kind: str, timeout: float = 20) -> list[dict]:
@@ -76,13 +66,6 @@ def wait_until(check, timeout: float, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, f"{what} not within {timeout:g}s"
         time.sleep(0.2)
-
-
-@pytest.fixture
-def pool_name():
-    name = f"warm-fleet-{uuid.uuid4().hex[:8]}"
-    yield name
-    pools_down(name)
 
 
 # -- ssh ----------------------------------------------------------------------------------------

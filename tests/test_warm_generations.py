@@ -5,11 +5,8 @@ tombstone; and a new holder's fresh key, after which the old one reaches neither
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +19,8 @@ from skytasks.prefect_records.warm_store import PrefectWarmStore, _generation_na
 from skytasks.providers.local.provider import LocalProvider
 from skytasks.resume import RELAY_LABEL, subkey
 from skytasks.wire import ChannelClosed
-from tests.test_warm_pools import _env, _use
+from tests.test_warm_pools import _use
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _documents(pool: str) -> list[str]:
@@ -50,14 +46,6 @@ def test_a_write_lands_only_on_the_generation_it_read_and_a_stale_writer_loses()
     assert store.write(pool, {"pool": pool, "state": "starting", "who": "c"}, 3)
     assert store.newest(pool)[0] == 4 and pool in store.names()
     assert store.write(pool, tombstone(pool), 4)
-
-
-@pytest.fixture
-def pool_name():
-    name = f"warm-key-{uuid.uuid4().hex[:8]}"
-    yield name
-    subprocess.run([sys.executable, "-m", "skytasks.cli", "pools", "down", name], env=_env(), cwd=ROOT,
-                   capture_output=True, timeout=120)
 
 
 def _probe(provider: LocalProvider, node: dict, key: bytes) -> dict:

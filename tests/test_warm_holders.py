@@ -20,7 +20,7 @@ import psutil
 
 from skytasks.prefect_records.warm_store import PrefectWarmStore
 from tests.conftest import gone
-from tests.test_warm_fleets import _env, pool_name, save_ssh, use, wait_until  # noqa: F401 - fixtures
+from tests.test_warm_fleets import _env, save_ssh, use, wait_until
 
 PROGRAM = Path(__file__).parent / "programs" / "warm_call.py"
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from tests.harness.kube import held
-from tests.test_warm_fleets import (_env, pod_of, pods_of, pool_name, save_kubernetes, save_slurm,  # noqa: F401
+from tests.test_warm_fleets import (_env, pod_of, pods_of, save_kubernetes, save_slurm,
                                     skytasks_jobs, use, wait_until)
 
 ROOT = Path(__file__).resolve().parent.parent

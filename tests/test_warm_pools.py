@@ -28,24 +28,10 @@ from skytasks.errors import PoolConfigError
 from skytasks.prefect_records.warm_store import PrefectWarmStore, block_name
 from tests.conftest import gone
 from tests.harness.prefect_api import logs_when
+from tests.harness.warm import api_env as _env
 
 PROGRAM = Path(__file__).parent / "programs" / "warm_call.py"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _env() -> dict[str, str]:
-    from prefect.settings import PREFECT_API_URL
-
-    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-
-
-@pytest.fixture
-def pool_name():
-    """A saved warm local pool's name; whatever is left of it is ended after the test."""
-    name = f"warm-{uuid.uuid4().hex[:8]}"
-    yield name
-    subprocess.run([sys.executable, "-m", "skytasks.cli", "pools", "down", name], env=_env(), cwd=ROOT,
-                   capture_output=True, timeout=120)
 
 
 def _save(name: str, **fields) -> None:
