@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.harness.processes import end
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 STOPPED_AFTER_SECONDS = 60.0
@@ -119,12 +121,7 @@ class Servers:
 
     def __exit__(self, *exc: object) -> None:
         for proc in reversed(self.procs):  # the server first, then its database
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            end(proc, 30)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

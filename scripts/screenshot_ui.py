@@ -31,6 +31,7 @@ import httpx
 import websockets
 
 from scripts.screenshot_flow_run import CHROMIUM_FLAGS, HEIGHT, WIDTH, Page, _free_port
+from tests.harness.processes import end
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,12 +102,7 @@ class UI:
 
     def __exit__(self, *exc_info: Any) -> None:
         for proc in reversed(self._procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            end(proc, 30)
         self._procs.clear()
         shutil.rmtree(self._profile, ignore_errors=True)
         shutil.rmtree(self.home, ignore_errors=True)

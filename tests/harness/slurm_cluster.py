@@ -22,6 +22,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.harness.processes import end
+
 SUBNET = "10.231.78"
 CONTROLLER_ADDRESS = f"{SUBNET}.1"  # this machine, on the bridge
 CTLD_ADDRESS = f"{SUBNET}.10"
@@ -271,13 +273,7 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
                 except ProcessLookupError:
                     pass
         for name, p in reversed(list(self.daemons.items())):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            end(p, 10)
         self.daemons.clear()
         for ns in reversed(self._made_ns):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

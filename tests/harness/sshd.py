@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.harness.processes import end
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -86,12 +88,7 @@ class SSHServer:
             sessions = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             sessions = []
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end(self.proc, 10)
         for p in sessions:
             try:
                 p.kill()
