@@ -19,6 +19,7 @@ time of skytasks' record is read against that one, on the same kind of server in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -76,11 +77,10 @@ class Servers:
         self.tmp = tempfile.mkdtemp(prefix="skytasks-load-")
         os.chmod(self.tmp, 0o777)
         self.procs: list[subprocess.Popen] = []
-        try:
+        with contextlib.ExitStack() as on_failure:  # a start that fails half-way leaves nothing running
+            on_failure.callback(self.__exit__)
             self._start()
-        except BaseException:
-            self.__exit__()
-            raise
+            on_failure.pop_all()
         return self
 
     def _start(self) -> None:

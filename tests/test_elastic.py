@@ -21,6 +21,7 @@ from skytasks import Checkpointer, GPUPool, distributed_task, rank_info
 from skytasks.errors import DistributedTaskError
 from skytasks.events import (AttemptRestarted, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank,
                              listen)
+from tests.harness.workloads import resume
 
 
 def of(kind, heard):
@@ -75,9 +76,7 @@ def checkpoint_every_step(ckpt_dir: str, marker: str, steps: int = 30) -> dict:
     import torch.distributed as dist
 
     info = rank_info()
-    ckpt = Checkpointer(ckpt_dir)
-    found = ckpt.load_latest()
-    start = 0 if found is None else found[0] + 1
+    ckpt, found, start = resume(ckpt_dir)
     for step in range(start, steps):
         dist.all_reduce(torch.ones(1))
         ckpt.save({"step": step, "world": info.world_size}, step)
@@ -118,9 +117,7 @@ def train_steps(ckpt_dir: str, marker: str, steps: int = 60) -> dict:
     info = rank_info()
     heard: list = []
     on_preemption(heard.append)
-    ckpt = Checkpointer(ckpt_dir)
-    found = ckpt.load_latest()
-    start = 0 if found is None else found[0] + 1
+    ckpt, found, start = resume(ckpt_dir)
     for step in range(start, steps):
         dist.all_reduce(torch.ones(1))
         if step == 5 and info.node_rank == 1 and info.local_rank == 0 and not os.path.exists(marker):

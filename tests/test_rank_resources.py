@@ -141,18 +141,24 @@ def test_a_call_over_before_its_ranks_were_sampled_leaves_the_rank_table_and_no_
     assert "quickly-resources" not in found, found
 
 
+def called_in_a_flow(fn, name: str, seconds: float):
+    """`fn(seconds)` as a distributed task named `name` on a 2-node local pool, called once
+    inside a flow: the flow run's final state."""
+    task = distributed_task(fn, pool=GPUPool(nodes=2), init_torch=False, name=name)
+
+    @flow
+    def measured():
+        return task(seconds)
+
+    return measured(return_state=True)
+
+
 def test_the_rank_table_shows_what_each_rank_used(monkeypatch):
     from datetime import datetime, timedelta, timezone
 
     since = datetime.now(timezone.utc) - timedelta(seconds=1)
     monkeypatch.setenv("SKYTASKS_RESOURCE_SAMPLE_SECONDS", "0.5")
-    task = distributed_task(hold_memory_and_spin, pool=GPUPool(nodes=2), init_torch=False, name="usage")
-
-    @flow
-    def measured():
-        return task(4.0)
-
-    state = measured(return_state=True)
+    state = called_in_a_flow(hold_memory_and_spin, "usage", 4.0)
     assert state.result() == ["held", "spun"]
 
     async def tables():
@@ -228,13 +234,7 @@ def test_a_long_reporting_call_leaves_at_most_five_artifacts_updated_in_place(mo
     monkeypatch.setattr(observer, "METRICS_ARTIFACT_EVERY_SECONDS", 0.2)
     monkeypatch.setattr(observer, "RESOURCES_ARTIFACT_EVERY_SECONDS", 0.2)
     monkeypatch.setenv("SKYTASKS_RESOURCE_SAMPLE_SECONDS", "0.3")
-    task = distributed_task(report_steps_for, pool=GPUPool(nodes=2), init_torch=False, name="long")
-
-    @flow
-    def long_flow():
-        return task(4.0)
-
-    state = long_flow(return_state=True)
+    state = called_in_a_flow(report_steps_for, "long", 4.0)
     assert state.is_completed()
     flow_run_id = state.state_details.flow_run_id
     from tests.harness.prefect_api import logs_when, settled_task_runs

@@ -212,16 +212,23 @@ def wait_then_return(folder: str) -> int:
     return info.attempt
 
 
-def test_a_node_that_cannot_be_reached_again_is_lost_within_reattach_seconds(reattaching, tmp_path):
-    pool = GPUPool(nodes=2, reattach_seconds=2)
+def _call_through_a_break(reattaching, tmp_path, reattach_seconds: float, how: str):
+    """A call on a 2-node pool whose node 1's stream breaks mid-call, where re-attaching to node 1
+    finds it `how` ("unreachable" or "gone"): the call's failure, how long it took, what was heard."""
+    pool = GPUPool(nodes=2, reattach_seconds=reattach_seconds)
     with listen() as heard, pool:
-        reattaching[-1].unreachable.add(1)
+        getattr(reattaching[-1], how).add(1)
         breaker = _break_node_stream(pool, tmp_path, heard)
         started = time.monotonic()
         with pytest.raises(DistributedTaskError) as caught:
             distributed_task(wait_then_return, pool=pool, init_torch=False, node_recoveries=0)(str(tmp_path))
         took = time.monotonic() - started
         breaker.join(5)
+    return caught, took, heard
+
+
+def test_a_node_that_cannot_be_reached_again_is_lost_within_reattach_seconds(reattaching, tmp_path):
+    caught, took, heard = _call_through_a_break(reattaching, tmp_path, 2, "unreachable")
     [lost] = [e for e in heard if isinstance(e, NodeLost)]
     assert lost.node == 1 and "not reached again within reattach_seconds=2" in lost.reason, lost.reason
     assert "no way in to the node just now" in lost.reason  # the last try's own words
@@ -232,15 +239,7 @@ def test_a_node_that_cannot_be_reached_again_is_lost_within_reattach_seconds(rea
 
 
 def test_a_node_its_provider_knows_is_gone_is_lost_at_once(reattaching, tmp_path):
-    pool = GPUPool(nodes=2, reattach_seconds=60)
-    with listen() as heard, pool:
-        reattaching[-1].gone.add(1)
-        breaker = _break_node_stream(pool, tmp_path, heard)
-        started = time.monotonic()
-        with pytest.raises(DistributedTaskError):
-            distributed_task(wait_then_return, pool=pool, init_torch=False, node_recoveries=0)(str(tmp_path))
-        took = time.monotonic() - started
-        breaker.join(5)
+    _, took, heard = _call_through_a_break(reattaching, tmp_path, 60, "gone")
     [lost] = [e for e in heard if isinstance(e, NodeLost)]
     assert "the node is gone: its machine was switched off" in lost.reason
     assert took < 15, took  # not the 60 s of reattach_seconds

@@ -21,7 +21,7 @@ import pytest
 from skytasks import GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.providers.slurm import job as slurm_job
 from tests.harness.sshd import SSHServer, free_port
-from tests.harness.workloads import lightning_fit
+from tests.harness.workloads import lightning_fit, resume
 
 ROOT = Path(__file__).resolve().parent.parent
 # After each test that used the SLURM cluster, its queue is empty (conftest).
@@ -427,7 +427,6 @@ def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_
     job is left behind. Once the node is free, the next call grows to three. `scancel --signal=USR2` on one node's step is the
     preemption notice: every rank is told, the head saves, and the retry resumes from that
     checkpoint on the two nodes that are left."""
-    from skytasks import Checkpointer
 
     blocker = cluster.run("sbatch", "--parsable", "-w", "n2", "--exclusive", "--output=/dev/null",
                           "--wrap", "sleep 300").stdout.strip().split(";")[0]
@@ -443,9 +442,7 @@ def test_an_elastic_allocation_takes_what_is_free_grows_back_and_a_notice_saves_
         import torch.distributed as dist
 
         info = rank_info()
-        ckpt = Checkpointer(ckpt_dir)
-        found = ckpt.load_latest()
-        start = 0 if found is None else found[0] + 1
+        ckpt, found, start = resume(ckpt_dir)
         for step in range(start, steps):
             dist.all_reduce(torch.ones(1))
             if info.node_rank == 1 and step == 3 and not Path(marker).exists():

@@ -11,6 +11,16 @@ SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASK
                    "SLURM_NNODES", "SLURM_GTIDS")
 
 
+def resume(ckpt_dir: str) -> tuple:
+    """A rank's `Checkpointer` on `ckpt_dir`, the newest checkpoint it finds ((step, state), or
+    None), and the step to go on from."""
+    from skytasks.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(ckpt_dir)
+    found = ckpt.load_latest()
+    return ckpt, found, 0 if found is None else found[0] + 1
+
+
 def regression_module() -> type:
     """A LightningModule as users write one: a linear layer, MSE, SGD. A function, so that a
     torchrun script can carry its source (`inspect.getsource`) and lightning is imported only
