@@ -239,6 +239,18 @@ def pool_name():
     pools_down(name)
 
 
+@pytest.fixture(scope="module")
+def login_node(cluster, tmp_path_factory):
+    """A real sshd on loopback playing the SLURM cluster's login node (SLURM's commands run in its
+    sessions, SLURM_CONF set), one per module."""
+    from tests.harness.sshd import SSHServer, free_port
+
+    server = SSHServer(tmp_path_factory.mktemp("login"), ["127.0.0.1"], free_port(),
+                       set_env={"SLURM_CONF": str(cluster.conf)})
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def moto():
     """moto's EC2 server on loopback, with a loopback VPC and subnet: one for the session."""

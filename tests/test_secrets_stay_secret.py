@@ -27,7 +27,6 @@ from prefect_aws import AwsCredentials
 
 from skytasks import GPUPool, distributed_task, rank_info
 from tests.harness.ssh_pools import ssh_pool
-from tests.harness.sshd import SSHServer, free_port
 
 ACCESS_KEY = "AKIASKYTASKSTEST0042"
 SECRET_KEY = "aws-secret-0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c"
@@ -100,16 +99,6 @@ def cache_files(since: float) -> str:
         except OSError:
             pass
     return "\n".join(out)
-
-
-@pytest.fixture(scope="module")
-def login_node(request, tmp_path_factory):
-    """A real sshd on loopback playing a SLURM login node, with the pool's key."""
-    cluster = request.getfixturevalue("cluster")
-    server = SSHServer(tmp_path_factory.mktemp("login"), ["127.0.0.1"], free_port(),
-                       set_env={"SLURM_CONF": str(cluster.conf)})
-    yield server
-    server.stop()
 
 
 @dataclass

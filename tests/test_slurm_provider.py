@@ -20,7 +20,6 @@ import pytest
 
 from skytasks import GPUPool, PoolConfigError, PoolStartError, distributed_task, rank_info
 from skytasks.providers.slurm import job as slurm_job
-from tests.harness.sshd import SSHServer, free_port
 from tests.harness.workloads import lightning_fit, resume
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,16 +235,6 @@ def test_ctrl_c_sigterm_and_sigkill_all_end_the_allocation(cluster, tmp_path, ho
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture
-def login_node(cluster, tmp_path):
-    """A real sshd on loopback playing the login node: SLURM's commands run in its sessions."""
-    server = SSHServer(tmp_path / "login", ["127.0.0.1"], free_port(), set_env={"SLURM_CONF": str(cluster.conf)})
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_slurm_login_runs_every_command_on_the_login_node_over_ssh(cluster, login_node):
