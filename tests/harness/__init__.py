@@ -8,6 +8,11 @@
   `autoscaler_standin`: what Cluster Autoscaler or Karpenter says on a pending pod.
 - `prefect_api`: a flow run's task runs and logs read back from the API.
 - `workloads`: the training code the tests and the benchmarks both run.
+- `warm`: a controller process's environment and `pools down`, for the warm pool tests.
+- `processes.end`: SIGTERM, then SIGKILL after a grace.
+
+Fixtures stay in tests/conftest.py (`sshd`, `login_node`, `cluster`, `k8s_cluster`, `k8s`,
+`moto`, `pool_name`, `pools`); what they start is here.
 
 Importable as `tests.harness` from the repository root (pytest's conftest puts the root on
 `sys.path`; `python -m benchmarks.run` and `python -m scripts.x` run from there), so nothing
