@@ -14,48 +14,30 @@ the unit tests drive it by hand with a fake bus.
 An attempt ends with a `CallOutcome` (`outcome()`): completed with every rank's value, or why it
 failed (the root cause's `EndReason`) and the caller's error. A call can stop early only through
 `_record` (a failure with its cause and kind) or an interrupt, which raises: so "ended with no
-result and no recorded cause" cannot happen. `outcome()` checks it anyway.
+result and no recorded cause" cannot happen. `outcome()` checks it anyway. How a failure is
+recorded and how the group stops (STOPPING) are call_ending.py's, `CallRun`'s base.
 """
 
 from __future__ import annotations
 
 import itertools
-import signal
 import time
-from enum import Enum
 from typing import Any
 
-from skytasks.controller.failures import failure_error, is_collateral, rebuild_exception
+from skytasks.controller.call_ending import CallEnding, Phase, failure_kind
+from skytasks.controller.failures import failure_error, rebuild_exception
 from skytasks.controller.outcome import CallOutcome, EndReason, RankState
-from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
+from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup
 from skytasks.controller.stragglers import StragglerWatch
-from skytasks.errors import HangError, RankFailure, RankProcessDied
-from skytasks.preflight.flight_recorder import hang_evidence, records_of
+from skytasks.errors import RankFailure, RankProcessDied
 from skytasks.events import BackendChosen, NodeLost, NodePreempted, NodeReconnected, NodeReconnecting, RanksStillRunning
-from skytasks.preemption import Preempted
 from skytasks.protocol import RANK_MESSAGES, SIGNS_OF_PROGRESS, Op, message
 from skytasks.serialization import loads_out_of_band
-from skytasks.stacks import where
 
 _call_ids = itertools.count(1)
-PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"  # as a rank describes its exception
 
 
-def _failure_kind(msg: dict[str, Any]) -> EndReason:
-    """A rank's FAILED message: a save-and-end for a preemption, or the code's failure."""
-    return EndReason.PREEMPTED if msg["type"] == PREEMPTED_TYPE else EndReason.RANK_FAILED
-# How a rank ends when our stop reaches it (SIGUSR1: our own stack request, to a rank whose
-# faulthandler was not set up yet): the stop's doing, never the rank's failure.
-_OUR_STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGUSR1)
-
-
-class Phase(Enum):
-    RUNNING = "running"
-    STOPPING = "stopping"
-    DONE = "done"
-
-
-class CallRun:
+class CallRun(CallEnding):
     def __init__(self, group: RankGroup, bus: NodeBus, observer: CallObserver, *, label: str, attempt: int,
                  deadline: float | None, hang_timeout: float | None, stop_confirm_seconds: float,
                  stop_grace_seconds: float, now: float, straggler_warn_seconds: float | None = None):
@@ -75,13 +57,7 @@ class CallRun:
             # on a busy machine is not mistaken for a missing peer; a group where no rank ever
             # gets that far is still bounded, at three times the timeout.
             self.init_deadline = now + 3 * group.spec.init_timeout_seconds
-        self._stacks: dict[int, str] = {}
-        self._flight_records: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder summary, at a hang
-        self._stacks_why = ""
-        self._hung = False
-        self._stop_waiting: set[int] = set()
-        self._stop_until = 0.0
-        self._untold_stopped: list[RankOutcome] = []  # stopped, not yet said: the observer hears of them with their stacks
+        self._init_ending()
         self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
         self.lost: set[int] = set()  # node ranks whose loss this call reported (NodeLost)
         self.unreachable: set[int] = set()  # node ranks whose stream broke, being re-attached: no hang meanwhile
@@ -244,7 +220,7 @@ class CallRun:
     def _on_failed(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         if msg["call"] in (self.id, None):
             self.outcomes[msg["rank"]].used = msg.get("used")
-            self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"), _failure_kind(msg))
+            self._record(self.outcomes[msg["rank"]], rebuild_exception(msg), msg.get("ended"), failure_kind(msg))
 
     def _on_notice(self, node_rank: int, msg: dict[str, Any]) -> None:
         """A node will be taken away: every rank hears it at once (its peers must save too), and
@@ -316,102 +292,6 @@ class CallRun:
             returned = sorted(r for r, o in self.outcomes.items() if o.status is RankState.COMPLETED)
             self.observer.on_event(RanksStillRunning(self.stragglers.warning(returned, running)))
 
-    def _stop(self, reason: str, now: float, stacks: bool = False) -> None:
-        """Stop every rank of the group now; they never wait for a collective to time out. With
-        `stacks`, the agents say where each rank was as it stopped, and the observer hears of the
-        stopped ranks once they have (`_stopped`): their stacks first, then that they stopped."""
-        self.group.broken = True
-        self.aborted_at = time.time()
-        self.bus.broadcast(message(Op.STOP, group=self.group.id, grace=self.stop_grace_seconds, stacks=stacks))
-        preempted = bool(self.failures) and self.failures[0].rank >= 0 and \
-            self.outcomes[self.failures[0].rank].preempted
-        for o in self.outcomes.values():
-            if o.status is RankState.PENDING:
-                o.status, o.stop_reason, o.ended = RankState.STOPPED, f"stopped because {reason}", time.time()
-                o.preempted = preempted
-                self._untold_stopped.append(o)
-        if not stacks:
-            self._tell_stopped()
-        self._stop_waiting = set(self.bus.alive())
-        self._stop_until = now + self.stop_confirm_seconds
-        self.phase = Phase.STOPPING
-        if not self._stop_waiting:
-            self._stopped()
-
-    def _tell_stopped(self) -> None:
-        for o in self._untold_stopped:
-            if o.status is RankState.STOPPED:  # not since recorded as a failure that raced the stop
-                self.observer.on_rank_done(o.rank, o)
-        self._untold_stopped = []
-
-    def _stopped(self) -> None:
-        """Every agent confirmed (or the wait is over): the stacks the stop brought, then done.
-        After a hang, each rank that was stopped fails with a HangError naming where it was, at
-        the moment the hang was declared (so it is a root cause, not collateral of the stop)."""
-        if self._untold_stopped:
-            self.observer.on_stacks(self._stacks, self._stacks_why)
-            if self._hung:
-                evidence = hang_evidence(self._flight_records)  # which rank never joined, by torch's record
-                for o in self._untold_stopped:
-                    if o.status is RankState.STOPPED:
-                        stack = self._stacks.get(o.rank, "")
-                        o.stop_reason = ""
-                        place = "; ".join(w for w in (where(stack), evidence) if w)
-                        self._record(o, HangError(o.rank, self.hang_timeout or 0.0, place, stack),
-                                     self.aborted_at, EndReason.HANG)
-                self._untold_stopped = []
-            self._tell_stopped()
-        self.phase = Phase.DONE
-
-    def _while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
-        """Until every agent confirms its ranks are gone, keeping failures that raced the stop."""
-        op, rank = msg["op"], msg.get("rank", -1)
-        if op == Op.LOST and self._stopped_by_collateral_only():
-            # A peer's "connection closed" can beat the news of the node that vanished under it
-            # (a busy controller reads the two streams in either order): the lost node is the
-            # root cause, and the attempt is a node recovery, not a retry.
-            self._on_node_failure(node_rank, msg, now, take=(RankState.PENDING, RankState.STOPPED))
-        if op in (Op.STOPPED, Op.LOST):
-            for r, stack in (msg.get("stacks") or {}).items():
-                if int(r) in self.outcomes and self.outcomes[int(r)].status is RankState.STOPPED:
-                    self._stacks[int(r)] = stack
-            self._flight_records.update(records_of(msg))
-            self._stop_waiting.discard(node_rank)
-            if not self._stop_waiting:
-                self._stopped()
-        elif op == Op.FAILED and msg["call"] in (self.id, None) and self.outcomes[rank].status is RankState.STOPPED:
-            # Its own kind, as in RUNNING: every rank raises Preempted from the same step, and one
-            # whose clock is earlier than the rank that triggered the stop is the root cause.
-            self._record(self.outcomes[rank], rebuild_exception(msg), msg.get("ended"), _failure_kind(msg))
-        elif op == Op.EXITED and self.outcomes[rank].status is RankState.STOPPED and msg["returncode"] not in _OUR_STOP_CODES:
-            # it ended by itself while the stop was on its way
-            self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
-        elif op in (Op.OUTPUT, Op.LOG):
-            self._relay_line(msg)
-
-    def _stopped_by_collateral_only(self) -> bool:
-        """Every failure so far is a peer's vanishing under a collective, not a cause of its own."""
-        return bool(self.failures) and all(f.rank >= 0 and is_collateral(f.exception) for f in self.failures)
-
-    def _relay_line(self, msg: dict[str, Any]) -> None:
-        """A rank's output line or logging record to the observer, in every phase."""
-        if msg["op"] == Op.OUTPUT:
-            self.observer.on_output(msg["rank"], msg["stream"], msg["line"])
-        else:
-            self.observer.on_log(msg["rank"], msg["level"], msg["line"])
-
-    def _record(self, o: RankOutcome, exc: BaseException, ended: float | None,
-                kind: EndReason = EndReason.RANK_FAILED) -> None:
-        self.group.broken = True
-        now = time.time()
-        o.status, o.ended = RankState.FAILED, ended or now
-        o.preempted = kind == EndReason.PREEMPTED or (kind == EndReason.NODE_LOST and o.node_rank in self.notices)
-        exc.add_note(f"[skytasks] rank {o.rank} failed (node {o.node_rank}, {o.node_addr}, device {o.device})")
-        exc.skytasks_rank = o.rank  # type: ignore[attr-defined]
-        exc.skytasks_node = o.node_rank  # type: ignore[attr-defined]
-        o.failure = RankFailure(o.rank, o.node_rank, o.node_addr, exc, at=ended or now, kind=kind)
-        self.failures.append(o.failure)
-        self.observer.on_rank_done(o.rank, o)
 
     def _record_call_error(self, exc: BaseException, kind: EndReason) -> None:
         self.failures.append(RankFailure(-1, -1, "", exc, time.time(), kind=kind))  # the call's own clock, not a rank
