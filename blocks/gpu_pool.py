@@ -19,6 +19,7 @@ from prefect.blocks.core import Block
 from prefect.blocks.fields import SecretDict
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, WithJsonSchema, model_validator
 
+from skytasks.blocks.block_logo import served_logo_url
 from skytasks.blocks.aws_credentials_field import UNSET, LazyAwsCredentials, default_aws_credentials
 from skytasks.blocks.nested_blocks import block_class, type_block_fields
 from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS, LocalSettings, ProviderSettings,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 class GPUPool(Block):
     _block_type_name = "GPU Pool"
     _block_type_slug = "gpu-pool"
-    _logo_url = "https://images.ctfassets.net/gm98wzqotmnx/4HlN0GkcPMXp6TxuQtHEjt/16dd0296f4f2ccd3db3e5eb1e1b66ddc/pytorch-logo.png"  # type: ignore[assignment]  # noqa: E501
+    # (its logo: the icon the Prefect UI itself serves, named as the block type is registered: _to_block_type)
     _description = ("Nodes for multi-node PyTorch training: local processes, SSH hosts, EC2 instances or the nodes "
                     "of a SLURM allocation, or pods on Kubernetes.")
     _documentation_url = "https://github.com/skytasks/skytasks#readme"  # type: ignore[assignment]
@@ -172,6 +173,13 @@ def train(epochs: int = 3) -> dict:
         if isinstance(secret, list):
             schema["secret_fields"] = list(dict.fromkeys([*secret, *STALE_SECRETS]))
         return schema
+
+    @classmethod
+    def _to_block_type(cls) -> Any:
+        # A logo no network can break: blocks/block_logo.py. Read where Prefect registers the block
+        # type (and compares it with the server's), never at import.
+        block_type = super()._to_block_type()
+        return type(block_type).model_validate({**block_type.model_dump(), "logo_url": served_logo_url()})
 
     @classmethod
     def register_type_and_schema(cls, *args: Any, **kwargs: Any) -> Any:

@@ -24,14 +24,26 @@ def ui(prefect_api: Path):
         yield started
 
 
-async def _create_form(ui: UI, choose: tuple[str, ...] = ()) -> list[dict]:
-    """The create form's fields as it opens, then after choosing each provider in `choose`."""
+# Every image of the page that the browser could not load (a broken logo shows as one).
+BROKEN_IMAGES_JS = "[...document.images].filter(i => i.complete && i.naturalWidth === 0).map(i => i.src)"
+OTHER_COLLECTIONS_LOGOS = "https://raw.githubusercontent.com/PrefectHQ/"
+LOGO_JS = "[...document.images].filter(i => i.naturalWidth > 0).map(i => i.src)"
+
+
+async def _create_form(ui: UI, choose: tuple[str, ...] = (), shots: Path | None = None) -> list[dict]:
+    """The create form's fields as it opens, then after choosing each provider in `choose` (with
+    the page's broken and loaded images; a screenshot of each into `shots`)."""
     async with ui.tab() as page:
         await page.open(create_form_url(ui), shows="Nodes")
-        seen = [await page.fields()]
-        for provider in choose:
-            await page.click_button(provider)
-            seen.append(await page.fields())
+        seen = []
+        for provider in ("", *choose):
+            if provider:
+                await page.click_button(provider)
+            await asyncio.sleep(0.5)  # images still loading are not yet complete
+            seen.append({**await page.fields(), "broken": await page.js(BROKEN_IMAGES_JS),
+                         "images": await page.js(LOGO_JS)})
+            if shots is not None:
+                await page.whole_form(shots / f"gpu-pool-create{'-' if provider else ''}{provider}.png")
         return seen
 
 
@@ -51,3 +63,15 @@ def test_choosing_a_provider_shows_its_own_fields_and_no_other_providers(ui):
         for other, label in own.items():
             assert (label in labels) == (other == provider), f"{provider} chosen, the form shows: {sorted(labels)}"
         assert seen["count"] >= opened["count"] or provider == "local", (provider, seen)
+        assert "Provider" not in labels, f"{provider}: the tab repeats the provider as a select: {sorted(labels)}"
+
+
+def test_the_block_s_logo_loads_and_the_form_is_pictured(ui, tmp_path):
+    seen = asyncio.run(_create_form(ui, ("kubernetes",), shots=tmp_path))
+    for page in seen:
+        # (the credentials pickers show prefect-aws' and prefect-kubernetes' own logos, which their
+        # packages name on GitHub: broken without a network, theirs to fix, not the pool's)
+        ours = [src for src in page["broken"] if not src.startswith(OTHER_COLLECTIONS_LOGOS)]
+        assert ours == [], f"images the browser could not load: {ours}"
+    assert any(src.endswith("/ico/android-chrome-192x192.png") for src in seen[0]["images"]), seen[0]["images"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-pool-create-kubernetes.png", "gpu-pool-create.png"]

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Callable, Optional
 
 from pydantic import BeforeValidator, Field, SecretStr, WithJsonSchema
+from pydantic.json_schema import SkipJsonSchema
 
 HOST_PATTERN = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>\d{1,5}))?$")
 
@@ -29,10 +30,13 @@ def shown_as(json_type: str) -> WithJsonSchema:
     return WithJsonSchema({"type": json_type})
 
 
-def one_choice(provider: str) -> WithJsonSchema:
-    """A settings model's `provider` tag as the form shows it: a choice of one, already made (the
-    tab says which provider; the tag makes a saved document say it too)."""
-    return WithJsonSchema({"type": "string", "enum": [provider]})
+def one_choice(provider: str) -> SkipJsonSchema:
+    """A settings model's `provider` tag, kept out of the form: the tab already says which provider
+    (a select of one choice under it would only repeat it), and the form sends a field left at its
+    default not at all. The tag is for a saved document, which says so itself; one the form sent
+    without it is told by its keys (blocks/pool_settings.py). `provider` names which tag it is."""
+    del provider
+    return SkipJsonSchema()
 
 
 OptionalStr = Annotated[Optional[str], BeforeValidator(blank_is_none), shown_as("string")]
