@@ -20,8 +20,8 @@ import pytest
 
 from skytasks import GPUPool, PoolStartError, distributed_task
 from skytasks.providers import agent_args
-from skytasks.providers.ssh import env_in, python_check
-from skytasks.providers.ssh.python_check import Controller, Found
+from skytasks.providers.remote import env_in, python_check
+from skytasks.providers.remote.python_check import Controller, Found
 from tests.conftest import started_here
 from tests.harness.ssh_pools import ssh_pool
 

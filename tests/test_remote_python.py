@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from skytasks.providers import agent_args
-from skytasks.providers.ssh import python_check
+from skytasks.providers.remote import python_check
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = "/usr/bin/python3"  # the system's own Python: no torch, no cloudpickle

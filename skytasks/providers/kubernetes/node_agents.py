@@ -12,33 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 from skytasks import stream_seal
 from skytasks.errors import PoolStartError
-from skytasks.node import attach
 from skytasks.node.ports import port_snippet
 from skytasks.providers import NodeLink
 from skytasks.providers.kubernetes import cluster, exec_stream
 from skytasks.providers.kubernetes.pods import CONTAINER
-from skytasks.providers.package_in import PACKAGE_IN, read_line
-from skytasks.providers.ssh import python_check
-from skytasks.providers.ssh.bridge import await_answer
-from skytasks.providers.ssh.nodes import package_bundle
+from skytasks.providers.remote import python_check
+from skytasks.providers.remote.agent_start import AgentStarter, NodePython, bootstrap
+from skytasks.providers.remote.reattach import reach_agent
 
 # argv: digest, bundle size, then the agent's own arguments (`-m skytasks.node.agent ...`).
-BOOTSTRAP = python_check.CHECK + PACKAGE_IN + r"""
-import os, sys
-if not _python_ok():
-    sys.exit(3)
-base = next((d for d in ("/tmp", "/dev/shm") if os.access(d, os.W_OK)), None)
+BOOTSTRAP = bootstrap("""base = next((d for d in ("/tmp", "/dev/shm") if os.access(d, os.W_OK)), None)
 if base is None:
     sys.exit("skytasks: neither /tmp nor /dev/shm is writable in the pod")
-_package_in(os.path.join(base, "skytasks", sys.argv[1]), int(sys.argv[2]))
-os.environ.pop("SKYTASKS_STREAM_SEALED", None)  # the agent's stream is sealed; its ranks need not know
-try:
+home = os.path.join(base, "skytasks", sys.argv[1])
+""", env=False, then="""try:
     os.chdir(os.path.expanduser("~"))  # where a workdir is synced, as on ssh and slurm nodes
 except OSError:
     pass
@@ -50,8 +42,7 @@ if "--heartbeat-file" in sys.argv:  # the controller reached the pod: the keeper
         os.utime(beat, None)
     except OSError:
         pass
-os.execv(sys.executable, [sys.executable] + sys.argv[3:])
-"""
+""")
 
 # Runs a shell command whose stdin is exactly the next N bytes of the stream (argv[1]): the
 # exec protocol has no end of stdin of its own.
@@ -79,50 +70,31 @@ class PodAgents:
         # its plain ends kept here by the exec they run over.
         self.sealed = stream_seal.wanted(cluster.private_stream(cfg))
         self._plain: dict[int, stream_seal.SealedEnds] = {}
-        self._bundle: tuple[bytes, str] | None = None
+        self._starter = AgentStarter(BOOTSTRAP, timeout)
         self._workdirs: dict[str, str] = {}
 
     def start(self, node_rank: int, pod: str, address: str, agent: list[str]) -> NodeLink:
-        if self._bundle is None:
-            self._bundle = package_bundle()
-        bundle, digest = self._bundle
-        where = f"node {node_rank} (pod {pod})"
-        seal = stream_seal.identity() if self.sealed else None
-        code = (stream_seal.node_prelude(seal.pin) if seal else "") + BOOTSTRAP
-        try:
-            stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER,
-                                         [self._python, "-c", code, digest, str(len(bundle)), *agent])
-        except Exception as exc:  # noqa: BLE001 - the API server's refusal, in its words
-            raise cluster.refused(exc, f"exec into pod {pod} (pods/exec)", self._namespace) from exc
-        self.streams[pod] = stream
-        ends: Any = stream
-        if seal is not None:
+        def open_exec(code: str, argv: list[str]) -> exec_stream.PodExec:
             try:
-                ends = self._seal(stream, seal, self._timeout)
-            except stream_seal.SealFailed:
-                raise PoolStartError(python_check.did_not_start(where, self._python, stream.last_words() or
-                                                                "the stream ended before its TLS handshake")) from None
-        checked = python_check.parse(read_line(ends.inbound, self._timeout, stream.close))
-        here = python_check.this_controller()
-        # Another Python (or cloudpickle) in the image first, as it is what to fix; then a lack.
-        # Before the package is sent and before any rank.
-        if checked is not None and (python_check.why_not(checked, here) or checked.missing):
-            stream.close()
-            wrong = python_check.wrong_image(where, self._image(pod), self._python, checked, here)
-            raise PoolStartError(wrong or python_check.cannot_import(where, self._python, checked))
-        answer = read_line(ends.inbound, self._timeout, stream.close) if checked is not None else b""
-        if answer == b"need\n":
-            ends.outbound.write(bundle)
-            ends.outbound.flush()
-        elif answer != b"have\n":
-            stream.close()
-            raise PoolStartError(python_check.did_not_start(where, self._python, stream.last_words() or repr(answer)))
-        return self._link(node_rank, pod, address, stream)
+                stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER, [self._python, "-c", code, *argv])
+            except Exception as exc:  # noqa: BLE001 - the API server's refusal, in its words
+                raise cluster.refused(exc, f"exec into pod {pod} (pods/exec)", self._namespace) from exc
+            self.streams[pod] = stream
+            return stream
 
-    def _seal(self, stream: exec_stream.PodExec, seal: stream_seal.Identity, timeout: float) -> stream_seal.SealedEnds:
-        ends = stream_seal.seal_controller_end(stream.inbound, stream.outbound, seal, timeout, stream.close)
-        self._plain[id(stream)] = ends
-        return ends
+        where = f"node {node_rank} (pod {pod})"
+        here = python_check.this_controller()
+
+        def wrong_image(found: python_check.Found) -> Optional[str]:
+            # The image is asked for only where the pod's Python or cloudpickle is wrong.
+            return python_check.wrong_image(where, self._image(pod), self._python, found, here) \
+                if python_check.why_not(found, here) else None
+
+        stream, started = self._starter.start(open_exec, agent, NodePython(where, self._python, wrong=wrong_image),
+                                              sealed=self.sealed)
+        if started.sealed is not None:
+            self._plain[id(stream)] = started.sealed
+        return self._link(node_rank, pod, address, stream)
 
     def _link(self, node_rank: int, pod: str, address: str, stream: exec_stream.PodExec) -> NodeLink:
         # Closing a link ends its own stream, never a newer one the pod was reached by since.
@@ -134,21 +106,15 @@ class PodAgents:
         """A new exec into the pod, `python -c attach.CLIENT DOOR`: a stream to its running agent
         (an exec'd process outlives its exec stream: an API server restart, a proxy's cut). It
         becomes the pod's stream once the door spoke; NodeGone when nothing is behind the door."""
-        started = time.monotonic()
-        seal = stream_seal.identity() if self.sealed else None
-        client = stream_seal.attach_argv(self._python, seal.pin, door) if seal else attach.argv(self._python, door)
-        stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER, client, timeout=timeout)
-        try:
-            await_answer(stream.inbound, timeout - (time.monotonic() - started),
-                         lambda: stream.exit_code() if stream.ended.is_set() else None, stream.last_words,
-                         f"node {node_rank} (pod {pod})")
-            if seal is not None:  # a fresh agreement for each new stream
-                self._seal(stream, seal, max(1.0, timeout - (time.monotonic() - started)))
-        except BaseException:
-            self._close(stream)
-            raise
-        self.streams[pod] = stream
-        return self._link(node_rank, pod, address, stream)
+        def open_exec(client: list[str]) -> _AttachExec:
+            return _AttachExec(exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER, client, timeout=timeout))
+
+        way, sealed = reach_agent(open_exec, self._python, door, timeout, f"node {node_rank} (pod {pod})",
+                                  sealed=self.sealed)
+        if sealed is not None:
+            self._plain[id(way.stream)] = sealed
+        self.streams[pod] = way.stream
+        return self._link(node_rank, pod, address, way.stream)
 
     def _end_stream(self, pod: str, stream: exec_stream.PodExec) -> None:
         if self.streams.get(pod) is stream:
@@ -197,7 +163,7 @@ class PodAgents:
 
     def prepare_workdir(self, request: Any, pods: list[str]) -> tuple[str, str | None]:
         """The workdir onto every pod in parallel, content-addressed as for ssh nodes."""
-        from skytasks.providers.ssh.workdir import sync_workdir
+        from skytasks.providers.remote.workdir import sync_workdir
         from skytasks.workdir import describe_sync, read_workdir
 
         tree = request.tree or read_workdir(request.root)
@@ -238,3 +204,20 @@ class _PodShell:
         if check and code != 0:
             raise PoolStartError(f"pod {self._pod}: {shlex.split(command)[:3]} failed: {said[-500:]}")
         return SimpleNamespace(stdout=out.decode() if encoding else out, stderr=said, exit_status=code)
+
+
+class _AttachExec:
+    """An attach's exec as the re-attach drives it: its status only once the stream ended."""
+
+    def __init__(self, stream: exec_stream.PodExec):
+        self.stream = stream
+        self.inbound, self.outbound = stream.inbound, stream.outbound
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def last_words(self) -> str:
+        return self.stream.last_words()
+
+    def exit_code(self) -> Optional[int]:
+        return self.stream.exit_code() if self.stream.ended.is_set() else None

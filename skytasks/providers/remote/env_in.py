@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from skytasks.providers.ssh import python_check
+from skytasks.providers.remote import python_check
 
 WIDTH = 10  # the length's digits; then a newline, then the JSON
 STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")  # as skytasks.node.rank_template has them

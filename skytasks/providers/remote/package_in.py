@@ -1,18 +1,24 @@
-"""The controller's skytasks onto a node whose only way in is the agent's own stream (a SLURM
-step, a Kubernetes exec): the node side of that hand-over, shared by both bootstraps.
+"""The controller's skytasks onto a node over the agent's own stream (an SSH channel, a SLURM
+step, a Kubernetes exec): both sides of that hand-over, shared by every remote bootstrap.
 
 `_package_in(home)` (standard library only) answers "have" when `home` already holds this
 version (content-addressed by the bundle's digest, so a shared home or a reused pod gets it once)
 or "need", then reads exactly the bundle's bytes from fd 0, unpacks them beside `home` and renames
 them into place (a half-unpacked tree is never used), and puts `home` first on PYTHONPATH for the
-agent the bootstrap then execs. The controller sends the bundle (`ssh.nodes.package_bundle`) only
-after "need".
+agent the bootstrap then execs. The controller sends the bundle (`package_bundle`) only
+after "need" (`agent_start`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import tarfile
 import threading
+from pathlib import Path
 from typing import BinaryIO, Callable
+
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # skytasks/
 
 PACKAGE_IN = r"""
 def _package_in(home, size):
@@ -48,3 +54,16 @@ def read_line(inbound: BinaryIO, timeout: float, close: Callable[[], None]) -> b
         close()
         reader.join(10)
     return box.get("line", b"")
+
+
+def package_bundle() -> tuple[bytes, str]:
+    """The controller's skytasks as a tar.gz, and its content hash (the cache key on nodes)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(PACKAGE_DIR.rglob("*.py")):
+            info = tar.gettarinfo(str(path), arcname=f"skytasks/{path.relative_to(PACKAGE_DIR)}")
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()[:16]

@@ -29,7 +29,7 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink
 from skytasks.providers.remote.agent_start import AgentStarter, NodePython, bootstrap
 from skytasks.providers.remote.reattach import reach_agent
-from skytasks.providers.reporting import PoolReporter
+from skytasks.event_bus import PoolReporter
 from skytasks.providers.slurm.shell import SlurmShell, Step
 from skytasks.providers.slurm.spec import SlurmSpec
 

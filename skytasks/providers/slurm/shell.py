@@ -19,8 +19,8 @@ from skytasks.errors import PoolStartError
 from skytasks.providers.slurm.spec import SlurmSpec
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.event_bus import PoolReporter
-from skytasks.providers.ssh.nodes import load_known_hosts, parse_host
-from skytasks.providers.ssh.bridge import bridge_process
+from skytasks.providers.ssh.login import load_known_hosts, parse_host
+from skytasks.providers.remote.bridge import bridge_process
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """provider="ssh": machines you already have, reached with asyncssh, host keys always checked.
 
 `spec.py` (its field and spec), `provider.py` (the provider), `check.py` (`skytasks check`), and the
-SSH transport that aws and slurm login nodes share: `nodes.py` (agents on SSH channels), `bridge.py`,
-`workdir.py`."""
+SSH transport that aws (and a SLURM login node) share: `login.py` (reaching hosts), `nodes.py`
+(agents on SSH channels, started by the remote toolkit's one starter, providers/remote/),
+`channel.py` and `node_setup.py`."""
 
 from skytasks.providers import ProviderPlugin
 

@@ -18,9 +18,9 @@ from typing import Any, Iterator
 from skytasks.errors import PoolConfigError, PoolStartError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.checks import Check
-from skytasks.providers.ssh import env_in, python_check
-from skytasks.providers.ssh.nodes import SSHLogin, connect, load_known_hosts
-from skytasks.providers.ssh.python_check import NEEDED
+from skytasks.providers.remote import env_in, python_check
+from skytasks.providers.ssh.login import SSHLogin, connect, load_known_hosts
+from skytasks.providers.remote.python_check import NEEDED
 
 CONNECT_SECONDS = 15.0  # one host's answer to SSH
 PYTHON_SECONDS = 30.0  # its Python's start and the check's lookups
