@@ -213,17 +213,16 @@ def _compared(nodes: Sequence[NodeFigures], check: str, figure_of: Any, unit_of:
 # -- what to do about unhealthy nodes ----------------------------------------------------------
 
 @dataclass(frozen=True)
-class DropNodes:
+class NodesAction:
+    nodes: tuple[int, ...]  # the unhealthy nodes, by node rank
+
+
+class DropNodes(NodesAction):
     """An elastic pool goes on without them (it still has at least min_nodes)."""
 
-    nodes: tuple[int, ...]
 
-
-@dataclass(frozen=True)
-class ReplaceNodes:
+class ReplaceNodes(NodesAction):
     """New nodes in their place (the provider ends these and avoids their machines)."""
-
-    nodes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
