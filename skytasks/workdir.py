@@ -3,7 +3,7 @@
 A workdir is read once per call into a `Workdir`: every file's relative path, mode and content
 hash, with `.git/` and whatever its `.gitignore` files name left behind. Its digest names the whole
 tree, so a node that already holds the same tree gets nothing, and a node that holds an older one
-gets only the files whose content it lacks (see `providers/ssh/workdir.py`). Local nodes use the
+gets only the files whose content it lacks (see `providers/remote/workdir.py`). Local nodes use the
 directory in place.
 """
 
