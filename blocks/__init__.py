@@ -4,7 +4,7 @@ A pool's provider settings (`GPUPool(settings=SSHSettings(hosts=[...]))`, or as 
 keywords `GPUPool(provider="ssh", hosts=[...])`) are pydantic models, not blocks of their own."""
 
 from skytasks.blocks.gpu_pool import GPUPool
-from skytasks.blocks.pool_settings import LocalSettings
+from skytasks.providers.local.spec import LocalSettings
 from skytasks.providers.aws.spec import AWSSettings
 from skytasks.providers.kubernetes.spec import KubernetesSettings
 from skytasks.providers.slurm.spec import SlurmSettings

@@ -20,36 +20,25 @@ from __future__ import annotations
 
 import difflib
 from contextvars import ContextVar
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import TYPE_CHECKING, Annotated, Any, Mapping, Union
 
 from prefect.blocks.fields import SecretDict
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Secret, ValidationError
+from pydantic import BaseModel, BeforeValidator, Secret, ValidationError
 
-from skytasks.providers.aws.spec import AWSSettings
-from skytasks.providers.kubernetes.spec import KubernetesSettings
-from skytasks.providers.registry import PROVIDERS, plugin, readers_of_fields
-from skytasks.providers.remote_fields import ReadyTimeout, one_choice
-from skytasks.providers.slurm.spec import SlurmSettings
-from skytasks.providers.ssh.spec import SSHSettings
+from skytasks.providers.registry import PROVIDERS, imported, plugin, readers_of_fields
 
 
-class LocalSettings(BaseModel):
-    """local: processes on this machine (skytasks/providers/local/spec.py reads the rest)."""
+# Each provider's settings model, named by its plugin, in the order of the provider table: the
+# form's tabs, local (the default) first. A provider's fields are thus named in its spec.py alone.
+SETTINGS: dict[str, type[BaseModel]] = {name: imported(p.settings) for name, p in PROVIDERS.items() if p.settings}
+assert list(SETTINGS) == list(PROVIDERS), "a provider without settings"
+LocalSettings = SETTINGS["local"]  # (its old import path: skytasks.blocks.pool_settings)
 
-    model_config = ConfigDict(title="local", extra="forbid")
-
-    provider: Annotated[Literal["local"], one_choice("local")] = Field(
-        "local", description="The provider these settings are for.")
-    ready_timeout_seconds: ReadyTimeout = Field(
-        900, description="Seconds a process waits in line for a warm pool another process holds.")
-
-
-# In the order of the provider table: the form's tabs, local (the default) first.
-SETTINGS: dict[str, type[BaseModel]] = {"local": LocalSettings, "ssh": SSHSettings, "aws": AWSSettings,
-                                        "slurm": SlurmSettings, "kubernetes": KubernetesSettings}
-assert list(SETTINGS) == list(PROVIDERS), "a provider without settings, or settings without a provider"
-
-ProviderSettings = Union[LocalSettings, SSHSettings, AWSSettings, SlurmSettings, KubernetesSettings]
+if TYPE_CHECKING:
+    from skytasks.providers.local.spec import LocalSettings as LocalSettings  # noqa: F811
+    ProviderSettings = BaseModel
+else:
+    ProviderSettings = Union[tuple(SETTINGS.values())]
 
 # Every provider setting by its flat name (the contract's keyword), with its default.
 FLAT: dict[str, Any] = {}

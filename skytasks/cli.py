@@ -77,56 +77,15 @@ def _utc_time(text: str):
         raise argparse.ArgumentTypeError(f"--now: {text!r} is not a UTC time such as 2026-01-31T12:00:00Z") from None
 
 
-def _aws_gc(args: argparse.Namespace) -> list[str]:
-    """`skytasks gc`: the credentials (a saved AwsCredentials block, or the region and endpoint
-    given), then the sweep by tags (skytasks.providers.aws.gc)."""
-    from prefect_aws import AwsCredentials
+def _gc(args: argparse.Namespace) -> int:
+    """`skytasks gc`: the sweep of the provider the flags name (aws unless --slurm or --kubernetes),
+    its plugin's `gc` (skytasks/providers/<name>/gc.py)."""
+    from skytasks.providers.registry import imported, plugin
 
-    from skytasks.providers.aws.gc import sweep
-
-    if args.aws_credentials:
-        # No event loop runs here, so Prefect's load returns the block itself, not a coroutine.
-        creds = cast(AwsCredentials, AwsCredentials.load(args.aws_credentials))
-    else:
-        params = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
-        creds = AwsCredentials(region_name=args.region, aws_client_parameters=params)
-    return sweep(creds.get_client("ec2"), now=args.now, grace_minutes=args.grace_minutes, dry_run=args.dry_run,
-                 log=print)
-
-
-def _slurm_gc(args: argparse.Namespace) -> int:
-    from skytasks.blocks.gpu_pool import GPUPool
-    from skytasks.event_bus import PoolReporter
-    from skytasks.providers.slurm.gc import sweep_jobs
-    from skytasks.providers.slurm.shell import SlurmShell
-    from skytasks.providers.slurm.spec import SlurmSpec
-
-    shell = SlurmShell(GPUPool(provider="slurm").spec().own(SlurmSpec), PoolReporter("gc", "slurm"))
-    try:
-        swept = sweep_jobs(shell, dry_run=args.dry_run, now=args.now, log=lambda line: print(line, file=sys.stderr))
-    finally:
-        shell.close()
-    print(f"skytasks gc: {len(swept)} slurm job(s) {'to cancel' if args.dry_run else 'cancelled'}")
-    return 0
-
-
-def _kubernetes_gc(args: argparse.Namespace) -> int:
-    from kubernetes import client
-
-    from skytasks.providers.kubernetes import cluster
-    from skytasks.providers.kubernetes.gc import sweep
-
-    credentials, namespace = None, args.namespace
-    if args.pool:
-        from skytasks.blocks.gpu_pool import GPUPool
-
-        pool = cast(GPUPool, GPUPool.load(args.pool))
-        credentials, namespace = pool.kubernetes_credentials, namespace or pool.k8s_namespace
-    core = client.CoreV1Api(cluster.api_client(cluster.configuration(credentials)))
-    swept = sweep(core, namespace or "default", dry_run=args.dry_run, now=args.now, grace_minutes=args.grace_minutes,
-                  log=lambda line: print(line, file=sys.stderr))
-    print(f"skytasks gc: {len(swept)} kubernetes pool(s) {'to delete' if args.dry_run else 'deleted'}")
-    return 0
+    name = "slurm" if args.slurm else "kubernetes" if args.kubernetes else "aws"
+    sweep = plugin(name).gc
+    assert sweep is not None, name
+    return int(imported(sweep)(args))
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -173,13 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         from skytasks.pools_command import pools_command
 
         return pools_command(args)
-    if args.slurm:
-        return _slurm_gc(args)
-    if args.kubernetes:
-        return _kubernetes_gc(args)
-    swept = _aws_gc(args)
-    print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
-    return 0
+    return _gc(args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,9 +46,6 @@ class SkytasksSettings(BaseSettings):
         "fork", description="How a node starts its ranks: forked from one warm template process per node "
                             "(milliseconds each), or each as a fresh interpreter (exec).")
     workdir_limit_mb: float = Field(100.0, gt=0, description="Largest workdir that may travel to remote nodes.")
-    k8s_autoscaler_silence_seconds: float = Field(
-        30.0, gt=0, description="kubernetes, k8s_autoscaler='auto': how long a pod may wait for a node with no "
-                                "node autoscaler speaking for it before the cluster is taken as fixed.")
     peer_tls: bool = Field(
         True, description="TLS on the relay links between node agents. Off (0) only to measure what it costs: "
                           "the links then carry the pool's arguments in the clear.")
@@ -59,13 +56,22 @@ class SkytasksSettings(BaseSettings):
         return self.heartbeat_seconds, max(self.heartbeat_timeout_seconds, 2 * self.heartbeat_seconds)
 
 
+Knobs = TypeVar("Knobs", bound=BaseSettings)
+
+
 def settings() -> SkytasksSettings:
     """The settings as the environment has them now. Built again only when a SKYTASKS_ variable
     changed: pydantic-settings takes a millisecond or more, and a call reads them several times."""
+    return read(SkytasksSettings)
+
+
+def read(kind: type[Knobs]) -> Knobs:
+    """Settings of `kind` (these, or a provider's own knobs: its folder's settings.py) as the
+    environment has them now, built again only when a SKYTASKS_ variable changed."""
     ours = tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith("SKYTASKS_")))
-    return _settings_for(ours)
+    return _settings_for(kind, ours)  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=8)
-def _settings_for(environment: tuple[tuple[str, str], ...]) -> SkytasksSettings:
-    return SkytasksSettings()
+@functools.lru_cache(maxsize=16)
+def _settings_for(kind: type[BaseSettings], environment: tuple[tuple[str, str], ...]) -> BaseSettings:
+    return kind()

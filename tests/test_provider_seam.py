@@ -89,3 +89,36 @@ def test_a_local_pool_imports_no_other_providers_code_or_ssh_library():
             "'skytasks.providers.kubernetes.provider') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_each_provider_states_what_it_can_do_as_one_frozen_value():
+    import dataclasses
+
+    from skytasks.providers import CAPABILITIES, Capabilities, capabilities_of
+
+    for name in PROVIDERS:
+        cls = provider_class(name)
+        assert isinstance(cls.capabilities, Capabilities), name
+        assert {f: getattr(cls, f) for f in CAPABILITIES} == dataclasses.asdict(cls.capabilities)  # one source
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            cls.capabilities.reattaches = True  # type: ignore[misc]
+    assert provider_class("local").capabilities == Capabilities(reshape_is_cheap=True, runs_on_this_machine=True)
+    assert provider_class("aws").capabilities.replaces_elsewhere and provider_class("ssh").capabilities.reattaches
+
+    class Reattaching(provider_class("local")):  # type: ignore[misc,valid-type]  # a test's variant says one
+        reattaches = True
+
+    assert Reattaching.capabilities == Capabilities(reshape_is_cheap=True, runs_on_this_machine=True, reattaches=True)
+    assert capabilities_of(object()) == Capabilities()  # a stand-in that says none can do none of them
+
+
+def test_settings_and_gc_are_each_provider_s_own_from_its_plugin():
+    from skytasks.blocks.pool_settings import SETTINGS
+    from skytasks.providers.registry import imported
+
+    for name, p in PROVIDERS.items():
+        assert p.settings is not None and SETTINGS[name] is imported(p.settings)
+        own = [f for f in SETTINGS[name].model_fields if f != "provider"]
+        assert [f for f in p.reads if f != "kubernetes_credentials"] == own  # the fields, named once
+    assert {name for name, p in PROVIDERS.items() if p.gc} == {"aws", "slurm", "kubernetes"}
+    assert all(callable(imported(p.gc)) for p in PROVIDERS.values() if p.gc)

@@ -26,7 +26,7 @@ from skytasks.controller.rank_group import CallObserver, GroupSpec, NodeShape, R
 from skytasks.errors import PoolStartError
 from skytasks.events import GrowFailed, NodeLost, NodePreempted, NodeReplaced, PoolGrew, PoolShrank, WorkdirSynced
 from skytasks.protocol import NODE_FAILURES, Op, message
-from skytasks.providers import NodeLink, NodeProvider
+from skytasks.providers import NodeLink, NodeProvider, capabilities_of
 from skytasks.settings import settings
 from skytasks.workdir import WorkdirRequest
 
@@ -62,7 +62,7 @@ class PoolSession:
         self.provider = provider
         # How long a node whose stream broke may take to be reached again; only where the provider
         # can open a new stream to a running agent (a LEASE is sent to those agents alone).
-        self.reattach_seconds = reattach_seconds if getattr(provider, "reattaches", False) else 0.0
+        self.reattach_seconds = reattach_seconds if capabilities_of(provider).reattaches else 0.0
         self.holder = secrets.token_hex(8)  # this session, as the agents it leases know it
         # A warm pool's agents outlive this session, unheld this long (controller/warm.py).
         self.keep_warm_seconds = keep_warm_seconds

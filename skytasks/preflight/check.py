@@ -23,6 +23,7 @@ from skytasks.controller.session import PoolSession
 from skytasks.errors import PoolStartError
 from skytasks.events import Event
 from skytasks.pool_spec import PoolSpec
+from skytasks.providers import capabilities_of
 from skytasks.preflight.probe import probe
 from skytasks.preflight.report import NodeUnhealthy, PoolHealthy, PreflightTable
 from skytasks.preflight.rules import (DropNodes, FailStart, NodeFigures, RankFigures, Rules, Verdict, fold, judge,
@@ -75,7 +76,7 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
         for f in verdict.findings:
             observer.on_event(NodeUnhealthy(f.node, f.address, f.check, f.figure, f.threshold, f.unit, f.detail))
         action = plan(verdict, nodes=len(session.nodes), fewest=session.counts[0],
-                      replaces_elsewhere=bool(getattr(session.provider, "replaces_elsewhere", False)),
+                      replaces_elsewhere=capabilities_of(session.provider).replaces_elsewhere,
                       replacements_left=replacements)
         if isinstance(action, FailStart):
             observer.on_event(PreflightTable(rules.level, tuple(rows)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, ClassVar, Mapping, Optional, Protocol, runtime_checkable
 
 from skytasks.errors import NodeGone, PoolConfigError
 from skytasks.settings import settings
@@ -68,32 +68,74 @@ def agent_args(heartbeat_file: str | None = None, notice_file: str | None = None
     return args + (["--notice-file", notice_file] if notice_file else [])
 
 
-class NodeProvider(Protocol):
+@dataclass(frozen=True)
+class Capabilities:
+    """What a provider can do, asked by the controller (never the provider's name)."""
+
     # Whether a call may bring up its own pool of another shape (nodes, procs_per_node) beside
     # this one: cheap for local processes, never for machines someone pays for.
-    reshape_is_cheap: bool
+    reshape_is_cheap: bool = False
     # Whether the nodes are this machine (a workdir is used in place, not sent).
-    runs_on_this_machine: bool
+    runs_on_this_machine: bool = False
     # Whether the nodes have exactly the GPUs the pool's fields ask for (it launches or allocates
     # them), so a pool with no accelerator has none; ssh hosts have whatever they have.
-    gpus_from_config: bool
+    gpus_from_config: bool = False
     # Whether `reattach` can open a new stream to a node's running agent: a stream that breaks
     # (an SSH connection reset, an exec cut by an API server restart) is then re-attached within
-    # the pool's reattach_seconds instead of being a lost node. False unless a provider says so.
+    # the pool's reattach_seconds instead of being a lost node.
     reattaches: bool = False
+    # Whether a replacement node comes from elsewhere (a new instance, pod or allocation), so a
+    # node the preflight found unhealthy can be replaced rather than only dropped.
+    replaces_elsewhere: bool = False
+
+
+CAPABILITIES = tuple(Capabilities.__dataclass_fields__)
+
+
+def capabilities_of(provider: object) -> Capabilities:
+    """A provider's (or its class's) capabilities; a stand-in that is no NodeProvider (a test's)
+    says them as attributes of the same names, each False unless it says so."""
+    given = getattr(provider, "capabilities", None)
+    if isinstance(given, Capabilities):
+        return given
+    return Capabilities(**{name: bool(getattr(provider, name, False)) for name in CAPABILITIES})
+
+
+class NodeProvider:
+    """The seam every provider implements: a subclass states what it can do as its `capabilities`
+    (a frozen Capabilities), and is read by them. Each capability is also a class attribute of
+    the same name (`provider.reattaches`), set from them, for code that reads it so; a subclass
+    that sets such an attribute itself (a test's variant of a provider) gets capabilities to match."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    reshape_is_cheap: ClassVar[bool] = False
+    runs_on_this_machine: ClassVar[bool] = False
+    gpus_from_config: ClassVar[bool] = False
+    reattaches: ClassVar[bool] = False
+    replaces_elsewhere: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "capabilities" not in cls.__dict__:  # said as attributes (here or by a base): gathered
+            cls.capabilities = Capabilities(**{name: bool(getattr(cls, name)) for name in CAPABILITIES})
+        for name in CAPABILITIES:
+            setattr(cls, name, getattr(cls.capabilities, name))
 
     def start(self) -> list[NodeLink]:
         """Bring nodes up and start their agents: `spec.nodes` of them, or for an elastic pool as
         many as can be had down to `spec.min_nodes` (saying why not more through the reporter).
         Fewer than that is a PoolStartError, with everything started torn down."""
+        raise NotImplementedError
 
     def replace(self, node_id: int) -> NodeLink:
         """A working node in place of a lost one, with its agent started; raises PoolStartError
         naming the node when none can be had."""
+        raise NotImplementedError
 
     def grow(self, count: int) -> list[NodeLink]:
         """Up to `count` more nodes, agents started, with new node ids: what can be had now
         (maybe none, saying why through the reporter). Never raises for want of capacity."""
+        raise NotImplementedError
 
     def release(self, node_id: int) -> None:
         """A node the pool no longer uses (it was lost or is going, and is not replaced): end
@@ -141,9 +183,11 @@ class NodeProvider(Protocol):
 
     def free_port(self, head: int) -> int:
         """A port on the head node (by its node id) that the peers can rendezvous on."""
+        raise NotImplementedError
 
     def prepare_workdir(self, request: WorkdirRequest) -> tuple[str, str | None]:
         """Make the workdir present on every node: (its path there, a line saying what was sent)."""
+        raise NotImplementedError
 
     def stop(self) -> None:
         """Tear down everything `start` made. Idempotent, safe after a partial start. Raises
@@ -180,6 +224,9 @@ class ProviderPlugin:
     # The module of its block fields (its `spec.py`), imported on first use: its `READS` and
     # `build` (below). None: it reads no field beyond the pool's shape and needs no part of its own.
     spec: str | None = None
+    # "module:Class" of its settings model (pydantic; in its `spec.py`): the form's tab, and the
+    # `settings` of a pool of it. The block's Union of them is made from the table (blocks/pool_settings.py).
+    settings: str | None = None
     # "module:function" of its pre-flight checks (`skytasks check`, skytasks.providers.checks):
     # given the pool's spec, it yields a Check per question. None: it has none.
     check: str | None = None
@@ -188,6 +235,9 @@ class ProviderPlugin:
     # given), and the block's schema is made with the real class (blocks/gpu_pool.py), so a saved
     # pool refers to a saved block. Until then no pool of another provider imports the package.
     block_fields: Mapping[str, str] = field(default_factory=dict)
+    # "module:function" of its `skytasks gc` sweep, given the command line's arguments (cli.py),
+    # returning the exit code. None: nothing of its pools can outlive their controller.
+    gc: str | None = None
 
     @property
     def reads(self) -> tuple[str, ...]:

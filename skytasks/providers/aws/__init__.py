@@ -7,4 +7,5 @@ self-termination), `gc.py` (the sweep of anything left behind), `check.py` (`sky
 from skytasks.providers import ProviderPlugin
 
 PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider", spec="skytasks.providers.aws.spec",
-                        check="skytasks.providers.aws.check:run")
+                        settings="skytasks.providers.aws.spec:AWSSettings",
+                        check="skytasks.providers.aws.check:run", gc="skytasks.providers.aws.gc:command")

@@ -100,3 +100,22 @@ def sweep(ec2: Any, *, now: datetime | None = None, grace_minutes: float = 15, d
                 log(f"skytasks gc: {pool_id}: {error}")
         swept.append(pool_id)
     return swept
+
+
+def command(args: Any) -> int:
+    """`skytasks gc` (the default sweep): the credentials (a saved AwsCredentials block, or the
+    region and endpoint given), then the sweep by tags. `args`: the command line's (cli.py)."""
+    from typing import cast
+
+    from prefect_aws import AwsCredentials
+
+    if args.aws_credentials:
+        # No event loop runs here, so Prefect's load returns the block itself, not a coroutine.
+        creds = cast(AwsCredentials, AwsCredentials.load(args.aws_credentials))
+    else:
+        params = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+        creds = AwsCredentials(region_name=args.region, aws_client_parameters=params)
+    swept = sweep(creds.get_client("ec2"), now=args.now, grace_minutes=args.grace_minutes, dry_run=args.dry_run,
+                  log=print)
+    print(f"skytasks gc: {len(swept)} pool(s) {'to sweep' if args.dry_run else 'swept'}")
+    return 0

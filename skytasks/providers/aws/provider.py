@@ -14,37 +14,36 @@ pool renews on its instances while the controller lives (`remote_fields.lease_ex
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from skytasks.errors import PoolGone, PoolStartError
-from skytasks.providers import NodeLink, NodeProvider
-from skytasks.providers.remote_fields import Lease
+from skytasks.errors import PoolStartError
 from skytasks.event_bus import PoolReporter, flow_run_id
-from skytasks.providers.teardown import uninterruptible
+from skytasks.providers import Capabilities, NodeLink, NodeProvider
+from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, NOTICE_FILE, VENV_PYTHON
 from skytasks.providers.aws.capacity import launch_what_can_be_had, refused
-from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
+from skytasks.providers.aws.launch import launch_request  # (check.py imports it from here too)
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
+from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
 from skytasks.providers.aws.spec import AWSSpec
-from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, NOTICE_FILE, VENV_PYTHON, render_user_data
+from skytasks.providers.aws.warm_instances import WarmInstances
+from skytasks.providers.remote_fields import Lease
 from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes
+from skytasks.providers.teardown import uninterruptible
 
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
 
 
-class AWSProvider(NodeProvider):
-    reshape_is_cheap = False  # instances cost money: a call of another shape must not launch its own
-    runs_on_this_machine = False  # a workdir travels to the nodes
-    gpus_from_config = True
-    reattaches = True  # a new SSH session to the instance reaches its running agent (ssh's reattach)
-    replaces_elsewhere = True  # a replacement is a new instance: a node that failed its preflight is not taken again
+class AWSProvider(WarmInstances, NodeProvider):
+    # Instances cost money: a call of another shape must not launch its own; a workdir travels to
+    # the nodes. A new SSH session to the instance reaches its running agent (ssh's reattach). A
+    # replacement is a new instance: a node that failed its preflight is not taken again.
+    capabilities = Capabilities(gpus_from_config=True, reattaches=True, replaces_elsewhere=True)
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
@@ -124,69 +123,6 @@ class AWSProvider(NodeProvider):
                                            [g for g in groups if g], self._aws.key_name, self.owned.placement_group)
         assert self._request is not None
         return {**self._request, "TagSpecifications": self._tags("instance") + self._tags("volume")}
-
-    # -- warm pools: this process lets go, another takes over ------------------------------------
-
-    def handle(self) -> dict[str, Any]:
-        """The pool's instances and how to reach them (addresses, host keys' public halves). With
-        your own key pair the login key stays in the pool's block; a key pair the pool made for
-        itself goes with the handle, which is kept only in the warm pool's Prefect Secret record
-        (encrypted at rest, obfuscated in the UI and the API), so the next holder can log in."""
-        assert self._nodes is not None
-        own = {} if not self.owned.key_name else {
-            "key_name": self.owned.key_name, "login_key": self._login_key.export_private_key().decode()}
-        return {**self._nodes.handle(), **own, "pool_id": self.pool_id,
-                "instances": {str(i): iid for i, iid in self._node_ids.items()},
-                "instance_ids": list(self.owned.instance_ids), "security_group_id": self.owned.security_group_id,
-                "placement_group": self.owned.placement_group,
-                "started_at": self._lease.started_at.timestamp()}
-
-    def adopt(self, handle: dict[str, Any]) -> None:
-        """Another process's instances, their agents running: reached by `reattach` over SSH;
-        `stop` terminates them and deletes the pool's group. PoolGone when EC2 says none runs."""
-        import asyncssh
-        from datetime import datetime, timezone
-
-        self.pool_id = self.reporter.key = str(handle["pool_id"])
-        self.owned = PoolResources(self._ec2, self.pool_id, instance_ids=list(handle.get("instance_ids", [])),
-                                   security_group_id=handle.get("security_group_id"),
-                                   placement_group=handle.get("placement_group"))
-        self.owned.key_name = handle.get("key_name")  # the pool's own key pair: `stop` deletes it, expired too
-        self._node_ids = {int(i): iid for i, iid in handle.get("instances", {}).items()}
-        self._lease.started_at = datetime.fromtimestamp(float(handle.get("started_at", time.time())), timezone.utc)
-        live = [i["InstanceId"] for i in self._describe_new_instances() if i["State"]["Name"] in ("pending", "running")]
-        if not any(iid in live for iid in self._node_ids.values()):
-            raise PoolGone(f"{self.pool_id}: none of its instances runs any more (EC2 says so)")
-        private = handle.get("login_key") or (self._aws.ssh_private_key.get_secret_value()
-                                              if self._aws.ssh_private_key is not None else None)
-        if not private:
-            raise PoolStartError(f"{self.pool_id}: the warm pool's record holds no login key, and the pool no "
-                                 "ssh_private_key")
-        self._login_key = asyncssh.import_private_key(private)
-        self._host_key = asyncssh.generate_private_key("ssh-ed25519")  # a replacement's own
-        self._request = None
-        self._nodes = SSHNodes(SSHLogin(
-            targets=[], known_hosts=str(handle.get("known_hosts", "")), peer_addresses=handle.get("peer_addresses"),
-            private_key=private, python=self._python(), env=dict(self._spec.env),
-            heartbeat_file=HEARTBEAT_FILE, timeout=self._aws.ready_timeout_seconds,
-            notice_file=NOTICE_FILE if self._aws.spot else None), self.reporter)
-        self._nodes.adopt(handle)
-        self._lease.keep(lambda until: self.owned.renew_expiry(list(self._node_ids.values()), until),
-                         lambda line: self.reporter.note(f"{self.pool_id}: {line}", level=logging.WARNING),
-                         name=f"skytasks-lease-{self.pool_id}")
-
-    def leave_running(self) -> None:
-        """This process's SSH sessions and lease renewal end; the instances run on, their lease
-        (skytasks:expires-at) renewed once more to cover idle_minutes plus keep_warm_minutes."""
-        with self._teardown_lock:
-            self._lease.stop()
-            try:
-                self.owned.renew_expiry(list(self._node_ids.values()), self._lease.expiry())
-            except Exception as exc:  # noqa: BLE001 - the renewal before last still holds for a while
-                self.reporter.note(f"{self.pool_id}: could not renew its lease as it was released: {exc}")
-            if self._nodes is not None:
-                self._nodes.leave_running()
-                self._nodes = None
 
     def tags(self, resource_type: str) -> list[dict]:
         """The TagSpecifications every resource of this pool carries (skytasks gc finds them by it)."""
@@ -398,39 +334,3 @@ class AWSProvider(NodeProvider):
                 return self.reporter.teardown_failed(left, "; ".join(errors))
             return None
 
-
-def launch_request(spec: PoolSpec, plan: LaunchPlan, host_key: Any, tags: Callable[[str], list[dict]],
-                   groups: list[str], key_name: str | None, placement_group: str | None) -> dict[str, Any]:
-    """The RunInstances request of a pool's nodes (less MinCount and MaxCount): its start's, and
-    `skytasks check`'s DryRun of it (check.py), where the pool's own security group, key pair and
-    placement group do not exist yet (None and absent there)."""
-    aws = spec.own(AWSSpec)
-    request: dict[str, Any] = dict(
-        ImageId=plan.image_id, InstanceType=plan.instance_type,
-        UserData=render_user_data(spec, plan.cuda, host_key.export_private_key().decode(),
-                                  host_key.export_public_key().decode()),
-        InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's shutdown ends the instance
-        # The user-data holds the host's private key: only IMDSv2 (a session token, no
-        # one-hop SSRF) may read it back on the node.
-        MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
-        BlockDeviceMappings=[{"DeviceName": plan.root_device,
-                              "Ebs": {"VolumeSize": aws.root_volume_gb, "VolumeType": "gp3",
-                                      "DeleteOnTermination": True}}],
-        TagSpecifications=tags("instance") + tags("volume"),
-    )
-    if plan.efa:  # EFA needs the interface spelled out; the subnet and groups move into it
-        request["NetworkInterfaces"] = [{"DeviceIndex": 0, "InterfaceType": "efa", "SubnetId": plan.subnet_id,
-                                         "Groups": groups, "DeleteOnTermination": True}]
-    else:
-        request.update(SubnetId=plan.subnet_id, **({"SecurityGroupIds": groups} if groups else {}))
-    if key_name:
-        request["KeyName"] = key_name
-    if placement_group:
-        request["Placement"] = {"GroupName": placement_group}
-    if aws.spot:
-        request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-            "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-    if aws.iam_instance_profile:
-        key = "Arn" if aws.iam_instance_profile.startswith("arn:") else "Name"
-        request["IamInstanceProfile"] = {key: aws.iam_instance_profile}
-    return request

@@ -13,12 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from skytasks.providers.remote_fields import (IdleMinutes, MaxLifetime, OptionalStr, PipPackages, ReadyTimeout,
                                               RemotePython, SSHPrivateKey, SSHUser, one_choice)
 
-OWN = ("instance_type", "image_id", "subnet_id", "security_group_ids", "key_name", "spot", "root_volume_gb",
-       "iam_instance_profile", "tags", "ssh_ingress_cidr", "torch_version", "torch_cuda", "torchvision", "torchaudio")
-READS = OWN + ("ssh_user", "ssh_private_key", "remote_python", "pip_packages", "ready_timeout_seconds", "idle_minutes",
-               "max_lifetime_minutes")
-
-
 class AWSSettings(BaseModel):
     """aws: EC2 instances the pool launches and terminates."""
 
@@ -57,6 +51,9 @@ class AWSSettings(BaseModel):
             except ValueError:
                 raise ValueError(f"ssh_ingress_cidr: {cidr!r} is not a network such as 203.0.113.7/32") from None
         return cidr
+
+
+READS = tuple(name for name in AWSSettings.model_fields if name != "provider")  # the fields, named once
 
 
 @dataclass(frozen=True)

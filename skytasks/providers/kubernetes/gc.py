@@ -67,3 +67,26 @@ def sweep(core: Any, namespace: str, dry_run: bool = False, now: Optional[dateti
             if left:
                 log(f"skytasks gc: still there: {', '.join(left)} ({detail})")
     return swept
+
+
+def command(args: Any) -> int:
+    """`skytasks gc --kubernetes`: with a saved pool's credentials and namespace (`--pool`), else the
+    in-cluster config or the default kubeconfig. `args`: the command line's (cli.py)."""
+    import sys
+    from typing import cast
+
+    from kubernetes import client
+
+    from skytasks.providers.kubernetes import cluster
+
+    credentials, namespace = None, args.namespace
+    if args.pool:
+        from skytasks.blocks.gpu_pool import GPUPool
+
+        pool = cast(GPUPool, GPUPool.load(args.pool))
+        credentials, namespace = pool.kubernetes_credentials, namespace or pool.k8s_namespace
+    core = client.CoreV1Api(cluster.api_client(cluster.configuration(credentials)))
+    swept = sweep(core, namespace or "default", dry_run=args.dry_run, now=args.now, grace_minutes=args.grace_minutes,
+                  log=lambda line: print(line, file=sys.stderr))
+    print(f"skytasks gc: {len(swept)} kubernetes pool(s) {'to delete' if args.dry_run else 'deleted'}")
+    return 0

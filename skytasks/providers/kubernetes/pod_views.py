@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 from skytasks.providers.kubernetes import pod_status
 from skytasks.providers.kubernetes.pod_events import autoscaler_word, newest_warning
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
-from skytasks.settings import settings
+from skytasks.providers.kubernetes.settings import knobs
 
 
 def starting(watch: PoolWatch, names: list[str], autoscaler: str, unschedulable_since: dict[str, float],
@@ -43,7 +43,7 @@ def starting(watch: PoolWatch, names: list[str], autoscaler: str, unschedulable_
                 v = replace(v, mismatch=selector_field)
             waited = now - unschedulable_since.setdefault(name, now)
             v = pod_status.as_autoscaled(v, autoscaler, autoscaler_word(events), waited,
-                                         settings().k8s_autoscaler_silence_seconds)
+                                         knobs().k8s_autoscaler_silence_seconds)
         elif pulls is not None and v.waiting.startswith(("ErrImagePull", "ImagePullBackOff")):
             v, trouble = pod_status.as_pull_failing(v, pulls.get(name), now, newest_warning(events))
             if trouble is not None:

@@ -23,10 +23,6 @@ from skytasks.providers.kubernetes import CREDENTIALS_BLOCK
 from skytasks.providers.remote_fields import (IdleMinutes, MaxLifetime, OptionalInt, OptionalStr, ReadyTimeout,
                                               RemotePython, one_choice)
 
-OWN = ("kubernetes_credentials", "k8s_namespace", "k8s_image", "k8s_service_account", "k8s_image_pull_secrets",
-       "k8s_node_selector", "k8s_tolerations", "k8s_cpu", "k8s_memory", "k8s_shm_size", "k8s_pod_template",
-       "k8s_autoscaler", "k8s_gpu_label", "k8s_pods_per_host", "k8s_queue", "k8s_priority_class")
-READS = OWN + ("remote_python", "ready_timeout_seconds", "idle_minutes", "max_lifetime_minutes")
 EXTRA = 'pip install "skytasks[kubernetes]"'
 
 # A DNS-1123 label (namespaces, service accounts and Secrets are named so), and a resource quantity.
@@ -176,6 +172,10 @@ class KubernetesSettings(BaseModel):
         if not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers):
             raise ValueError("k8s_pod_template: spec.containers must be a list of container mappings")
         return template
+
+
+# The fields, named once: the settings' own, and the pool's credentials field (a block: the pool's own).
+READS = ("kubernetes_credentials", *(name for name in KubernetesSettings.model_fields if name != "provider"))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.errors import NodeGone, PoolGone
-from skytasks.providers import NodeLink, NodeProvider, agent_args
+from skytasks.providers import Capabilities, NodeLink, NodeProvider, agent_args
 from skytasks.node.rank_template import torch_import_env
 from skytasks.node.ports import free_port
 from skytasks.providers.local.forked_agents import AdoptedAgent, AgentProcess, agent_process, boot_id, started_at
@@ -28,9 +28,8 @@ LOOPBACK = "127.0.0.1"
 
 
 class LocalProvider(NodeProvider):
-    reshape_is_cheap = True  # processes on this machine: a call of another shape starts its own
-    runs_on_this_machine = True  # a workdir is used in place
-    gpus_from_config = False
+    # Processes on this machine: a call of another shape starts its own, a workdir is used in place.
+    capabilities = Capabilities(reshape_is_cheap=True, runs_on_this_machine=True)
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec

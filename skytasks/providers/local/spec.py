@@ -6,9 +6,25 @@ process waits in line for a warm pool that another process holds (skytasks.contr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
-READS = ("ready_timeout_seconds",)
+from pydantic import BaseModel, ConfigDict, Field
+
+from skytasks.providers.remote_fields import ReadyTimeout, one_choice
+
+
+class LocalSettings(BaseModel):
+    """local: processes on this machine."""
+
+    model_config = ConfigDict(title="local", extra="forbid")
+
+    provider: Annotated[Literal["local"], one_choice("local")] = Field(
+        "local", description="The provider these settings are for.")
+    ready_timeout_seconds: ReadyTimeout = Field(
+        900, description="Seconds a process waits in line for a warm pool another process holds.")
+
+
+READS = tuple(name for name in LocalSettings.model_fields if name != "provider")  # the fields, named once
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ own watch. A pool with no cap and a partition with no limit is thus still swept 
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Callable
+from typing import Any, Callable
 
 from skytasks.providers.slurm import job as slurm_job
 from skytasks.providers.slurm.shell import SlurmShell
@@ -35,3 +35,20 @@ def sweep_jobs(shell: SlurmShell, dry_run: bool = False, now: datetime | None = 
     if expired and not dry_run:
         shell.run(["scancel", *expired])
     return expired
+
+
+def command(args: Any) -> int:
+    """`skytasks gc --slurm`, where SLURM's commands work. `args`: the command line's (cli.py)."""
+    import sys
+
+    from skytasks.blocks.gpu_pool import GPUPool
+    from skytasks.event_bus import PoolReporter
+    from skytasks.providers.slurm.spec import SlurmSpec
+
+    shell = SlurmShell(GPUPool(provider="slurm").spec().own(SlurmSpec), PoolReporter("gc", "slurm"))
+    try:
+        swept = sweep_jobs(shell, dry_run=args.dry_run, now=args.now, log=lambda line: print(line, file=sys.stderr))
+    finally:
+        shell.close()
+    print(f"skytasks gc: {len(swept)} slurm job(s) {'to cancel' if args.dry_run else 'cancelled'}")
+    return 0

@@ -28,7 +28,7 @@ from typing import Any
 
 from skytasks.errors import PoolConfigError, PoolGone, PoolStartError
 from skytasks.pool_spec import PoolSpec
-from skytasks.providers import NodeLink, NodeProvider, agent_args
+from skytasks.providers import Capabilities, NodeLink, NodeProvider, agent_args
 from skytasks.providers.remote_fields import Lease
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.teardown import uninterruptible
@@ -54,13 +54,11 @@ class AllocatedNode:
 
 
 class SlurmProvider(NodeProvider):
-    reshape_is_cheap = False  # an allocation waits in a queue and is billed: never a second one per call
-    runs_on_this_machine = False
-    gpus_from_config = True
-    # An agent's step lives on when srun's stream is lost (srun's own stdin and stdout closed, as
-    # when the controller's link to slurm_login drops): a step beside it reaches it again.
-    reattaches = True
-    replaces_elsewhere = True  # a replacement's allocation excludes every node lost (or found unhealthy) so far
+    # An allocation waits in a queue and is billed: never a second one per call. An agent's step
+    # lives on when srun's stream is lost (srun's own stdin and stdout closed, as when the
+    # controller's link to slurm_login drops): a step beside it reaches it again. A replacement's
+    # allocation excludes every node lost (or found unhealthy) so far.
+    capabilities = Capabilities(gpus_from_config=True, reattaches=True, replaces_elsewhere=True)
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec

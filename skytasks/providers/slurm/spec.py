@@ -11,12 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from skytasks.providers.remote_fields import (IdleMinutes, KnownHosts, MaxLifetime, OptionalStr, ReadyTimeout,
                                               RemotePython, SSHPrivateKey, SSHUser, host_field, one_choice)
 
-OWN = ("slurm_login", "slurm_partition", "slurm_account", "slurm_qos", "slurm_constraint", "slurm_gres",
-       "slurm_extra_args")
-READS = OWN + ("ssh_user", "ssh_private_key", "known_hosts", "remote_python", "ready_timeout_seconds", "idle_minutes",
-               "max_lifetime_minutes")
-
-
 class SlurmSettings(BaseModel):
     """slurm: the nodes of a SLURM allocation the pool requests and cancels."""
 
@@ -54,6 +48,9 @@ class SlurmSettings(BaseModel):
                 raise ValueError(f"slurm_extra_args: {a!r} is not an sbatch option (each item is one argument, "
                                  "such as '--exclusive' or '--mem=64G')")
         return args
+
+
+READS = tuple(name for name in SlurmSettings.model_fields if name != "provider")  # the fields, named once
 
 
 @dataclass(frozen=True)

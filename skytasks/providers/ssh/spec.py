@@ -11,10 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from skytasks.providers.remote_fields import (KnownHosts, PipPackages, ReadyTimeout, RemotePython, SSHPrivateKey,
                                               SSHUser, host_field, one_choice)
 
-READS = ("hosts", "ssh_user", "ssh_private_key", "known_hosts", "remote_python", "pip_packages",
-         "ready_timeout_seconds")
-
-
 class SSHSettings(BaseModel):
     """ssh: machines you already have, reached over SSH."""
 
@@ -33,6 +29,9 @@ class SSHSettings(BaseModel):
     @classmethod
     def _hosts_are_well_formed(cls, hosts: list[str]) -> list[str]:
         return [host_field("hosts", h) for h in hosts]
+
+
+READS = tuple(name for name in SSHSettings.model_fields if name != "provider")  # the fields, named once
 
 
 @dataclass(frozen=True)
