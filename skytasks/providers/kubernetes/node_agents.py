@@ -24,6 +24,7 @@ from skytasks.providers.kubernetes.pods import CONTAINER
 from skytasks.providers.remote import python_check
 from skytasks.providers.remote.agent_start import AgentStarter, NodePython, bootstrap
 from skytasks.providers.remote.reattach import reach_agent
+from skytasks.providers.remote.workdir import SentWorkdirs
 
 # argv: digest, bundle size, then the agent's own arguments (`-m skytasks.node.agent ...`).
 BOOTSTRAP = bootstrap("""base = next((d for d in ("/tmp", "/dev/shm") if os.access(d, os.W_OK)), None)
@@ -71,7 +72,7 @@ class PodAgents:
         self.sealed = stream_seal.wanted(cluster.private_stream(cfg))
         self._plain: dict[int, stream_seal.SealedEnds] = {}
         self._starter = AgentStarter(BOOTSTRAP, timeout)
-        self._workdirs: dict[str, str] = {}
+        self._workdirs = SentWorkdirs()
 
     def start(self, node_rank: int, pod: str, address: str, agent: list[str]) -> NodeLink:
         def open_exec(code: str, argv: list[str]) -> exec_stream.PodExec:
@@ -163,20 +164,8 @@ class PodAgents:
 
     def prepare_workdir(self, request: Any, pods: list[str]) -> tuple[str, str | None]:
         """The workdir onto every pod in parallel, content-addressed as for ssh nodes."""
-        from skytasks.providers.remote.workdir import sync_workdir
-        from skytasks.workdir import describe_sync, read_workdir
-
-        tree = request.tree or read_workdir(request.root)
-        if tree.digest in self._workdirs:
-            return self._workdirs[tree.digest], None
-
-        async def every_pod() -> list:
-            return list(await asyncio.gather(*(sync_workdir(_PodShell(self, pod), self._python, tree) for pod in pods)))
-
-        results = asyncio.run(every_pod())
-        self._workdirs[tree.digest] = results[0].path
-        sent = [(f"node {i} (pod {pod})", r.files_sent, r.bytes_sent) for i, (pod, r) in enumerate(zip(pods, results))]
-        return results[0].path, describe_sync(request.root, sent)
+        shells = [(f"node {i} (pod {pod})", _PodShell(self, pod)) for i, pod in enumerate(pods)]
+        return self._workdirs.send(request, self._python, shells)
 
     def run_with_input(self, pod: str, command: str, data: bytes) -> tuple[int, bytes, str]:
         stream = exec_stream.PodExec(self._cfg, self._namespace, pod, CONTAINER,

@@ -9,12 +9,13 @@ into a new tree, renamed into place when complete (a half-built tree is never us
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import shlex
 import tarfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Coroutine
 
 from skytasks.workdir import Workdir
 
@@ -89,3 +90,30 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
+
+
+class SentWorkdirs:
+    """The workdirs a pool's nodes hold, by tree digest: a tree goes once per session, onto every
+    node in parallel (`sync_workdir` over each provider's shell: an SSH connection, an srun step,
+    a pod exec)."""
+
+    def __init__(self) -> None:
+        self._paths: dict[str, str] = {}
+
+    def send(self, request: Any, python: str, nodes: list[tuple[str, Any]],
+             run: Callable[[Coroutine[Any, Any, list[SyncResult]]], list[SyncResult]] = asyncio.run) -> tuple[str, str | None]:
+        """Its path on the nodes, and what was sent (None: they had it): `nodes` is each node's
+        label ("node 0 (host)") and shell; `run` runs the sends (on the provider's loop, if it has one)."""
+        from skytasks.workdir import describe_sync, read_workdir
+
+        tree = request.tree or read_workdir(request.root)
+        if self._paths.get(tree.digest):  # this session sent it already
+            return self._paths[tree.digest], None
+
+        async def every_node() -> list[SyncResult]:
+            return list(await asyncio.gather(*(sync_workdir(shell, python, tree) for _, shell in nodes)))
+
+        results = run(every_node())
+        self._paths[tree.digest] = results[0].path
+        sent = [(label, r.files_sent, r.bytes_sent) for (label, _), r in zip(nodes, results)]
+        return results[0].path, describe_sync(request.root, sent)

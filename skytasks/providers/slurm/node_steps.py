@@ -29,6 +29,7 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeLink
 from skytasks.providers.remote.agent_start import AgentStarter, NodePython, bootstrap
 from skytasks.providers.remote.reattach import reach_agent
+from skytasks.providers.remote.workdir import SentWorkdirs
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.slurm.shell import SlurmShell, Step
 from skytasks.providers.slurm.spec import SlurmSpec
@@ -76,7 +77,7 @@ class NodeSteps:
         # node name -> the step its agent runs in: the same as _steps' until the agent is reached
         # again by an attach step; never signalled while the agent lives (see Step.let_go).
         self._agents: dict[str, Step] = {}
-        self._workdirs: dict[str, str] = {}
+        self._workdirs = SentWorkdirs()
         self._starter = AgentStarter(BOOTSTRAP, spec.own(SlurmSpec).ready_timeout_seconds, env=spec.env)
 
     def start_agent(self, node_rank: int, name: str, address: str, job_id: str, args: list[str]) -> NodeLink:
@@ -142,21 +143,8 @@ class NodeSteps:
 
     def prepare_workdir(self, request, nodes: list[tuple[str, str]]) -> tuple[str, str | None]:
         """The workdir onto every node in parallel, content-addressed as for ssh nodes."""
-        from skytasks.providers.remote.workdir import sync_workdir
-        from skytasks.workdir import describe_sync, read_workdir
-
-        tree = request.tree or read_workdir(request.root)
-        if tree.digest in self._workdirs:
-            return self._workdirs[tree.digest], None
-
-        async def every_node() -> list:
-            return list(await asyncio.gather(*(sync_workdir(_StepShell(self._shell, job, name), self._python, tree)
-                                               for name, job in nodes)))
-
-        results = asyncio.run(every_node())
-        self._workdirs[tree.digest] = results[0].path
-        sent = [(f"node {i} ({name})", r.files_sent, r.bytes_sent) for i, ((name, _), r) in enumerate(zip(nodes, results))]
-        return results[0].path, describe_sync(request.root, sent)
+        shells = [(f"node {i} ({name})", _StepShell(self._shell, job, name)) for i, (name, job) in enumerate(nodes)]
+        return self._workdirs.send(request, self._python, shells)
 
     def end(self, name: str, lost: bool = False) -> None:
         """The node's stream ends, and its agent's step with it: `lost`, at once (a node found

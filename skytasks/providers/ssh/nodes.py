@@ -25,6 +25,7 @@ from skytasks.providers.remote import env_in
 from skytasks.providers.remote.agent_start import AgentStarter, NodePython, bootstrap
 from skytasks.providers.remote.bridge import bridge_process
 from skytasks.providers.remote.reattach import reach_agent
+from skytasks.providers.remote.workdir import SentWorkdirs
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.ssh.channel import Channel, Session, Tail, close_quietly, in_own_thread
 from skytasks.providers.ssh.login import SSHLogin, connect, load_known_hosts, parse_host
@@ -61,7 +62,7 @@ class SSHNodes:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-ssh")
         self._conns: dict[int, Any] = {}  # node id (its target's index) -> its connection
         self._closers: list[Any] = []
-        self._workdirs: dict[str, str] = {}  # tree digest -> its path on the nodes
+        self._workdirs = SentWorkdirs()
         self._adopted: set[int] = set()  # a warm pool's nodes another process started (adopt)
         self._starter = AgentStarter(BOOTSTRAP, login.timeout, env=login.env)
 
@@ -172,21 +173,9 @@ class SSHNodes:
 
     def prepare_workdir(self, request) -> tuple[str, str | None]:
         """The workdir onto every node in parallel; only contents a node lacks travel."""
-        from skytasks.providers.remote.workdir import sync_workdir
-        from skytasks.workdir import describe_sync, read_workdir
-
-        tree = request.tree or read_workdir(request.root)
-        if self._workdirs.get(tree.digest):  # this session sent it already
-            return self._workdirs[tree.digest], None
-
-        async def all_nodes() -> list:
-            return list(await asyncio.gather(*(sync_workdir(c, self._login.python, tree) for c in conns.values())))
-
-        conns = dict(self._conns)
-        results = self._run(all_nodes(), timeout=self._login.timeout)
-        self._workdirs[tree.digest] = results[0].path
-        hosts = [f"node {i} ({self._login.targets[i][1]})" for i in conns]
-        return results[0].path, describe_sync(request.root, [(h, r.files_sent, r.bytes_sent) for h, r in zip(hosts, results)])
+        nodes = [(f"node {i} ({self._login.targets[i][1]})", conn) for i, conn in dict(self._conns).items()]
+        return self._workdirs.send(request, self._login.python, nodes,
+                                   lambda sends: self._run(sends, timeout=self._login.timeout))
 
     def retarget(self, node_rank: int, target: tuple[str | None, str, int], peer_address: str,
                  known_hosts: str) -> None:
