@@ -165,7 +165,7 @@ def test_a_replacement_pod_keeps_off_the_avoided_kubernetes_nodes_in_every_term_
 
 
 def test_the_flight_recorder_names_the_rank_that_never_joined_the_collective_the_others_wait_in():
-    from skytasks.preflight.flight_recorder import never_joined
+    from skytasks.flight_recorder import never_joined
 
     def entries(*seqs: int, pg: int = 0) -> dict:
         return {"entries": [{"pg_id": pg, "collective_seq_id": s, "profiling_name": "nccl:all_reduce",

@@ -19,7 +19,7 @@ from skytasks.controller.outcome import EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.errors import HangError, RankFailure, RankProcessDied
 from skytasks.preemption import Preempted
-from skytasks.preflight.flight_recorder import hang_evidence, records_of
+from skytasks.flight_recorder import hang_evidence, records_of
 from skytasks.protocol import Op, message
 from skytasks.stacks import where
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from skytasks.reactor import ENDED, shared_reactor
 from skytasks.wire import PIPE_BYTES, TO_AGENT, FrameParser, FrameWriter, decode, encode, widen_pipe
-from skytasks.preflight.flight_recorder import BUFFER_ENV, DEFAULT_BUFFER
+from skytasks.flight_recorder import BUFFER_ENV, DEFAULT_BUFFER
 from skytasks.node.rank_starter import RankStarter
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message

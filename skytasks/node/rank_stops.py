@@ -10,7 +10,7 @@ import threading
 import time
 
 from skytasks.node.rank_process import RankProcess
-from skytasks.preflight.flight_recorder import REQUEST_OP
+from skytasks.flight_recorder import REQUEST_OP
 from skytasks.wire import ChannelClosed, encode
 
 FLIGHT_RECORD_WAIT = 2.0  # a rank whose notices thread cannot run (the GIL held in C) is not waited for longer

@@ -27,7 +27,7 @@ from skytasks import preemption
 from skytasks.node import socket_interface
 from skytasks.node.linux import PR_SET_PDEATHSIG, prctl
 from skytasks.node.control_channel import HandedFiles, serve_control_channel
-from skytasks.preflight import flight_recorder
+from skytasks import flight_recorder
 from skytasks.node.rank_channel import RankStream, RankWriter, ShipLogRecords
 from skytasks.rank import ENV_ATTEMPT, ENV_PEERS
 from skytasks.serialization import dumps_out_of_band, loads_out_of_band, mapped_buffer, release, shared_buffer
