@@ -8,18 +8,24 @@ as root with no systemd and no cgroups: proctrack/linuxproc, task/none, no accou
 and spool in a temporary folder, munged with its own key and socket. Nodes declare fake GPUs
 (`gres.conf` over plain files), so each step's `CUDA_VISIBLE_DEVICES` is SLURM's own.
 
-Stopped by PIDs: every daemon, the namespaces and the bridge; nothing is left behind.
+Stopped by PIDs: every daemon, the namespaces and the bridge; nothing is left behind. A session
+that ends without its teardown leaves nothing either: every daemon dies with the thread that started
+it (PR_SET_PDEATHSIG, through setpriv, as the Kubernetes harness starts its daemons), and the
+cluster is stopped at exit and on SIGTERM (a run ended by `timeout`).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import stat
 import subprocess
+import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 from tests.harness.processes import end
@@ -28,6 +34,32 @@ SUBNET = "10.231.78"
 CONTROLLER_ADDRESS = f"{SUBNET}.1"  # this machine, on the bridge
 CTLD_ADDRESS = f"{SUBNET}.10"
 CTLD_HOST = "skyctl"
+
+
+DIE_WITH_US = ["setpriv", "--pdeathsig", "KILL"]  # the daemon dies with the thread that started it
+_clusters: weakref.WeakSet[SlurmCluster] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    for c in list(_clusters):
+        try:
+            c.stop()
+        except Exception:  # noqa: BLE001 - the others are stopped all the same
+            pass
+
+
+def _on_sigterm(signum, frame) -> None:
+    _stop_all()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _register(cluster: SlurmCluster) -> None:
+    if not _clusters:
+        atexit.register(_stop_all)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    _clusters.add(cluster)
 
 
 def ip(*args: str) -> None:
@@ -64,6 +96,7 @@ class SlurmCluster:
     # -- start -----------------------------------------------------------------------------
 
     def start(self) -> SlurmCluster:
+        _register(self)
         try:
             self._network()
             self._write_config()
@@ -78,6 +111,7 @@ class SlurmCluster:
         return self
 
     def _network(self) -> None:
+        self._sweep_stale_network()
         ip("link", "add", self.bridge, "type", "bridge")
         self._links.append(self.bridge)
         ip("addr", "add", f"{CONTROLLER_ADDRESS}/24", "dev", self.bridge)
@@ -94,6 +128,26 @@ class SlurmCluster:
             for cmd in (["addr", "add", f"{address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
                         ["link", "set", "lo", "up"]):
                 ip("-n", ns, *cmd)
+
+    @staticmethod
+    def _sweep_stale_network() -> None:
+        """A cluster's bridge and namespaces that an earlier session left (one killed with SIGKILL,
+        which no handler sees): its bridge holds this subnet's first address, and while it does no
+        node of a new cluster is reachable ("SLURM nodes not up"). Only one cluster runs at a time."""
+        links = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True).stdout
+        for line in links.splitlines():
+            name = line.split(":")[1].strip().split("@")[0]
+            if name.startswith("sksbr"):
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+                tag = name[len("sksbr"):]
+                for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
+                    if ns.startswith(f"sks{tag}"):
+                        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                            try:
+                                os.kill(int(pid), signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
+                        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def _write_config(self) -> None:
         f = self.folder
@@ -156,7 +210,7 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
         self.daemons["munged"] = subprocess.Popen(
-            ["munged", "-F", "-f", f"--socket={f / 'munge.socket'}", f"--key-file={key}",
+            [*DIE_WITH_US, "munged", "-F", "-f", f"--socket={f / 'munge.socket'}", f"--key-file={key}",
              f"--pid-file={f / 'munged.pid'}", f"--log-file={f / 'log' / 'munged.log'}",
              f"--seed-file={f / 'munged.seed'}"], stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -169,7 +223,7 @@ PartitionName=small Nodes={self.names[0]} MaxTime=INFINITE State=UP
         log = open(self.folder / "log" / f"{name}.out", "w")
         self.daemons[name] = subprocess.Popen(
             # nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup mounts slurmd reads.
-            ["nsenter", f"--net=/var/run/netns/{self.netns[name]}", "unshare", "--uts", "sh", "-c",
+            [*DIE_WITH_US, "nsenter", f"--net=/var/run/netns/{self.netns[name]}", "unshare", "--uts", "sh", "-c",
              f"hostname {hostname} && exec \"$@\"", "-", *argv],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True)
 
