@@ -8,6 +8,8 @@ them over when a pool's runtime is built (`GPUPool.runtime()`, `skytasks run`'s 
 - the store of warm pools' records (Prefect Secret blocks, `prefect_records/warm_store.py`),
   given as a maker the runtime calls at a warm pool's first use: a pool that is never warm never
   imports Prefect's blocks for it;
+- the node health check before user code (`skytasks/preflight/`), which runs its probe as a call
+  through the controller and so stands above it: the runner runs what it is handed;
 - the sink that hears every pool's events (`prefect_records/pool_events.py`: the flow run's log,
   progress artifacts, Prefect events), added to the pool event bus (`skytasks.event_bus`).
 
@@ -32,7 +34,7 @@ def pool_runtime(spec: PoolSpec, owner: Any) -> PoolRuntime:
     from skytasks.controller.pool_runtime import PoolRuntime
 
     hear_pool_events_in_prefect()
-    return PoolRuntime(spec, owner, warm_store=prefect_warm_store)
+    return PoolRuntime(spec, owner, warm_store=prefect_warm_store, health_check=preflight)
 
 
 def hear_pool_events_in_prefect() -> None:
@@ -49,3 +51,10 @@ def prefect_warm_store() -> WarmStore:
     from skytasks.prefect_records.warm_store import PrefectWarmStore
 
     return PrefectWarmStore()
+
+
+def preflight(session: Any, spec: PoolSpec, group_spec: Any, observer: Any, *, replacements: int) -> None:
+    """The node health check (`controller.runner.HealthCheck`), imported at a pool's first call."""
+    from skytasks.preflight.check import node_health_check
+
+    node_health_check(session, spec, group_spec, observer, replacements=replacements)

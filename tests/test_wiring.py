@@ -1,5 +1,6 @@
 """The composition root (skytasks/wiring.py): importing a module wires nothing; building a pool's
-runtime hands the controller Prefect's warm store (a maker, called at the first warm use) and adds
+runtime hands the controller the node health check, Prefect's warm store (a maker, called at the
+first warm use), and adds
 Prefect's pool-event sink to the bus once. Each check runs in a fresh interpreter: this one has
 built runtimes by now."""
 
@@ -32,7 +33,10 @@ PROBE = textwrap.dedent("""
         unwired = str(exc)
     print("WIRED " + json.dumps({"after_imports": after_imports, "sinks": sinks,
                                  "store": type(store).__module__ + "." + type(store).__name__,
-                                 "before_use": runtime.warm_store, "unwired": unwired}))
+                                 "before_use": runtime.warm_store, "unwired": unwired,
+                                 "health_check": runtime.health_check.__module__ + "." + runtime.health_check.__name__,
+                                 "bare_health_check": bare.health_check,
+                                 "preflight_loaded": "skytasks.preflight.check" in sys.modules}))
 """)
 
 
@@ -46,3 +50,7 @@ def test_imports_wire_nothing_and_a_runtime_is_handed_prefects_store_and_sink_on
     assert seen["store"] == "skytasks.prefect_records.warm_store.PrefectWarmStore"
     assert seen["before_use"] is None  # made at the first warm use, not when the runtime is built
     assert seen["unwired"].startswith("keep_warm_minutes:")
+    # the preflight is handed in too (it runs calls through the controller, which never imports it),
+    # and loaded at a pool's first call, not when its runtime is built
+    assert seen["health_check"] == "skytasks.wiring.preflight" and seen["bare_health_check"] is None
+    assert seen["preflight_loaded"] is False

@@ -10,7 +10,7 @@ import contextvars
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from skytasks.controller.pool_relay import PoolRelay
 from skytasks.controller.session import PoolSession
@@ -21,6 +21,9 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeProvider, PreloadsImports
 from skytasks.providers.registry import provider_for
 from skytasks.event_bus import PoolReporter
+
+if TYPE_CHECKING:
+    from skytasks.controller.runner import HealthCheck
 
 # The pools entered with `with pool:` in this context, innermost last. A contextvar follows async
 # tasks, Prefect's task threads and `asyncio.to_thread` (they copy the context); a thread started
@@ -42,9 +45,11 @@ class PoolRuntime:
     """`warm_store`: what makes the store of warm pools' records, handed in by the composition
     root (skytasks.wiring: Prefect's secrets); called at the first warm use."""
 
-    def __init__(self, spec: PoolSpec, owner: Any, warm_store: Callable[[], WarmStore] | None = None):
+    def __init__(self, spec: PoolSpec, owner: Any, warm_store: Callable[[], WarmStore] | None = None,
+                 health_check: HealthCheck | None = None):
         self.spec = spec
         self.owner = owner  # the block, for `active_pool()`
+        self.health_check = health_check  # the preflight (controller.runner.HealthCheck), from the root
         self._session: PoolSession | None = None
         self._depth = 0
         self._lock = threading.Lock()  # the depth and the session

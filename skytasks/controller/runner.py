@@ -50,10 +50,22 @@ class Sessions(Protocol):
     def get(self) -> Session: ...
 
 
+class HealthCheck(Protocol):
+    """The pool's node health check before user code (`skytasks.preflight`, handed in by the
+    composition root, `skytasks/wiring.py`: it runs calls through this controller, so the controller
+    never imports it). Returns once every node of the session passed; PoolStartError when the pool
+    cannot be made healthy (at most `replacements` nodes replaced)."""
+
+    def __call__(self, session: Any, spec: PoolSpec, group_spec: GroupSpec, observer: CallObserver, *,
+                 replacements: int) -> None: ...
+
+
 class Runtime(Protocol):
-    """A pool as the runner sees it (`PoolRuntime`): its spec, and sessions for one call."""
+    """A pool as the runner sees it (`PoolRuntime`): its spec, its health check (None: none is
+    run), and sessions for one call."""
 
     spec: PoolSpec
+    health_check: HealthCheck | None
 
     def calls(self, preload: tuple[str, ...] = ()) -> ContextManager[Sessions]: ...
 
@@ -120,7 +132,7 @@ def run_call(runtime: Runtime, payload: PackedCall, options: CallOptions, observ
                     deadline = None if options.timeout_seconds is None else time.monotonic() + options.timeout_seconds
                     ready = _nodes(sessions, observer, attempt)
                     if not isinstance(ready, CallOutcome):  # new nodes pass the preflight before user code
-                        ready = _healthy(ready, spec, group_spec, options, observer)
+                        ready = _healthy(runtime.health_check, ready, spec, group_spec, options, observer)
                     if not isinstance(ready, CallOutcome):
                         world = ready.world_size  # an elastic pool runs on what it has
                     observer.on_attempt_start(attempt, world)
@@ -168,19 +180,15 @@ def _nodes(sessions: Sessions, observer: RunObserver, attempt: int) -> Session |
         return CallOutcome(EndReason.POOL_START, error=exc)
 
 
-def _healthy(session: Session, spec: PoolSpec, group_spec: GroupSpec, options: CallOptions,
-             observer: RunObserver) -> Session | CallOutcome:
+def _healthy(check: HealthCheck | None, session: Session, spec: PoolSpec, group_spec: GroupSpec,
+             options: CallOptions, observer: RunObserver) -> Session | CallOutcome:
     """The session once every node passed the pool's preflight (skytasks.preflight): unhealthy
     ones dropped or replaced, from neither retries nor node_recoveries; or the attempt's outcome,
     when the pool cannot be made healthy."""
-    if spec.preflight == "off":
-        return session
-    from skytasks.preflight.check import due, ensure_healthy
-
-    if not due(session, spec):
+    if spec.preflight == "off" or check is None:
         return session
     try:
-        ensure_healthy(session, spec, group_spec, observer, replacements=options.node_recoveries)  # type: ignore[arg-type]
+        check(session, spec, group_spec, observer, replacements=options.node_recoveries)
     except PoolStartError as exc:
         return CallOutcome(EndReason.POOL_START, error=exc)
     return session

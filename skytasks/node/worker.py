@@ -83,7 +83,7 @@ def _init_process_group(out: FrameWriter) -> None:
     out.send(message(Op.JOINING))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if rank != 0 and os.environ.get("SKYTASKS_PREFLIGHT"):  # a node that cannot reach the head is named, not waited for
-        from skytasks.preflight.reach import reach_head
+        from skytasks.node.head_reach import reach_head
 
         reach_head(addr, port, float(os.environ["SKYTASKS_PREFLIGHT"]))
     listen_fd = None

@@ -47,6 +47,14 @@ def due(session: Any, spec: PoolSpec) -> bool:
     return any(n.serial not in passed for n in session.nodes)
 
 
+def node_health_check(session: Any, spec: PoolSpec, group_spec: GroupSpec, observer: CallObserver, *,
+                      replacements: int) -> None:
+    """The pool's preflight as the runner runs it before each attempt (a `HealthCheck`, handed in
+    by `skytasks/wiring.py`): only where the session has nodes no preflight has passed yet."""
+    if due(session, spec):
+        ensure_healthy(session, spec, group_spec, observer, replacements=replacements)
+
+
 def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, observer: CallObserver, *,
                    replacements: int, level: str | None = None) -> Verdict:
     """Check every node at once until all pass: unhealthy ones dropped or replaced in between
@@ -54,7 +62,7 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
     verdict; PoolStartError when the pool cannot be made healthy."""
     rules = rules_of(spec, level)
     started = time.monotonic()
-    # The ranks of the group the probe builds try the head first (skytasks.preflight.reach), for
+    # The ranks of the group the probe builds try the head first (skytasks.node.head_reach), for
     # half the preflight's time: a node that cannot reach it fails, named, inside the probe's clock.
     session.env["SKYTASKS_PREFLIGHT"] = f"{rules.timeout_seconds / 2:g}"
     rows: list[dict[str, Any]] = []  # every round's, in one table: what this start found
