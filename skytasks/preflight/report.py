@@ -46,7 +46,13 @@ class PreflightTable(Event, level=logging.DEBUG):
         return [dict(r) for r in self.rows]
 
     def text(self) -> str:
-        lines = [f"preflight ({self.level}) figures:"]
+        # The first line is the artifact's description, all a card in Prefect's UI shows of it.
+        rounds = max((int(r.get("round", 1)) for r in self.rows), default=1)
+        last = [r for r in self.rows if int(r.get("round", 1)) == rounds]
+        healthy = sum(r["verdict"] == "healthy" for r in last)
+        lines = [f"preflight ({self.level}): {counted(len({r['node'] for r in self.rows}), 'node')} checked"
+                 f"{f' in {rounds} rounds' if rounds > 1 else ''}; {healthy} of {len(last)} healthy"
+                 f"{' in the last' if rounds > 1 else ''}. Figures by node:"]
         for row in self.rows:
             figures = ", ".join(f"{k} {v}" for k, v in row.items() if k not in ("node", "address", "verdict")
                                 and v is not None)
