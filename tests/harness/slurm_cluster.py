@@ -16,19 +16,16 @@ cluster is stopped at exit and on SIGTERM (a run ended by `timeout`).
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import signal
 import stat
 import subprocess
-import threading
 import time
 import uuid
-import weakref
 from pathlib import Path
 
-from tests.harness.processes import end
+from tests.harness.processes import end, stop_with_session
 
 SUBNET = "10.231.78"
 CONTROLLER_ADDRESS = f"{SUBNET}.1"  # this machine, on the bridge
@@ -37,31 +34,6 @@ CTLD_HOST = "skyctl"
 
 
 DIE_WITH_US = ["setpriv", "--pdeathsig", "KILL"]  # the daemon dies with the thread that started it
-_clusters: weakref.WeakSet[SlurmCluster] = weakref.WeakSet()
-
-
-def _stop_all() -> None:
-    for c in list(_clusters):
-        try:
-            c.stop()
-        except Exception:  # noqa: BLE001 - the others are stopped all the same
-            pass
-
-
-def _on_sigterm(signum, frame) -> None:
-    _stop_all()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _register(cluster: SlurmCluster) -> None:
-    if not _clusters:
-        atexit.register(_stop_all)
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    _clusters.add(cluster)
-
-
 def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
@@ -96,7 +68,7 @@ class SlurmCluster:
     # -- start -----------------------------------------------------------------------------
 
     def start(self) -> SlurmCluster:
-        _register(self)
+        stop_with_session(self, lambda quick: self.stop())
         try:
             self._network()
             self._write_config()

@@ -1,16 +1,16 @@
 """The cluster's daemons: started to die with this process, stopped with their process groups, and every
-cluster stopped at exit or on SIGTERM."""
+cluster stopped at exit or on SIGTERM (tests.harness.processes.stop_with_session)."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import subprocess
 import threading
-import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tests.harness.processes import forget, stop_with_session
 
 if TYPE_CHECKING:
     from tests.harness.k8s.cluster import K8sCluster
@@ -86,33 +86,11 @@ def _children(pid: int) -> list[int]:
 
 # -- stopping at exit ----------------------------------------------------------------------------
 
-_clusters: weakref.WeakSet[K8sCluster] = weakref.WeakSet()
-_handlers_installed = False
-
-
-def _stop_all(wait: bool = True) -> None:
-    for c in list(_clusters):
-        try:
-            c.stop(wait)
-        except Exception:
-            pass
-
-
-def _on_sigterm(signum, frame) -> None:
-    _stop_all(wait=False)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
 
 def _register(c: K8sCluster) -> None:
-    global _handlers_installed
-    _clusters.add(c)
-    if not _handlers_installed:
-        _handlers_installed = True
-        atexit.register(_stop_all)
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
+    # on SIGTERM without waiting for a stop already under way (the kernel ends the daemons then)
+    stop_with_session(c, lambda quick: c.stop(not quick))
 
 
 def _unregister(c: K8sCluster) -> None:
-    _clusters.discard(c)
+    forget(c)
