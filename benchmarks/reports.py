@@ -11,6 +11,15 @@ def cli(c: dict) -> None:
           f"({c['with_server_ratio']:.2f}x)   none configured {c['no_server_s']:.2f} ({c['no_server_ratio']:.2f}x)")
 
 
+def startup(s: dict) -> None:
+    print("\nwhat a fresh process pays (medians of rounds; a ratio is the median of each round's own)")
+    print(f"   a flow's first call: attached to a warm 2-node local pool {s['warm_first_call_s']:.2f} s, "
+          f"starting it cold {s['cold_first_call_s']:.2f} s (whole processes {s['warm_process_s']:.2f} s, "
+          f"{s['cold_process_s']:.2f} s)")
+    print(f"   torchrun {s['torchrun_s']:.2f}   skytasks run, a server running {s['with_server_s']:.2f} "
+          f"({s['with_server_ratio']:.2f}x)   none configured {s['no_server_s']:.2f} ({s['no_server_ratio']:.2f}x)")
+
+
 def broadcast(b: dict) -> None:
     low, high = b["raw_pipe_range_mb_per_s"]
     print(f"\n4. argument broadcast (raw pipe on this machine: median {b['raw_pipe_mb_per_s']:.0f} MB/s, "

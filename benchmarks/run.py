@@ -282,9 +282,10 @@ def _load(quick: bool) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
-    parser.add_argument("--only", choices=["cli", "dispatch", "broadcast", "ssh", "slurm", "recovery", "preemption",
+    parser.add_argument("--only", choices=["startup", "cli", "dispatch", "broadcast", "ssh", "slurm", "recovery", "preemption",
                                            "flow", "scale", "load", "kubernetes"],
-                        help="run one figure (flow: warm calls and fan-out inside a flow) and update results.json")
+                        help="run one figure (flow: warm calls and fan-out inside a flow; startup: a warm attach's first "
+                             "call, a cold first call and skytasks run, each against torchrun) and update results.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
     results: dict = {"machine": f"{os.cpu_count()} cores", "python": sys.version.split()[0]}
@@ -295,6 +296,11 @@ def main() -> None:
         from benchmarks.cli_run import cli_run
 
         return cli_run(repeats)
+
+    def startup() -> dict:
+        from benchmarks.startup import startup
+
+        return startup(3 if args.quick else 5)  # medians of 5 rounds: the figures issue 60 states
 
     def slurm() -> dict:
         from benchmarks.slurm_dispatch import slurm_dispatch
@@ -313,6 +319,7 @@ def main() -> None:
 
     sizes = ([10, 100] if args.quick else [10, 100, 500], [2] if args.quick else [2, 4])
     sections = [  # (--only's name, run without --only, results' key, measure, report)
+        ("startup", True, "startup", startup, reports.startup),
         ("cli", True, "cli_run", cli_run, reports.cli),
         ("broadcast", True, "broadcast", lambda: broadcast(*sizes), reports.broadcast),
         ("ssh", True, "ssh_dispatch", lambda: ssh_dispatch(repeats), reports.ssh),

@@ -3,9 +3,10 @@ to a warm local pool (its first call, measured inside the flow), the cold first 
 the pool, and `skytasks run --nodes 2 --procs-per-node 2` against `torchrun --nproc-per-node 4` on
 the same 4-rank script, with a Prefect server running and with none configured.
 
-    .venv/bin/python benchmarks/startup.py 5                      # figures as JSON
-    .venv/bin/python benchmarks/startup.py 5 --write              # ... into results.json ("startup")
-    .venv/bin/python benchmarks/startup.py 5 --code /tmp/old-tree # another checkout's skytasks
+    .venv/bin/python -m benchmarks.startup 5                      # figures as JSON
+    .venv/bin/python -m benchmarks.startup 5 --write              # ... into results.json ("startup")
+    .venv/bin/python -m benchmarks.startup 5 --code /tmp/old-tree # another checkout's skytasks
+    .venv/bin/python -m benchmarks.run --only startup             # the same, printed as a table
 
 Each round: the pool is ended (`skytasks pools down`), a flow run starts it (cold) and the next
 attaches to it (warm); then torchrun, `skytasks run` with the server, `skytasks run` with none,
@@ -93,6 +94,6 @@ if __name__ == "__main__":
     figures = startup(args.repeats, args.code)
     print(json.dumps(figures, indent=2))
     if args.write:
-        from run import update_results
+        from benchmarks.run import update_results
 
         update_results(Path(__file__).resolve().parent / "results.json", startup=figures)
