@@ -22,13 +22,12 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, WithJsonSch
 from skytasks.blocks.block_logo import served_logo_url
 from skytasks.blocks.aws_credentials_field import UNSET, LazyAwsCredentials, default_aws_credentials
 from skytasks.blocks.nested_blocks import block_class, type_block_fields
-from skytasks.blocks.pool_settings import (FLAT, LOADING_DOCUMENT, STALE_SECRETS, LocalSettings, ProviderSettings,
-                                           SecretEnv, aws_environment, field_errors, flat_default, foreign_field,
+from skytasks.blocks.pool_settings import (LOADING_DOCUMENT, STALE_SECRETS, FlatSettingNames, LocalSettings,
+                                           ProviderSettings, SecretEnv, aws_environment, field_errors, foreign_field,
                                            settings_from_flat)
 from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import PoolSpec
-from skytasks.preflight.fields import FLAT_LIMITS, LIMITS_BOX, Level, PreflightLimits, fold_flat_limits
-from skytasks.providers import SHAPE_FIELDS
+from skytasks.preflight.fields import LIMITS_BOX, Level, PreflightLimits, fold_flat_limits
 from skytasks.providers.kubernetes.spec import CredentialsBlock
 from skytasks.providers.registry import plugin, readers_of_fields
 from skytasks.providers.remote_fields import OptionalInt, OptionalStr
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
 # The form, in the order of the fields: the provider choice (`settings`: tabs, one per provider, with
 # that provider's settings below, from its folder's skytasks/providers/<name>/spec.py), the pool's
 # shape and environment, the credential blocks and the timings.
-class GPUPool(Block):
+class GPUPool(FlatSettingNames, Block):
     _block_type_name = "GPU Pool"
     _block_type_slug = "gpu-pool"
     # (its logo: the icon the Prefect UI itself serves, named as the block type is registered: _to_block_type)
@@ -196,7 +195,7 @@ def train(epochs: int = 3) -> dict:
         # provider's block type to print a local pool): the fields are known without one.
         return [(k, v) for k, v in BaseModel.__repr_args__(self) if k is None or k in type(self).model_fields]
 
-    # -- the contract's flat names, read through the settings ----------------------------
+    # -- the contract's flat names, read through the settings (and set: FlatSettingNames) ----
 
     @property
     def provider(self) -> str:
@@ -219,34 +218,6 @@ def train(epochs: int = 3) -> dict:
         self.aws_credentials  # noqa: B018
         return super().model_dump_json(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        # `pool.hosts`, `pool.k8s_image`: a provider setting by its flat name, as before the
-        # settings had a model of their own; one the pool's provider does not take reads as its
-        # default (a local pool's hosts are []), as it did then.
-        if name in FLAT_LIMITS:
-            return getattr(self.__dict__["preflight_limits"], name)
-        if name in FLAT:
-            settings = self.__dict__.get("settings")
-            if settings is not None and name in type(settings).model_fields:
-                return getattr(settings, name)
-            return flat_default(name)
-        return super().__getattr__(name)  # type: ignore[misc]
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # `pool.hosts = [...]` sets the provider's setting, checked, in a settings model of its own
-        # (a copy of the pool keeps the settings it had); another provider's is refused, naming it.
-        if name in FLAT:
-            settings = self.settings
-            if name not in type(settings).model_fields:
-                raise PoolConfigError(foreign_field(name, self.provider))
-            values = {k: getattr(settings, k) for k in type(settings).model_fields}
-            try:
-                value = type(settings).model_validate({**values, name: value})
-            except ValidationError as exc:
-                raise PoolConfigError(field_errors(exc)) from None
-            name = "settings"
-        super().__setattr__(name, value)
-
     # -- what it is, frozen ---------------------------------------------------------------
 
     @property
@@ -260,19 +231,20 @@ def train(epochs: int = 3) -> dict:
         return self.saved_name or f"{self.provider}-pool"
 
     def spec(self) -> PoolSpec:
-        """The validated fields as the frozen, typed spec the runtime and providers use."""
+        """The validated fields as the frozen, typed spec the runtime and providers use: the shape,
+        and the provider's settings model as they are (its part), checked against the shape."""
         own = plugin(self.provider)
         env: dict[str, str] = self.env.get_secret_value()  # plain strings from here on: the ranks' environment
-        fields = {name: getattr(self, name) for name in (*SHAPE_FIELDS, *own.reads) if name != "aws_credentials"}
         # Credentials left unset stay unmade (no prefect-aws) unless the provider itself uses them.
         creds = self.__dict__["aws_credentials"]
-        fields["aws_credentials"] = self.aws_credentials if own.name == "aws" else creds
-        part = own.build({**fields, "env": env})
-        return PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
+        spec = PoolSpec(name=self.display_name, provider=self.provider, nodes=self.nodes, min_nodes=self.min_nodes,
                         procs_per_node=self.procs_per_node, accelerators_per_node=self.accelerators_per_node,
-                        env={**({} if creds is UNSET else aws_environment(creds)), **env}, part=part,
+                        env={**({} if creds is UNSET else aws_environment(creds)), **env}, part=self.settings,
+                        credentials=None if own.credentials is None else getattr(self, own.credentials),
                         reattach_seconds=self.reattach_seconds, keep_warm_minutes=self.keep_warm_minutes,
                         preflight=self.preflight, accelerator=self.accelerator, **self.preflight_limits.model_dump())
+        self.settings.check_pool(spec)
+        return spec
 
     def reshaped(self, **shape: int | None) -> GPUPool:
         """A copy with other `nodes`/`procs_per_node`: another shape cannot use these nodes, so

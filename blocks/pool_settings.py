@@ -25,18 +25,21 @@ from typing import TYPE_CHECKING, Annotated, Any, Mapping, Union
 from prefect.blocks.fields import SecretDict
 from pydantic import BaseModel, BeforeValidator, Secret, ValidationError
 
-from skytasks.providers.registry import PROVIDERS, imported, plugin, readers_of_fields
+from skytasks.errors import PoolConfigError
+from skytasks.preflight.fields import FLAT_LIMITS
+
+from skytasks.providers.registry import PROVIDERS, plugin, readers_of_fields
+from skytasks.providers.settings_model import ProviderSettingsModel
 
 
 # Each provider's settings model, named by its plugin, in the order of the provider table: the
 # form's tabs, local (the default) first. A provider's fields are thus named in its spec.py alone.
-SETTINGS: dict[str, type[BaseModel]] = {name: imported(p.settings) for name, p in PROVIDERS.items() if p.settings}
-assert list(SETTINGS) == list(PROVIDERS), "a provider without settings"
+SETTINGS: dict[str, type[ProviderSettingsModel]] = {name: p.settings_model for name, p in PROVIDERS.items()}
 LocalSettings = SETTINGS["local"]  # (its old import path: skytasks.blocks.pool_settings)
 
 if TYPE_CHECKING:
     from skytasks.providers.local.spec import LocalSettings as LocalSettings  # noqa: F811
-    ProviderSettings = BaseModel
+    ProviderSettings = ProviderSettingsModel
 else:
     ProviderSettings = Union[tuple(SETTINGS.values())]
 
@@ -187,3 +190,40 @@ def aws_environment(creds: Any) -> dict[str, str]:
         "AWS_ENDPOINT_URL": creds.aws_client_parameters.endpoint_url if creds.aws_client_parameters else None,
     }
     return {k: str(v) for k, v in values.items() if v}
+
+
+class FlatSettingNames:
+    """The contract's flat names of a pool's provider settings, read and set through its settings
+    model: `pool.hosts`, `pool.hosts = [...]` (GPUPool's, a mixin before Block)."""
+
+    if TYPE_CHECKING:
+        settings: ProviderSettingsModel
+        provider: str
+
+    def __getattr__(self, name: str) -> Any:
+        # `pool.hosts`, `pool.k8s_image`: a provider setting by its flat name, as before the
+        # settings had a model of their own; one the pool's provider does not take reads as its
+        # default (a local pool's hosts are []), as it did then.
+        if name in FLAT_LIMITS:
+            return getattr(self.__dict__["preflight_limits"], name)
+        if name in FLAT:
+            settings = self.__dict__.get("settings")
+            if settings is not None and name in type(settings).model_fields:
+                return getattr(settings, name)
+            return flat_default(name)
+        return super().__getattr__(name)  # type: ignore[misc]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `pool.hosts = [...]` sets the provider's setting, checked, in a settings model of its own
+        # (a copy of the pool keeps the settings it had); another provider's is refused, naming it.
+        if name in FLAT:
+            settings = self.settings
+            if name not in type(settings).model_fields:
+                raise PoolConfigError(foreign_field(name, self.provider))
+            values = {k: getattr(settings, k) for k in type(settings).model_fields}
+            try:
+                value = type(settings).model_validate({**values, name: value})
+            except ValidationError as exc:
+                raise PoolConfigError(field_errors(exc)) from None
+            name = "settings"
+        super().__setattr__(name, value)

@@ -1,14 +1,14 @@
 """What a pool is, frozen: the typed configuration providers and the runtime are built from.
 
 `GPUPool` (the Prefect block) validates its fields once and gives a `PoolSpec`; nothing behind it
-reads the block. Each provider gets the common part and its own `part`, built and validated by
-its folder's spec, never another provider's fields.
+reads the block. Each provider gets the common part and its own `part`: the pool's settings model
+(frozen; `skytasks/providers/<name>/spec.py`), never another provider's fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, TypeVar
+from typing import Any, Mapping, Optional, TypeVar
 
 Part = TypeVar("Part")
 
@@ -23,8 +23,8 @@ class PoolSpec:
     # Every rank's environment (AWS variables included): plain strings for the ranks, never in a
     # repr (the block holds them as secrets; a spec in a log or an error message must not show them).
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
-    # The provider's own part, built by its folder's spec (`skytasks.providers.<name>.spec`):
-    # an SSHSpec, AWSSpec or SlurmSpec; None for a provider that needs none (local).
+    # The provider's own part: the pool's settings model, checked against the rest of the pool
+    # (`skytasks.providers.<name>.spec`: SSHSettings, AWSSettings, ...), read with `own`.
     part: object = None
     # The fewest nodes the pool runs on (elastic when below `nodes`): it starts with what it can
     # get between the two, a retry goes on with what is left, and it grows back between calls.
@@ -43,6 +43,9 @@ class PoolSpec:
     preflight_min_tflops: Optional[float] = None  # "full": a floor for each rank's matmul
     preflight_min_gbps: Optional[float] = None  # "full": a floor for each link's collective bandwidth
     accelerator: Optional[str] = None  # the GPU product promised ("H100"), which "basic" checks
+    # The credentials block the provider's client is made with (the pool's field its plugin names:
+    # aws_credentials, kubernetes_credentials); None for a provider that takes none. Never in a repr.
+    credentials: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.min_nodes is None:

@@ -161,7 +161,7 @@ def test_a_provider_setting_set_by_its_flat_name_is_checked_and_leaves_copies_al
     pool = GPUPool(provider="ssh", nodes=2, hosts=["a", "b"])
     copy = pool.reshaped(nodes=2)
     pool.hosts = ["c", "d"]
-    assert pool.spec().part.hosts == ("c", "d") and copy.hosts == ["a", "b"]
+    assert pool.spec().part.hosts == ["c", "d"] and copy.hosts == ["a", "b"]
     with pytest.raises(PoolConfigError, match=r"^hosts: 'two words' is not of the form"):
         pool.hosts = ["two words", "b"]
     with pytest.raises(PoolConfigError, match=r"^k8s_image: only provider 'kubernetes' takes it, not provider='ssh'"):

@@ -1,5 +1,6 @@
-"""One provider seam: each provider is a folder with a spec (its block fields, their checks, its
-part of the PoolSpec) and a class that declares `NodeProvider`; the registry is one table."""
+"""One provider seam: each provider is a folder with a spec (its settings model: its block fields,
+their checks, and as it is its part of the PoolSpec) and a class that declares `NodeProvider`; the
+registry is one table."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from skytasks import GPUPool, PoolConfigError
 from skytasks.providers import SHAPE_FIELDS, NodeProvider
+from skytasks.providers.settings_model import ProviderSettingsModel
 from skytasks.providers.registry import PROVIDERS, provider_class, readers_of_fields
 
 # A value other than the block's default, for every provider-specific field.
@@ -77,8 +80,20 @@ def test_each_provider_takes_every_field_it_reads(provider):
     fields = {"provider": provider, "nodes": 2, **{f: SET[f] for f in reads}}
     if provider == "slurm":
         fields["known_hosts"] = "kh"  # slurm_login needs it
-    part = GPUPool(**fields).spec().part
-    assert part is not None  # every provider, local too (its ready_timeout_seconds), has a part
+    pool = GPUPool(**fields)
+    spec = pool.spec()
+    # Every provider, local too (its ready_timeout_seconds), has a part: the pool's settings model,
+    # frozen, each setting spelled once (no second dataclass, no flat-name round trip).
+    assert spec.part is pool.settings and isinstance(spec.part, ProviderSettingsModel)
+    for f in reads:
+        if f in type(spec.part).model_fields:
+            assert getattr(spec.part, f) == getattr(pool, f), f
+    with pytest.raises(ValidationError, match="frozen"):
+        spec.part.ready_timeout_seconds = 1  # type: ignore[attr-defined]
+    # The credentials block the provider's client is made with, handed over as the spec's own.
+    credentials = PROVIDERS[provider].credentials
+    assert spec.credentials is (None if credentials is None else getattr(pool, credentials))
+    assert (provider in ("aws", "kubernetes")) == (spec.credentials is not None)
 
 
 def test_a_local_pool_imports_no_other_providers_code_or_ssh_library():

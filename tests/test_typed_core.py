@@ -10,6 +10,7 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+from pydantic import ValidationError
 
 from skytasks import GPUPool, PoolConfigError
 from skytasks.controller.packing import pack_call
@@ -108,8 +109,10 @@ def test_the_block_gives_a_frozen_spec_with_only_its_providers_part():
     with pytest.raises(AttributeError):
         local.nodes = 4  # frozen
     ssh = GPUPool(provider="ssh", nodes=2, hosts=["a", "b:2222"], known_hosts="x").spec()
-    assert ssh.own(SSHSpec).hosts == ("a", "b:2222") and ssh.own(SSHSpec).known_hosts == "x"
-    with pytest.raises(TypeError, match="provider='ssh': the pool's spec holds SSHSpec, not AWSSpec"):
+    assert ssh.own(SSHSpec).hosts == ["a", "b:2222"] and ssh.own(SSHSpec).known_hosts == "x"
+    with pytest.raises(ValidationError, match="frozen"):
+        ssh.own(SSHSpec).hosts = []  # type: ignore[misc]  # the settings are the part, frozen as the spec is
+    with pytest.raises(TypeError, match="provider='ssh': the pool's spec holds SSHSettings, not AWSSettings"):
         ssh.own(AWSSpec)
     with pytest.raises(ValueError, match="min_nodes: must be between 1 and nodes=1"):
         PoolSpec(name="x", provider="local", nodes=1, procs_per_node=1, accelerators_per_node=None, min_nodes=2)

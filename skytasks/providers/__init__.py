@@ -221,12 +221,10 @@ class ProviderPlugin:
 
     name: str  # the block's `provider` value
     provider: str  # "module:Class" of its NodeProvider, imported on first use
-    # The module of its block fields (its `spec.py`), imported on first use: its `READS` and
-    # `build` (below). None: it reads no field beyond the pool's shape and needs no part of its own.
-    spec: str | None = None
-    # "module:Class" of its settings model (pydantic; in its `spec.py`): the form's tab, and the
-    # `settings` of a pool of it. The block's Union of them is made from the table (blocks/pool_settings.py).
-    settings: str | None = None
+    # "module:Class" of its settings model (a ProviderSettingsModel, in its `spec.py`): the form's
+    # tab, the `settings` of a pool of it and, as it is, its part of the PoolSpec. The block's Union
+    # of them is made from the table (blocks/pool_settings.py).
+    settings: str
     # "module:function" of its pre-flight checks (`skytasks check`, skytasks.providers.checks):
     # given the pool's spec, it yields a Check per question. None: it has none.
     check: str | None = None
@@ -235,20 +233,30 @@ class ProviderPlugin:
     # given), and the block's schema is made with the real class (blocks/gpu_pool.py), so a saved
     # pool refers to a saved block. Until then no pool of another provider imports the package.
     block_fields: Mapping[str, str] = field(default_factory=dict)
+    # The pool's field whose block its client is made with (a pool's own field, not a setting: Prefect
+    # keeps a reference to a saved block only at the block's top level), handed over as
+    # `PoolSpec.credentials`. None: it takes none.
+    credentials: str | None = None
     # "module:function" of its `skytasks gc` sweep, given the command line's arguments (cli.py),
     # returning the exit code. None: nothing of its pools can outlive their controller.
     gc: str | None = None
 
     @property
-    def reads(self) -> tuple[str, ...]:
-        """The block fields it reads beyond the pool's shape (`SHAPE_FIELDS`): its own and the shared
-        login fields. A field no provider but others reads, set on its pool, is a PoolConfigError."""
-        return () if self.spec is None else importlib.import_module(self.spec).READS
+    def settings_model(self) -> Any:
+        """Its settings model's class, imported now."""
+        return imported(self.settings)
 
-    def build(self, fields: Mapping[str, Any]) -> object | None:
-        """Its part of the PoolSpec from those fields (and the shape), validated: a ValueError whose
-        text starts with the field's name ("hosts: ..."). None: it needs no part of its own."""
-        return None if self.spec is None else importlib.import_module(self.spec).build(fields)
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The block fields it reads beyond the pool's shape (`SHAPE_FIELDS`): its settings' fields
+        and its own block fields. A field only others read, set on its pool, is a PoolConfigError."""
+        return (*self.block_fields, *(name for name in self.settings_model.model_fields if name != "provider"))
+
+
+def imported(target: str) -> Any:
+    """What a "module:name" names, imported now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 # The fields every provider takes: how many nodes and ranks, their accelerators and environment

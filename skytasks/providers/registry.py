@@ -1,6 +1,6 @@
 """Every provider, by the name a pool's `provider` field takes: adding one is a folder under
 `skytasks/providers/` with a `PLUGIN` in its `__init__`, and one line in this table. A folder's
-`__init__` is light, and so is this table: a provider's fields (`spec.py`) are imported when a pool
+`__init__` is light, and so is this table: a provider's settings model (`spec.py`) is imported when a pool
 is checked, its client or SDK (asyncssh, the EC2 code) when a pool of it starts, and kubernetes with
 prefect-kubernetes when a kubernetes pool is made or loaded. `skytasks run` on a local pool imports
 none of them (nor the block: its aws_credentials field brings prefect-aws and boto3 to any pool)."""
@@ -8,11 +8,10 @@ none of them (nor the block: its aws_credentials field brings prefect-aws and bo
 from __future__ import annotations
 
 import functools
-import importlib
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from skytasks.errors import PoolConfigError
-from skytasks.providers import NodeProvider, ProviderClass, ProviderPlugin, aws, kubernetes, local, slurm, ssh
+from skytasks.providers import NodeProvider, ProviderClass, ProviderPlugin, aws, imported, kubernetes, local, slurm, ssh
 from skytasks.event_bus import PoolReporter
 
 if TYPE_CHECKING:
@@ -54,12 +53,6 @@ def readers_of_fields() -> dict[str, tuple[str, ...]]:
 def block_fields() -> dict[str, str]:
     """Each block field whose block type a provider names lazily, and its "module:Class"."""
     return {name: target for p in PROVIDERS.values() for name, target in p.block_fields.items()}
-
-
-def imported(target: str) -> Any:
-    """What a "module:name" names, imported now."""
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def provider_class(name: str) -> ProviderClass:

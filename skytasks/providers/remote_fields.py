@@ -1,7 +1,7 @@
 """The settings that more than one provider reads (how to log in to a node, which Python runs
 there, how long a node may take to come up or sit idle), as annotated types each provider's
-settings model (`skytasks/providers/<name>/spec.py`) declares. Each provider's `READS` says which
-of them it takes; set on a pool whose provider does not, one is a PoolConfigError naming it.
+settings model (`skytasks/providers/<name>/spec.py`) declares. A provider takes those its model has;
+set on a pool whose provider does not, one is a PoolConfigError naming it.
 
 Also the lease that the providers whose resources can outlive their controller (aws, slurm) write
 on them for `skytasks gc`: see `lease_expiry` and `Lease`."""
@@ -14,7 +14,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Callable, Optional
 
 from pydantic import BeforeValidator, Field, SecretStr, WithJsonSchema
-from pydantic.json_schema import SkipJsonSchema
 
 HOST_PATTERN = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>\d{1,5}))?$")
 
@@ -30,21 +29,12 @@ def shown_as(json_type: str) -> WithJsonSchema:
     return WithJsonSchema({"type": json_type})
 
 
-def one_choice(provider: str) -> SkipJsonSchema:
-    """A settings model's `provider` tag, kept out of the form: the tab already says which provider
-    (a select of one choice under it would only repeat it), and the form sends a field left at its
-    default not at all. The tag is for a saved document, which says so itself; one the form sent
-    without it is told by its keys (blocks/pool_settings.py). `provider` names which tag it is."""
-    del provider
-    return SkipJsonSchema()
-
-
 OptionalStr = Annotated[Optional[str], BeforeValidator(blank_is_none), shown_as("string")]
 OptionalInt = Annotated[Optional[int], BeforeValidator(blank_is_none), shown_as("integer")]
 OptionalFloat = Annotated[Optional[float], BeforeValidator(blank_is_none), shown_as("number")]
 
 # The fields more than one provider reads, as each provider's settings model declares them (a
-# provider's `READS` says which it takes): one definition, so ssh, aws and slurm agree.
+# provider takes those its model has): one definition, so ssh, aws and slurm agree.
 SSHUser = Annotated[OptionalStr, Field(description="The user the pool logs in as (slurm: on slurm_login).")]
 SSHPrivateKey = Annotated[Optional[SecretStr], BeforeValidator(blank_is_none), WithJsonSchema(
     {"type": "string", "format": "password", "writeOnly": True}), Field(

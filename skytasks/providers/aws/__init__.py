@@ -6,6 +6,6 @@ self-termination), `gc.py` (the sweep of anything left behind), `check.py` (`sky
 
 from skytasks.providers import ProviderPlugin
 
-PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider", spec="skytasks.providers.aws.spec",
-                        settings="skytasks.providers.aws.spec:AWSSettings",
+PLUGIN = ProviderPlugin("aws", "skytasks.providers.aws.provider:AWSProvider",
+                        settings="skytasks.providers.aws.spec:AWSSettings", credentials="aws_credentials",
                         check="skytasks.providers.aws.check:run", gc="skytasks.providers.aws.gc:command")

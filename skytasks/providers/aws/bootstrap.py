@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from skytasks.providers.aws.spec import AWSSpec
+from skytasks.providers.aws.spec import AWSSettings
 
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
@@ -50,7 +50,7 @@ def requirement(package: str, spec: str | None) -> str | None:
 
 def torch_install(spec: PoolSpec, cuda: bool) -> tuple[list[str], str]:
     """The torch family to install and the wheel index to take it from."""
-    aws = spec.own(AWSSpec)
+    aws = spec.own(AWSSettings)
     wanted = [requirement("torch", aws.torch_version), requirement("torchvision", aws.torchvision),
               requirement("torchaudio", aws.torchaudio)]
     index = TORCH_INDEX.format(suffix=aws.torch_cuda if cuda else "cpu")
@@ -58,7 +58,7 @@ def torch_install(spec: PoolSpec, cuda: bool) -> tuple[list[str], str]:
 
 
 def bootstrap_script(spec: PoolSpec, cuda: bool, python_version: str | None = None) -> str:
-    aws = spec.own(AWSSpec)
+    aws = spec.own(AWSSettings)
     import cloudpickle
 
     python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -97,7 +97,7 @@ _Dumper.add_representer(_Literal, lambda d, s: d.represent_scalar("tag:yaml.org,
 
 def render_user_data(spec: PoolSpec, cuda: bool, host_key_private: str, host_key_public: str,
                      python_version: str | None = None) -> str:
-    aws = spec.own(AWSSpec)
+    aws = spec.own(AWSSettings)
     idle = aws.idle_minutes * 60
     # No max_lifetime_minutes: no lifetime flag, and the watchdog ends the node for idleness only.
     lifetime = "" if aws.max_lifetime_minutes is None else f" --max-lifetime-seconds {aws.max_lifetime_minutes * 60:g}"

@@ -18,7 +18,7 @@ from skytasks.errors import PoolConfigError
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.aws import plan as aws_plan
 from skytasks.providers.aws.capacity import refused
-from skytasks.providers.aws.spec import AWSSpec
+from skytasks.providers.aws.spec import AWSSettings
 from skytasks.providers.checks import Check
 
 
@@ -34,7 +34,7 @@ def _error(exc: BaseException) -> str:
 def run(spec: PoolSpec) -> Iterator[Check]:
     from botocore.exceptions import BotoCoreError, ClientError
 
-    aws = spec.own(AWSSpec)
+    aws = spec.own(AWSSettings)
     failed = False
 
     def ask(name: str, question: Callable[[], str]) -> Check:
@@ -46,7 +46,7 @@ def run(spec: PoolSpec) -> Iterator[Check]:
             return Check(name, False, _error(exc))
 
     try:
-        ec2, ssm, sts = (aws.credentials.get_client(s) for s in ("ec2", "ssm", "sts"))
+        ec2, ssm, sts = (spec.credentials.get_client(s) for s in ("ec2", "ssm", "sts"))
     except (BotoCoreError, ValueError) as exc:
         yield Check("the AWS credentials work", False, str(exc))
         return
@@ -65,14 +65,14 @@ def run(spec: PoolSpec) -> Iterator[Check]:
 
     def the_type() -> str:
         nonlocal instance_type
-        instance_type, info, gpus = aws_plan.find_instance_type(ec2, aws, region)
+        instance_type, info, gpus = aws_plan.find_instance_type(ec2, spec, region)
         found["type"] = info
         return f"{info.get('VCpuInfo', {}).get('DefaultVCpus', '?')} vCPUs, {gpus} GPU(s)"
 
     yield ask(f"instance type {aws.instance_type or '(the default for the accelerator)'} exists in {region}", the_type)
 
     def the_image() -> str:
-        image_id, image = aws_plan.find_image(ec2, ssm, aws, found.get("type", {}), region)
+        image_id, image = aws_plan.find_image(ec2, ssm, spec, found.get("type", {}), region)
         return f"{image_id}: {image.get('Name', '')}".rstrip(": ")
 
     yield ask(f"image {aws.image_id or '(the default image)'} exists", the_image)
@@ -131,7 +131,7 @@ def _dry_run(spec: PoolSpec, ec2: Any, ssm: Any, cidr: str, name: str) -> Check:
     from skytasks.providers.remote_fields import lease_expiry
     from skytasks.event_bus import flow_run_id
 
-    aws = spec.own(AWSSpec)
+    aws = spec.own(AWSSettings)
     try:
         plan = aws_plan.plan_launch(spec, ec2, ssm, public_ip_lookup=lambda: cidr.split("/")[0])
     except PoolConfigError as exc:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.aws.bootstrap import render_user_data
 from skytasks.providers.aws.plan import LaunchPlan
-from skytasks.providers.aws.spec import AWSSpec
+from skytasks.providers.aws.spec import AWSSettings
 
 
 def launch_request(spec: PoolSpec, plan: LaunchPlan, host_key: Any, tags: Callable[[str], list[dict]],
@@ -16,7 +16,7 @@ def launch_request(spec: PoolSpec, plan: LaunchPlan, host_key: Any, tags: Callab
     """The RunInstances request of a pool's nodes (less MinCount and MaxCount): its start's, and
     `skytasks check`'s DryRun of it (check.py), where the pool's own security group, key pair and
     placement group do not exist yet (None and absent there)."""
-    aws = spec.own(AWSSpec)
+    aws = spec.own(AWSSettings)
     request: dict[str, Any] = dict(
         ImageId=plan.image_id, InstanceType=plan.instance_type,
         UserData=render_user_data(spec, plan.cuda, host_key.export_private_key().decode(),

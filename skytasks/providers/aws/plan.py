@@ -15,7 +15,7 @@ from typing import Any
 
 from skytasks.errors import PoolConfigError
 
-from skytasks.providers.aws.spec import AWSSpec
+from skytasks.providers.aws.spec import AWSSettings
 
 if TYPE_CHECKING:
     from skytasks.pool_spec import PoolSpec
@@ -85,13 +85,13 @@ class LaunchPlan:
 
 def plan_launch(spec: PoolSpec, ec2: Any, ssm: Any, *, public_ip_lookup=None) -> LaunchPlan:
     """Resolve defaults and validate the pool against the account, naming the field at fault."""
-    aws = spec.own(AWSSpec)
+    aws = spec.own(AWSSettings)
     from botocore.exceptions import ClientError
 
     region = ec2.meta.region_name
-    instance_type, info, gpus = find_instance_type(ec2, aws, region)
-    cuda = aws.accelerator is not None
-    image_id, image = find_image(ec2, ssm, aws, info, region)
+    instance_type, info, gpus = find_instance_type(ec2, spec, region)
+    cuda = spec.accelerator is not None
+    image_id, image = find_image(ec2, ssm, spec, info, region)
 
     subnet = find_subnet(ec2, aws.subnet_id)
     for field, call in (("security_group_ids", lambda: ec2.describe_security_groups(GroupIds=aws.security_group_ids)),
@@ -128,31 +128,32 @@ def default_instance_type(accelerator: str | None, per_node: int) -> str:
                           f"(at most {choices[-1][1]}); set instance_type")
 
 
-def find_instance_type(ec2: Any, aws: AWSSpec, region: str) -> tuple[str, dict, int]:
+def find_instance_type(ec2: Any, spec: PoolSpec, region: str) -> tuple[str, dict, int]:
     """The pool's instance type (the accelerator's default if unset), as EC2 describes it, and
     its GPUs per node; PoolConfigError naming the field if EC2 has no such type, or too few GPUs."""
     from botocore.exceptions import ClientError
 
-    instance_type = aws.instance_type or default_instance_type(aws.accelerator, aws.accelerators_per_node or 0)
+    instance_type = spec.own(AWSSettings).instance_type or default_instance_type(spec.accelerator,
+                                                                                 spec.accelerators_per_node or 0)
     try:
         [info] = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
     except ClientError as exc:
         raise PoolConfigError(f"instance_type: {instance_type!r} does not exist in {region} "
                               f"({exc.response['Error']['Message']})") from None
     gpus = sum(g.get("Count", 0) for g in info.get("GpuInfo", {}).get("Gpus", []))
-    if aws.accelerator and gpus and gpus < (aws.accelerators_per_node or 1):
+    if spec.accelerator and gpus and gpus < (spec.accelerators_per_node or 1):
         raise PoolConfigError(f"accelerators_per_node: {instance_type} has {gpus} GPU(s), "
-                              f"{aws.accelerators_per_node} asked for")
+                              f"{spec.accelerators_per_node} asked for")
     return instance_type, info, gpus
 
 
-def find_image(ec2: Any, ssm: Any, aws: AWSSpec, info: dict, region: str) -> tuple[str, dict]:
+def find_image(ec2: Any, ssm: Any, spec: PoolSpec, info: dict, region: str) -> tuple[str, dict]:
     """The pool's image (the default for the instance type's architecture, CUDA or not, if
     unset) and EC2's description of it; PoolConfigError naming image_id if there is none."""
     from botocore.exceptions import ClientError
 
     arch = "arm64" if info.get("ProcessorInfo", {}).get("SupportedArchitectures") == ["arm64"] else "x86_64"
-    image_id = aws.image_id or default_image(ssm, aws.accelerator is not None, arch)
+    image_id = spec.own(AWSSettings).image_id or default_image(ssm, spec.accelerator is not None, arch)
     try:
         images = ec2.describe_images(ImageIds=[image_id])["Images"]
     except ClientError as exc:

@@ -1,24 +1,29 @@
 """provider="aws": its settings (`AWSSettings`: what is launched, how it is reached, when it ends
-itself), their validation, and its frozen part of the spec. The credentials stay among the pool's
-own fields: they are a prefect-aws block, and every provider's ranks get them as AWS variables."""
+itself), their validation; the model is also its part of the spec (skytasks/providers/settings_model.py).
+The credentials stay among the pool's own fields (they are a prefect-aws block, and every provider's
+ranks get them as AWS variables): the spec carries them as `PoolSpec.credentials`."""
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from skytasks.providers.remote_fields import (IdleMinutes, MaxLifetime, OptionalStr, PipPackages, ReadyTimeout,
-                                              RemotePython, SSHPrivateKey, SSHUser, one_choice)
+                                              RemotePython, SSHPrivateKey, SSHUser)
+from skytasks.providers.settings_model import ProviderSettingsModel, ProviderTag
 
-class AWSSettings(BaseModel):
+if TYPE_CHECKING:
+    from skytasks.pool_spec import PoolSpec
+
+
+class AWSSettings(ProviderSettingsModel):
     """aws: EC2 instances the pool launches and terminates."""
 
-    model_config = ConfigDict(title="aws", extra="forbid")
+    model_config = ConfigDict(title="aws")
 
-    provider: Annotated[Literal["aws"], one_choice("aws")] = Field("aws", description="The provider these settings are for.")
+    provider: ProviderTag[Literal["aws"]] = "aws"
     instance_type: OptionalStr = Field(None, description="EC2 instance type; empty: follows from the accelerator.")
     image_id: OptionalStr = Field(None, description="AMI; empty: the region's Ubuntu (CPU) or Deep Learning base AMI (GPU).")
     subnet_id: OptionalStr = Field(None, description="Subnet; empty: a default subnet of the region.")
@@ -52,45 +57,9 @@ class AWSSettings(BaseModel):
                 raise ValueError(f"ssh_ingress_cidr: {cidr!r} is not a network such as 203.0.113.7/32") from None
         return cidr
 
-
-READS = tuple(name for name in AWSSettings.model_fields if name != "provider")  # the fields, named once
-
-
-@dataclass(frozen=True)
-class AWSSpec:
-    """provider="aws": what is launched, how it is reached, and when it ends itself."""
-
-    credentials: Any  # a prefect_aws.AwsCredentials block: it makes the boto3 clients
-    accelerator: Optional[str]
-    accelerators_per_node: Optional[int]
-    instance_type: Optional[str]
-    image_id: Optional[str]
-    subnet_id: Optional[str]
-    security_group_ids: tuple[str, ...]
-    key_name: Optional[str]
-    spot: bool
-    root_volume_gb: int
-    iam_instance_profile: Optional[str]
-    tags: Mapping[str, str]
-    ssh_ingress_cidr: Optional[str]
-    ssh_user: Optional[str]
-    ssh_private_key: Optional[SecretStr]
-    remote_python: Optional[str]
-    pip_packages: tuple[str, ...]
-    torch_version: str
-    torch_cuda: str
-    torchvision: Optional[str]
-    torchaudio: Optional[str]
-    ready_timeout_seconds: float
-    idle_minutes: float
-    max_lifetime_minutes: Optional[float]  # None: no cap
+    def check_pool(self, pool: PoolSpec) -> None:
+        if self.key_name and self.ssh_private_key is None:
+            raise ValueError("ssh_private_key: key_name names your own key pair; give its private key too")
 
 
-def build(fields: Mapping[str, Any]) -> AWSSpec:
-    if fields["key_name"] and fields["ssh_private_key"] is None:
-        raise ValueError("ssh_private_key: key_name names your own key pair; give its private key too")
-    values = {name: fields[name] for name in READS}
-    values.update(security_group_ids=tuple(values["security_group_ids"]), tags=dict(values["tags"]),
-                  pip_packages=tuple(values["pip_packages"]))
-    return AWSSpec(credentials=fields["aws_credentials"], accelerator=fields["accelerator"],
-                   accelerators_per_node=fields["accelerators_per_node"], **values)
+AWSSpec = AWSSettings  # (its old name: the settings are the spec)

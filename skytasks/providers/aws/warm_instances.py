@@ -14,7 +14,7 @@ from skytasks.event_bus import PoolReporter
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.aws.bootstrap import HEARTBEAT_FILE, NOTICE_FILE
 from skytasks.providers.aws.resources import PoolResources
-from skytasks.providers.aws.spec import AWSSpec
+from skytasks.providers.aws.spec import AWSSettings
 from skytasks.providers.remote_fields import Lease
 from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes
 
@@ -27,7 +27,7 @@ class WarmInstances:
     reporter: PoolReporter
     owned: PoolResources
     _spec: PoolSpec
-    _aws: AWSSpec
+    _aws: AWSSettings
     _ec2: Any
     _nodes: SSHNodes | None
     _node_ids: dict[int, str]

@@ -16,8 +16,8 @@ from skytasks.providers import ProviderPlugin
 CREDENTIALS_BLOCK = "prefect_kubernetes.credentials:KubernetesCredentials"
 
 PLUGIN = ProviderPlugin("kubernetes", "skytasks.providers.kubernetes.provider:KubernetesProvider",
-                        spec="skytasks.providers.kubernetes.spec",
                         settings="skytasks.providers.kubernetes.spec:KubernetesSettings",
+                        credentials="kubernetes_credentials",
                         check="skytasks.providers.kubernetes.check:run",
                         gc="skytasks.providers.kubernetes.gc:command",
                         block_fields={"kubernetes_credentials": CREDENTIALS_BLOCK})

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.checks import Check
 from skytasks.providers.kubernetes import cluster, gpu_types, pods
-from skytasks.providers.kubernetes.spec import KubernetesSpec
+from skytasks.providers.kubernetes.spec import KubernetesSettings
 
 # Every (verb, resource, subresource) the provider uses in the pool's namespace.
 NEEDED = (
@@ -46,10 +46,10 @@ def _quantity(text: Any) -> float:
 def run(spec: PoolSpec) -> Iterator[Check]:
     from kubernetes import client
 
-    k8s = spec.own(KubernetesSpec)
-    ns = k8s.namespace
+    k8s = spec.own(KubernetesSettings)
+    ns = k8s.k8s_namespace
     try:
-        cfg = cluster.configuration(k8s.credentials)
+        cfg = cluster.configuration(spec.credentials)
         api = cluster.api_client(cfg)
         version = client.VersionApi(api).get_code(_request_timeout=15)
     except Exception as exc:  # noqa: BLE001 - the verdict is the check
@@ -69,13 +69,13 @@ def run(spec: PoolSpec) -> Iterator[Check]:
     yield _capacity(core, spec, k8s)
 
 
-def _exists(core: Any, ns: str, k8s: KubernetesSpec) -> Iterator[Check]:
+def _exists(core: Any, ns: str, k8s: KubernetesSettings) -> Iterator[Check]:
     for kind, name, read in (("namespace", ns, lambda: core.read_namespaced_service_account("default", ns)),
-                             *((("service account", k8s.service_account,
-                                 lambda: core.read_namespaced_service_account(k8s.service_account, ns)),)
-                               if k8s.service_account else ()),
+                             *((("service account", k8s.k8s_service_account,
+                                 lambda: core.read_namespaced_service_account(k8s.k8s_service_account, ns)),)
+                               if k8s.k8s_service_account else ()),
                              *(("image pull Secret", s, lambda s=s: core.read_namespaced_secret(s, ns))
-                               for s in k8s.image_pull_secrets)):
+                               for s in k8s.k8s_image_pull_secrets)):
         try:
             read()
             yield Check(f"{kind} {name!r} exists", True)
@@ -88,20 +88,20 @@ def _exists(core: Any, ns: str, k8s: KubernetesSpec) -> Iterator[Check]:
                 yield Check(f"{kind} {name!r} exists", None, f"cannot ask: {cluster.api_message(exc)[:200]}")
 
 
-def _capacity(core: Any, spec: PoolSpec, k8s: KubernetesSpec) -> Check:
+def _capacity(core: Any, spec: PoolSpec, k8s: KubernetesSettings) -> Check:
     want = f"{spec.fewest} node(s) with room for a pod"
     try:
         nodes = core.list_node(_request_timeout=30).items
     except Exception as exc:  # noqa: BLE001 - nodes are cluster-wide: a pool need not read them
         return Check(want, None, f"cannot read nodes: {cluster.api_message(exc)[:200]}")
     # The same node affinity the pods get: the product's known values and those seen on these nodes.
-    terms = gpu_types.node_terms(k8s.accelerator, [n.metadata.labels or {} for n in nodes], k8s.gpu_label) \
-        if k8s.accelerator else None
-    asks = {"cpu": k8s.cpu, "memory": k8s.memory, pods.GPU_RESOURCE: k8s.gpus or None}
+    terms = gpu_types.node_terms(spec.accelerator, [n.metadata.labels or {} for n in nodes], k8s.k8s_gpu_label) \
+        if spec.accelerator else None
+    asks = {"cpu": k8s.k8s_cpu, "memory": k8s.k8s_memory, pods.GPU_RESOURCE: k8s.gpus_for(spec) or None}
     fit = []
     for n in nodes:
         labels = n.metadata.labels or {}
-        if any(labels.get(k) != v for k, v in k8s.node_selector):
+        if any(labels.get(k) != v for k, v in k8s.k8s_node_selector.items()):
             continue
         if terms is not None and not gpu_types.node_matches(terms, labels):
             continue
@@ -109,7 +109,7 @@ def _capacity(core: Any, spec: PoolSpec, k8s: KubernetesSpec) -> Check:
         if all(v is None or _quantity(room.get(k, 0)) >= _quantity(v) for k, v in asks.items()):
             fit.append(n.metadata.name)
     asked = ", ".join(f"{k}={v}" for k, v in asks.items() if v) or "no resources"
-    product = f" and carry a label naming {k8s.accelerator!r}" if terms is not None else ""
+    product = f" and carry a label naming {spec.accelerator!r}" if terms is not None else ""
     return Check(want, len(fit) >= spec.fewest,
                  f"{len(fit)} of {len(nodes)} nodes match the selector{product} and can hold {asked} "
                  f"(allocatable, before other pods){': ' + ', '.join(fit[:8]) if fit else ''}")

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.kubernetes import gpu_types
-from skytasks.providers.kubernetes.spec import KubernetesSpec
+from skytasks.providers.kubernetes.spec import KubernetesSettings
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "skytasks")
 POOL_LABEL = "skytasks.io/pool"
@@ -91,7 +91,7 @@ def pod_name(pool_id: str, node_id: int) -> str:
     return f"{pool_id}-{node_id}"
 
 
-def owner_manifest(pool_id: str, pool_name: str, k8s: KubernetesSpec, expires: datetime) -> dict[str, Any]:
+def owner_manifest(pool_id: str, pool_name: str, k8s: KubernetesSettings, expires: datetime) -> dict[str, Any]:
     """The pool's owner object, a ConfigMap: every pod names it as its owner, so deleting it (the
     pool's end, `skytasks gc --kubernetes`, or a person) has Kubernetes' garbage collector delete them.
     `expires` is the pool's lease (`remote_fields.Lease`), which the live controller renews: past it
@@ -191,16 +191,16 @@ def grace_seconds(pod: Mapping[str, Any]) -> int:
     return DEFAULT_GRACE_SECONDS if value is None else int(value)
 
 
-def _placement(k8s: KubernetesSpec, pool_id: str, node_id: int, node_labels: Optional[Iterable[Mapping[str, str]]],
-               slot: Optional[int]) -> tuple[dict[str, Any], Optional[str]]:
+def _placement(spec: PoolSpec, k8s: KubernetesSettings, pool_id: str, node_id: int,
+               node_labels: Optional[Iterable[Mapping[str, str]]], slot: Optional[int]) -> tuple[dict[str, Any], Optional[str]]:
     """The pod's affinity (the GPU product's nodes; at most `per_host` pods of the pool on one
     node) and its slot label's value. With `per_host` N > 1 each pod has a slot (node % N) and
     shuns only its own slot's pods, so at most N of the pool share a node."""
     affinity: dict[str, Any] = {}
-    if k8s.accelerator:
-        terms = gpu_types.node_terms(k8s.accelerator, node_labels, k8s.gpu_label)
+    if spec.accelerator:
+        terms = gpu_types.node_terms(spec.accelerator, node_labels, k8s.k8s_gpu_label)
         affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
-    per_host, slot_value = k8s.per_host, None
+    per_host, slot_value = k8s.per_host_for(spec), None
     if per_host is not None:
         selector = {POOL_LABEL: pool_id}
         if per_host > 1:
@@ -211,7 +211,7 @@ def _placement(k8s: KubernetesSpec, pool_id: str, node_id: int, node_labels: Opt
     return affinity, slot_value
 
 
-def pod_manifest(spec: PoolSpec, k8s: KubernetesSpec, pool_id: str, node_id: int, owner_ref: Mapping[str, Any],
+def pod_manifest(spec: PoolSpec, k8s: KubernetesSettings, pool_id: str, node_id: int, owner_ref: Mapping[str, Any],
                  node_labels: Optional[Iterable[Mapping[str, str]]] = None, slot: Optional[int] = None) -> dict[str, Any]:
     """One node's pod. `node_labels`: the labels of the cluster's nodes, when the pool could read
     them (values there that name the accelerator join the known ones). `slot`: the placement slot
@@ -221,40 +221,41 @@ def pod_manifest(spec: PoolSpec, k8s: KubernetesSpec, pool_id: str, node_id: int
     labels and owner that let the pool (and the garbage collector) find it, its Kueue group, its
     keeper, and `restartPolicy: Never` (a node that ended is replaced by the pool, not restarted)."""
     resources: dict[str, dict[str, Any]] = {}
-    for key, value in (("cpu", k8s.cpu), ("memory", k8s.memory)):
+    for key, value in (("cpu", k8s.k8s_cpu), ("memory", k8s.k8s_memory)):
         if value:
             resources.setdefault("requests", {})[key] = value
             resources.setdefault("limits", {})[key] = value
-    tolerations = [dict(t) for t in k8s.tolerations]
-    if k8s.gpus:
-        resources.setdefault("limits", {})[GPU_RESOURCE] = str(k8s.gpus)  # a quantity, as the API takes it
+    tolerations = [dict(t) for t in k8s.k8s_tolerations]
+    gpus = k8s.gpus_for(spec)
+    if gpus:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)  # a quantity, as the API takes it
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
-    shm: dict[str, Any] = {"medium": "Memory", **({"sizeLimit": k8s.shm_size} if k8s.shm_size else {})}
+    shm: dict[str, Any] = {"medium": "Memory", **({"sizeLimit": k8s.k8s_shm_size} if k8s.k8s_shm_size else {})}
     pod: dict[str, Any] = {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": pod_name(pool_id, node_id), "labels": {}, "annotations": {NAME_ANNOTATION: spec.name}},
         "spec": {
-            "containers": [{"name": CONTAINER, "image": k8s.image, "resources": resources,
+            "containers": [{"name": CONTAINER, "image": k8s.k8s_image, "resources": resources,
                             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}],
             "volumes": [{"name": "dshm", "emptyDir": shm}],
             # No API token in the pods unless a service account is asked for: the ranks need none.
-            "automountServiceAccountToken": bool(k8s.service_account),
+            "automountServiceAccountToken": bool(k8s.k8s_service_account),
             "enableServiceLinks": False,
         },
     }
     body = pod["spec"]
-    if k8s.service_account:
-        body["serviceAccountName"] = k8s.service_account
-    if k8s.image_pull_secrets:
-        body["imagePullSecrets"] = [{"name": n} for n in k8s.image_pull_secrets]
-    if k8s.node_selector:
-        body["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.k8s_service_account:
+        body["serviceAccountName"] = k8s.k8s_service_account
+    if k8s.k8s_image_pull_secrets:
+        body["imagePullSecrets"] = [{"name": n} for n in k8s.k8s_image_pull_secrets]
+    if k8s.k8s_node_selector:
+        body["nodeSelector"] = dict(k8s.k8s_node_selector)
     if tolerations:
         body["tolerations"] = tolerations
-    affinity, slot_value = _placement(k8s, pool_id, node_id, node_labels, slot)
+    affinity, slot_value = _placement(spec, k8s, pool_id, node_id, node_labels, slot)
     if affinity:
         body["affinity"] = affinity
-    pod = merge_template(pod, k8s.pod_template)
+    pod = merge_template(pod, k8s.k8s_pod_template)
     meta, body = pod["metadata"], pod["spec"]
     meta["name"] = pod_name(pool_id, node_id)
     meta.pop("generateName", None)
@@ -262,30 +263,30 @@ def pod_manifest(spec: PoolSpec, k8s: KubernetesSpec, pool_id: str, node_id: int
     labels.update({MANAGED_BY[0]: MANAGED_BY[1], POOL_LABEL: pool_id, NODE_LABEL: str(node_id)})
     if slot_value is not None:
         labels[SLOT_LABEL] = slot_value
-    if k8s.queue:
-        _join_kueue_group(meta, k8s, pool_id)
+    if k8s.k8s_queue:
+        _join_kueue_group(meta, k8s, pool_id, spec.nodes)
     meta["ownerReferences"] = [dict(owner_ref)]
     body["restartPolicy"] = "Never"
-    if k8s.priority_class:
-        body["priorityClassName"] = k8s.priority_class
+    if k8s.k8s_priority_class:
+        body["priorityClassName"] = k8s.k8s_priority_class
     if k8s.max_lifetime_minutes is not None:
         body["activeDeadlineSeconds"] = max(1, round(k8s.max_lifetime_minutes * 60))
     own = next(c for c in body["containers"] if c["name"] == CONTAINER)
     idle = k8s.idle_minutes * 60
-    own["command"] = [k8s.remote_python, "-c", KEEPER, f"{idle:g}", str(grace_seconds(pod)),
+    own["command"] = [k8s.python, "-c", KEEPER, f"{idle:g}", str(grace_seconds(pod)),
                       f"{k8s.ready_timeout_seconds + idle:g}"]
     own.pop("args", None)
     return pod
 
 
-def _join_kueue_group(meta: dict[str, Any], k8s: KubernetesSpec, pool_id: str) -> None:
+def _join_kueue_group(meta: dict[str, Any], k8s: KubernetesSettings, pool_id: str, nodes: int) -> None:
     """Kueue admits the pool whole: one plain-pod group per pool, of the start size; a replacement
     pod joins it with the same count. Every pod is one role (a pinned role hash: pods that differ
     only in their slot's anti-affinity, or a replacement made after new nodes appeared, would
     otherwise be new roles, which evicts the group), and not retriable in the group, so the group
     ends, and Kueue lets the pods go, once every pod of the pool has ended."""
-    meta["labels"].update({KUEUE_QUEUE_LABEL: str(k8s.queue), KUEUE_GROUP_LABEL: pool_id})
-    meta.setdefault("annotations", {}).update({KUEUE_TOTAL_ANNOTATION: str(k8s.nodes), KUEUE_ROLE_ANNOTATION: KUEUE_ROLE,
+    meta["labels"].update({KUEUE_QUEUE_LABEL: str(k8s.k8s_queue), KUEUE_GROUP_LABEL: pool_id})
+    meta.setdefault("annotations", {}).update({KUEUE_TOTAL_ANNOTATION: str(nodes), KUEUE_ROLE_ANNOTATION: KUEUE_ROLE,
                                                KUEUE_RETRIABLE_ANNOTATION: "false"})
 
 

@@ -30,7 +30,7 @@ from skytasks.providers.kubernetes import cluster, pod_status, pod_views, pods
 from skytasks.providers.kubernetes.avoid import avoid_hosts
 from skytasks.providers.kubernetes.node_agents import PodAgents
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
-from skytasks.providers.kubernetes.spec import KubernetesSpec
+from skytasks.providers.kubernetes.spec import KubernetesSettings
 from skytasks.providers.kubernetes.warm_pods import WarmPods
 from skytasks.providers.remote_fields import Lease
 from skytasks.providers.teardown import uninterruptible
@@ -49,11 +49,11 @@ class KubernetesProvider(WarmPods, NodeProvider):
     capabilities = Capabilities(gpus_from_config=True, reattaches=True, replaces_elsewhere=True)
 
     def __init__(self, spec: PoolSpec, reporter: Optional[PoolReporter] = None):
-        self._spec, self._k8s = spec, spec.own(KubernetesSpec)
+        self._spec, self._k8s = spec, spec.own(KubernetesSettings)
         self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
         self.reporter = reporter or PoolReporter(spec.name, "kubernetes")
         self.reporter.key = self.pool_id
-        self.namespace = self._k8s.namespace
+        self.namespace = self._k8s.k8s_namespace
         self._cfg: Any = None
         self._core: Any = None
         self._owner_ref: Optional[dict[str, Any]] = None
@@ -64,7 +64,7 @@ class KubernetesProvider(WarmPods, NodeProvider):
         self._lease.keep_warm_minutes = spec.keep_warm_minutes  # a released warm pool is no orphan
         # What to fix when no node matches the pods' node affinity: the selector the user set, else
         # the GPU product the pool requires, else the template's own affinity.
-        self._selector_field = ("k8s_node_selector" if self._k8s.node_selector or not self._k8s.accelerator
+        self._selector_field = ("k8s_node_selector" if self._k8s.k8s_node_selector or not self._spec.accelerator
                                 else "accelerator")
         self._agents: Optional[PodAgents] = None
         self.nodes: dict[int, str] = {}  # node id -> its pod
@@ -109,9 +109,9 @@ class KubernetesProvider(WarmPods, NodeProvider):
     def _connect(self) -> None:
         from kubernetes import client
 
-        self._cfg = cluster.configuration(self._k8s.credentials)
+        self._cfg = cluster.configuration(self._spec.credentials)
         self._core = client.CoreV1Api(cluster.api_client(self._cfg))
-        self._agents = PodAgents(self._cfg, self.namespace, self._k8s.remote_python, self._k8s.ready_timeout_seconds)
+        self._agents = PodAgents(self._cfg, self.namespace, self._k8s.python, self._k8s.ready_timeout_seconds)
         owner = pods.owner_manifest(self.pool_id, self._spec.name, self._k8s, self._lease.expiry())
         made = self._api(lambda: self._core.create_namespaced_config_map(self.namespace, owner), "create configmaps")
         self._owner_ref = pods.owner_reference({"metadata": {"name": made.metadata.name, "uid": made.metadata.uid}})
@@ -120,8 +120,8 @@ class KubernetesProvider(WarmPods, NodeProvider):
                          name=f"skytasks-lease-{self.pool_id}")
         # Watching before the first pod is made: every change to the pool's pods is heard.
         self._pods = PoolWatch(self._cfg, self.namespace, self.pool_id).start(self._k8s.ready_timeout_seconds)
-        if self._k8s.accelerator:
-            self._node_labels = self._read_node_labels(self._k8s.accelerator)
+        if self._spec.accelerator:
+            self._node_labels = self._read_node_labels(self._spec.accelerator)
 
     def _api(self, call: Any, doing: str) -> Any:
         import urllib3
@@ -173,7 +173,7 @@ class KubernetesProvider(WarmPods, NodeProvider):
         since: dict[str, float] = {}  # pod -> when it was first seen unschedulable
         pulls: dict[str, pod_status.PullTrouble] = {}  # pod -> since when its image pull fails, and why
         while True:
-            views = pod_views.starting(self._pods, names, self._k8s.autoscaler, since, self._selector_field, pulls)
+            views = pod_views.starting(self._pods, names, self._k8s.k8s_autoscaler, since, self._selector_field, pulls)
             decision = pod_status.start_decision(views, fewest, time.monotonic() - started, timeout)
             if isinstance(decision, pod_status.Go):
                 for v in views:

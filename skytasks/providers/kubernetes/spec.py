@@ -1,5 +1,6 @@
 """provider="kubernetes": its settings (`KubernetesSettings`: the pods' image, namespace, scheduling
-and resources) and the cluster's credentials field, their validation, and its frozen part of the spec.
+and resources) and the cluster's credentials field, their validation; the model is also its part of the
+spec (skytasks/providers/settings_model.py), and the pool's credentials block is `PoolSpec.credentials`.
 
 The credentials field holds prefect-kubernetes' `KubernetesCredentials` block (`pip install
 "skytasks[kubernetes]"`), so a saved pool refers to a saved credentials block as Prefect's own blocks
@@ -13,15 +14,15 @@ from __future__ import annotations
 
 import importlib
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 # (the block's own schema is given the real class: blocks/gpu_pool.py, from the plugin's `block_fields`)
 from skytasks.providers.kubernetes import CREDENTIALS_BLOCK
 from skytasks.providers.remote_fields import (IdleMinutes, MaxLifetime, OptionalInt, OptionalStr, ReadyTimeout,
-                                              RemotePython, one_choice)
+                                              RemotePython)
+from skytasks.providers.settings_model import ProviderSettingsModel, ProviderTag
 
 EXTRA = 'pip install "skytasks[kubernetes]"'
 
@@ -31,6 +32,14 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+# Each name-like setting: the pattern it matches, and what it is said not to be otherwise.
+_NAMES = {
+    "k8s_namespace": (_DNS_LABEL, "is not a Kubernetes namespace name (lower-case letters, digits and '-', at most 63)"),
+    "k8s_service_account": (_DNS_SUBDOMAIN, "is not a Kubernetes object name"),
+    "k8s_queue": (_DNS_SUBDOMAIN, "is not a Kubernetes object name"),
+    "k8s_priority_class": (_DNS_SUBDOMAIN, "is not a Kubernetes object name"),
+    "k8s_gpu_label": (_LABEL_KEY, "is not a node label key (such as 'example.com/gpu-type')"),
+}
 
 def credentials_block_class() -> Any:
     """prefect-kubernetes' KubernetesCredentials block class, imported now; None without the extra."""
@@ -66,17 +75,18 @@ def _said(error: Any) -> str:
 
 if TYPE_CHECKING:
     from prefect_kubernetes.credentials import KubernetesCredentials as CredentialsBlock
+
+    from skytasks.pool_spec import PoolSpec
 else:
     CredentialsBlock = Annotated[Any, BeforeValidator(_as_credentials_block)]
 
 
-class KubernetesSettings(BaseModel):
+class KubernetesSettings(ProviderSettingsModel):
     """kubernetes: one pod per node in a Kubernetes cluster, created and deleted by the pool."""
 
-    model_config = ConfigDict(title="kubernetes", extra="forbid")
+    model_config = ConfigDict(title="kubernetes")
 
-    provider: Annotated[Literal["kubernetes"], one_choice("kubernetes")] = Field(
-        "kubernetes", description="The provider these settings are for.")
+    provider: ProviderTag[Literal["kubernetes"]] = "kubernetes"
     k8s_image: OptionalStr = Field(
         None, description="The image of every pod (Python with torch and cloudpickle); required.")
     k8s_namespace: str = Field("default", description="The namespace of the pool's pods.")
@@ -104,33 +114,12 @@ class KubernetesSettings(BaseModel):
     idle_minutes: IdleMinutes = 15
     max_lifetime_minutes: MaxLifetime = None
 
-    @field_validator("k8s_namespace")
+    @field_validator(*_NAMES)
     @classmethod
-    def _namespace_is_a_name(cls, value: str) -> str:
-        if not _DNS_LABEL.match(value):
-            raise ValueError(f"k8s_namespace: {value!r} is not a Kubernetes namespace name (lower-case letters, digits "
-                             "and '-', at most 63)")
-        return value
-
-    @field_validator("k8s_service_account")
-    @classmethod
-    def _account_is_a_name(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and not _DNS_SUBDOMAIN.match(value):
-            raise ValueError(f"k8s_service_account: {value!r} is not a Kubernetes object name")
-        return value
-
-    @field_validator("k8s_queue", "k8s_priority_class")
-    @classmethod
-    def _object_name(cls, value: Optional[str], info: Any) -> Optional[str]:
-        if value is not None and not _DNS_SUBDOMAIN.match(value):
-            raise ValueError(f"{info.field_name}: {value!r} is not a Kubernetes object name")
-        return value
-
-    @field_validator("k8s_gpu_label")
-    @classmethod
-    def _label_key(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and not _LABEL_KEY.match(value):
-            raise ValueError(f"k8s_gpu_label: {value!r} is not a node label key (such as 'example.com/gpu-type')")
+    def _a_name(cls, value: Optional[str], info: Any) -> Optional[str]:
+        pattern, said = _NAMES[info.field_name]
+        if value is not None and not pattern.match(value):
+            raise ValueError(f"{info.field_name}: {value!r} {said}")
         return value
 
     @field_validator("k8s_image_pull_secrets")
@@ -173,65 +162,31 @@ class KubernetesSettings(BaseModel):
             raise ValueError("k8s_pod_template: spec.containers must be a list of container mappings")
         return template
 
-
-# The fields, named once: the settings' own, and the pool's credentials field (a block: the pool's own).
-READS = ("kubernetes_credentials", *(name for name in KubernetesSettings.model_fields if name != "provider"))
-
-
-@dataclass(frozen=True)
-class KubernetesSpec:
-    """provider="kubernetes": one pod per node, made and deleted by the pool."""
-
-    credentials: Any  # a KubernetesCredentials block, or None
-    namespace: str
-    image: str
-    service_account: Optional[str]
-    image_pull_secrets: tuple[str, ...]
-    node_selector: tuple[tuple[str, str], ...]
-    tolerations: tuple[Mapping[str, Any], ...]
-    cpu: Optional[str]
-    memory: Optional[str]
-    shm_size: Optional[str]
-    pod_template: Mapping[str, Any]
-    remote_python: str
-    accelerator: Optional[str]
-    gpus: int  # nvidia.com/gpu per pod
-    ready_timeout_seconds: float
-    idle_minutes: float
-    max_lifetime_minutes: Optional[float]
-    autoscaler: str = "auto"  # "auto", "none" or "wait"
-    gpu_label: Optional[str] = None
-    pods_per_host: Optional[int] = None  # None: 1 with an accelerator, else no limit
-    queue: Optional[str] = None
-    priority_class: Optional[str] = None
-    nodes: int = 1  # the pool's start size: a Kueue pod group's total count
+    def check_pool(self, pool: PoolSpec) -> None:
+        try:  # the client and the credentials block: a kubernetes pool is the one that needs them
+            import kubernetes  # noqa: F401
+        except ImportError:
+            raise ValueError(f"provider: provider='kubernetes' needs its extra: {EXTRA}") from None
+        if credentials_block_class() is None:
+            raise ValueError(f"provider: provider='kubernetes' needs its extra: {EXTRA}")
+        if not self.k8s_image:
+            raise ValueError("k8s_image: provider='kubernetes' needs the image every pod runs (Python with torch and "
+                             "cloudpickle; skytasks itself arrives from the controller)")
 
     @property
-    def per_host(self) -> Optional[int]:
-        """The most pods of the pool on one Kubernetes node (None: no limit)."""
-        return self.pods_per_host if self.pods_per_host is not None else (1 if self.accelerator else None)
+    def python(self) -> str:
+        """The pods' Python: remote_python, else python3."""
+        return self.remote_python or "python3"
+
+    @staticmethod
+    def gpus_for(pool: PoolSpec) -> int:
+        """nvidia.com/gpu per pod: the pool's accelerators per node, none without an accelerator."""
+        return (pool.accelerators_per_node or 1) if pool.accelerator else 0
+
+    def per_host_for(self, pool: PoolSpec) -> Optional[int]:
+        """The most pods of the pool on one Kubernetes node (None: no limit): k8s_pods_per_host, else
+        1 with an accelerator."""
+        return self.k8s_pods_per_host if self.k8s_pods_per_host is not None else (1 if pool.accelerator else None)
 
 
-def build(fields: Mapping[str, Any]) -> KubernetesSpec:
-    try:  # the client and the credentials block: a kubernetes pool is the one that needs them
-        import kubernetes  # noqa: F401
-    except ImportError:
-        raise ValueError(f"provider: provider='kubernetes' needs its extra: {EXTRA}") from None
-    if credentials_block_class() is None:
-        raise ValueError(f"provider: provider='kubernetes' needs its extra: {EXTRA}")
-    if not fields["k8s_image"]:
-        raise ValueError("k8s_image: provider='kubernetes' needs the image every pod runs (Python with torch and "
-                         "cloudpickle; skytasks itself arrives from the controller)")
-    accelerator = fields["accelerator"]
-    return KubernetesSpec(
-        credentials=fields["kubernetes_credentials"], namespace=fields["k8s_namespace"], image=fields["k8s_image"],
-        service_account=fields["k8s_service_account"], image_pull_secrets=tuple(fields["k8s_image_pull_secrets"]),
-        node_selector=tuple(sorted(fields["k8s_node_selector"].items())),
-        tolerations=tuple(dict(t) for t in fields["k8s_tolerations"]), cpu=fields["k8s_cpu"],
-        memory=fields["k8s_memory"], shm_size=fields["k8s_shm_size"], pod_template=fields["k8s_pod_template"],
-        remote_python=fields["remote_python"] or "python3", accelerator=accelerator,
-        gpus=(fields["accelerators_per_node"] or 1) if accelerator else 0,
-        ready_timeout_seconds=fields["ready_timeout_seconds"], idle_minutes=fields["idle_minutes"],
-        max_lifetime_minutes=fields["max_lifetime_minutes"], autoscaler=fields["k8s_autoscaler"],
-        gpu_label=fields["k8s_gpu_label"], pods_per_host=fields["k8s_pods_per_host"], queue=fields["k8s_queue"],
-        priority_class=fields["k8s_priority_class"], nodes=fields["nodes"])
+KubernetesSpec = KubernetesSettings  # (its old name: the settings are the spec)

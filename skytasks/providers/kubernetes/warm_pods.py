@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from skytasks.errors import PoolGone
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.kubernetes import cluster, pod_views, pods
 from skytasks.providers.kubernetes.node_agents import PodAgents
 from skytasks.providers.kubernetes.pool_watch import PoolWatch
-from skytasks.providers.kubernetes.spec import KubernetesSpec
+from skytasks.providers.kubernetes.spec import KubernetesSettings
 from skytasks.providers.remote_fields import Lease
+
+if TYPE_CHECKING:
+    from skytasks.pool_spec import PoolSpec
 
 
 class WarmPods:
@@ -26,7 +29,8 @@ class WarmPods:
     reporter: PoolReporter
     nodes: dict[int, str]
     placed: dict[str, str]
-    _k8s: KubernetesSpec
+    _spec: PoolSpec
+    _k8s: KubernetesSettings
     _cfg: Any
     _core: Any
     _agents: Optional[PodAgents]
@@ -62,9 +66,9 @@ class WarmPods:
         from kubernetes import client
 
         self.pool_id = self.reporter.key = str(handle["pool_id"])
-        self._cfg = cluster.configuration(self._k8s.credentials)
+        self._cfg = cluster.configuration(self._spec.credentials)
         self._core = client.CoreV1Api(cluster.api_client(self._cfg))
-        self._agents = PodAgents(self._cfg, self.namespace, self._k8s.remote_python, self._k8s.ready_timeout_seconds)
+        self._agents = PodAgents(self._cfg, self.namespace, self._k8s.python, self._k8s.ready_timeout_seconds)
         try:
             owner = self._core.read_namespaced_config_map(self.pool_id, self.namespace, _request_timeout=30)
         except Exception as exc:  # noqa: BLE001 - a 404 is a pool gone; anything else, unreachable
@@ -89,8 +93,8 @@ class WarmPods:
                 self._lost[name] = gone
         if all(name in self._lost for name in self.nodes.values()):
             raise PoolGone(f"{self.pool_id}: none of its pods runs any more")
-        if self._k8s.accelerator:
-            self._node_labels = self._read_node_labels(self._k8s.accelerator)
+        if self._spec.accelerator:
+            self._node_labels = self._read_node_labels(self._spec.accelerator)
         self._watcher = threading.Thread(target=self._watch_pods, name=f"skytasks-k8s-lost-{self.pool_id}", daemon=True)
         self._watcher.start()
 

@@ -4,5 +4,5 @@ for a warm pool another process holds."""
 
 from skytasks.providers import ProviderPlugin
 
-PLUGIN = ProviderPlugin("local", "skytasks.providers.local.provider:LocalProvider", spec="skytasks.providers.local.spec",
+PLUGIN = ProviderPlugin("local", "skytasks.providers.local.provider:LocalProvider",
                         settings="skytasks.providers.local.spec:LocalSettings")

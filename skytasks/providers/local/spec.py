@@ -1,38 +1,27 @@
-"""provider="local": the one field it reads beyond the pool's shape, and its frozen part of the spec.
+"""provider="local": the one field it reads beyond the pool's shape; the model is also its part of
+the spec (skytasks/providers/settings_model.py).
 
 `ready_timeout_seconds`: local processes start in milliseconds, so it bounds only how long a
 process waits in line for a warm pool that another process holds (skytasks.controller.warm)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Mapping
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from skytasks.providers.remote_fields import ReadyTimeout, one_choice
+from skytasks.providers.remote_fields import ReadyTimeout
+from skytasks.providers.settings_model import ProviderSettingsModel, ProviderTag
 
 
-class LocalSettings(BaseModel):
+class LocalSettings(ProviderSettingsModel):
     """local: processes on this machine."""
 
-    model_config = ConfigDict(title="local", extra="forbid")
+    model_config = ConfigDict(title="local")
 
-    provider: Annotated[Literal["local"], one_choice("local")] = Field(
-        "local", description="The provider these settings are for.")
+    provider: ProviderTag[Literal["local"]] = "local"
     ready_timeout_seconds: ReadyTimeout = Field(
         900, description="Seconds a process waits in line for a warm pool another process holds.")
 
 
-READS = tuple(name for name in LocalSettings.model_fields if name != "provider")  # the fields, named once
-
-
-@dataclass(frozen=True)
-class LocalSpec:
-    """provider="local": processes of this machine."""
-
-    ready_timeout_seconds: float
-
-
-def build(fields: Mapping[str, Any]) -> LocalSpec:
-    return LocalSpec(ready_timeout_seconds=float(fields["ready_timeout_seconds"]))
+LocalSpec = LocalSettings  # (its old name: the settings are the spec)

@@ -5,6 +5,6 @@ answers read), `shell.py` (where SLURM's commands run: here or on a login node o
 
 from skytasks.providers import ProviderPlugin
 
-PLUGIN = ProviderPlugin("slurm", "skytasks.providers.slurm.provider:SlurmProvider", spec="skytasks.providers.slurm.spec",
+PLUGIN = ProviderPlugin("slurm", "skytasks.providers.slurm.provider:SlurmProvider",
                         settings="skytasks.providers.slurm.spec:SlurmSettings",
                         check="skytasks.providers.slurm.check:run", gc="skytasks.providers.slurm.gc:command")

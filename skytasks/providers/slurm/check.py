@@ -19,7 +19,7 @@ from skytasks.providers.checks import Check
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.slurm import job as slurm_job
 from skytasks.providers.slurm.shell import SlurmShell
-from skytasks.providers.slurm.spec import SlurmSpec
+from skytasks.providers.slurm.spec import SlurmSettings
 
 # Node states (sinfo's %T, without its suffixes) with which a node can take no job.
 UNUSABLE = ("down", "drain", "drained", "draining", "fail", "failing", "future", "inval", "unknown", "not_responding")
@@ -62,7 +62,7 @@ def _shown(args: list[str]) -> list[str]:
 
 
 def _partition(shell: SlurmShell, spec: PoolSpec) -> Check:
-    part = spec.own(SlurmSpec).partition
+    part = spec.own(SlurmSettings).slurm_partition
     name = f"partition {part!r}" if part else "the default partition"
     want = f"{name} has {spec.fewest} node(s) that can run"
     done = shell.run(["sinfo", "-h", "-N", "-o", "%N|%T|%P", *([f"--partition={part}"] if part else [])], timeout=30)

@@ -43,9 +43,9 @@ def command(args: Any) -> int:
 
     from skytasks.blocks.gpu_pool import GPUPool
     from skytasks.event_bus import PoolReporter
-    from skytasks.providers.slurm.spec import SlurmSpec
+    from skytasks.providers.slurm.spec import SlurmSettings
 
-    shell = SlurmShell(GPUPool(provider="slurm").spec().own(SlurmSpec), PoolReporter("gc", "slurm"))
+    shell = SlurmShell(GPUPool(provider="slurm").spec().own(SlurmSettings), PoolReporter("gc", "slurm"))
     try:
         swept = sweep_jobs(shell, dry_run=args.dry_run, now=args.now, log=lambda line: print(line, file=sys.stderr))
     finally:

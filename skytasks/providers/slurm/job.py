@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from skytasks.pool_spec import PoolSpec
 from skytasks.providers.remote_fields import lease_expiry
-from skytasks.providers.slurm.spec import SlurmSpec
+from skytasks.providers.slurm.spec import SlurmSettings
 
 JOB_PREFIX = "skytasks-"
 EXPIRES_KEY = "skytasks:expires-at="
@@ -102,7 +102,7 @@ def sbatch_args(spec: PoolSpec, pool_id: str, nodes: int, exclude: tuple[str, ..
     """The allocation for `nodes` nodes of this pool (SLURM's own `--nodes=MIN-MAX` when it may
     have `fewest`): one batch job for its whole life. `expires_at`: the pool's lease now (default:
     that of a pool starting now)."""
-    s = spec.own(SlurmSpec)
+    s = spec.own(SlurmSettings)
     if expires_at is None:
         now = datetime.now(timezone.utc)
         expires_at = lease_expiry(now, now, s.idle_minutes, s.max_lifetime_minutes)
@@ -116,13 +116,13 @@ def sbatch_args(spec: PoolSpec, pool_id: str, nodes: int, exclude: tuple[str, ..
             # before the time limit (ours or the partition's), and at once on a preemption with
             # PreemptParameters=send_user_signal.
             f"--signal=USR2@{notice_seconds(s.max_lifetime_minutes)}"]
-    for flag, value in (("--partition", s.partition), ("--account", s.account), ("--qos", s.qos),
-                        ("--constraint", s.constraint), ("--gres", s.gres)):
+    for flag, value in (("--partition", s.slurm_partition), ("--account", s.slurm_account),
+                        ("--qos", s.slurm_qos), ("--constraint", s.slurm_constraint), ("--gres", s.gres_for(spec))):
         if value:
             args.append(f"{flag}={value}")
     if exclude:
         args.append(f"--exclude={','.join(sorted(exclude))}")
-    return args + list(s.extra_args)
+    return args + list(s.slurm_extra_args)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from skytasks.providers.remote.reattach import reach_agent
 from skytasks.providers.remote.workdir import SentWorkdirs
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.slurm.shell import SlurmShell, Step
-from skytasks.providers.slurm.spec import SlurmSpec
+from skytasks.providers.slurm.spec import SlurmSettings
 
 # The heartbeat's folder on this node (`job.heartbeat_folders`): this user's 0700 folder of the
 # job if there is one, else a new one (mkdtemp: a random name, 0700); a folder of that name that
@@ -71,14 +71,14 @@ def srun(job_id: str, node: str) -> list[str]:
 class NodeSteps:
     def __init__(self, shell: SlurmShell, spec: PoolSpec, reporter: PoolReporter):
         self._shell, self._spec, self._reporter = shell, spec, reporter
-        self._python = spec.own(SlurmSpec).remote_python or "python3"
-        self._python_default = None if spec.own(SlurmSpec).remote_python else "the default: python3 on the nodes' PATH"
+        self._python = spec.own(SlurmSettings).remote_python or "python3"
+        self._python_default = None if spec.own(SlurmSettings).remote_python else "the default: python3 on the nodes' PATH"
         self._steps: dict[str, Step] = {}  # node name -> the step its stream runs in now
         # node name -> the step its agent runs in: the same as _steps' until the agent is reached
         # again by an attach step; never signalled while the agent lives (see Step.let_go).
         self._agents: dict[str, Step] = {}
         self._workdirs = SentWorkdirs()
-        self._starter = AgentStarter(BOOTSTRAP, spec.own(SlurmSpec).ready_timeout_seconds, env=spec.env)
+        self._starter = AgentStarter(BOOTSTRAP, spec.own(SlurmSettings).ready_timeout_seconds, env=spec.env)
 
     def start_agent(self, node_rank: int, name: str, address: str, job_id: str, args: list[str]) -> NodeLink:
         def open_step(code: str, argv: list[str]) -> _StepWay:

@@ -35,7 +35,7 @@ from skytasks.providers.teardown import uninterruptible
 from skytasks.providers.slurm import job as slurm_job, lease as slurm_lease
 from skytasks.providers.slurm.node_steps import NodeSteps
 from skytasks.providers.slurm.shell import SlurmShell
-from skytasks.providers.slurm.spec import SlurmSpec
+from skytasks.providers.slurm.spec import SlurmSettings
 from skytasks.settings import settings
 
 # A job in one of these states is SLURM's word that it no longer runs ("": not in the queue).
@@ -62,7 +62,7 @@ class SlurmProvider(NodeProvider):
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
-        self._slurm = spec.own(SlurmSpec)
+        self._slurm = spec.own(SlurmSettings)
         self.pool_id = f"{slurm_job.JOB_PREFIX}{uuid.uuid4().hex[:10]}"
         self.reporter = reporter or PoolReporter(spec.name, "slurm")
         self.reporter.key = self.pool_id
@@ -130,7 +130,7 @@ class SlurmProvider(NodeProvider):
 
     def _why_not_more(self, have: list[str]) -> str:
         """The partition's other nodes and their states, as SLURM says (sinfo)."""
-        part = self._slurm.partition
+        part = self._slurm.slurm_partition
         done = self.shell.run(["sinfo", "-h", "-N", "-o", "%N|%T", *([f"--partition={part}"] if part else [])])
         others = sorted({ln.strip() for ln in done.stdout.splitlines() if ln.strip() and ln.split("|")[0] not in have})
         if not others:
@@ -180,7 +180,7 @@ class SlurmProvider(NodeProvider):
         return slurm_job.parse_queue_line(done.stdout)
 
     def _position(self, job_id: str) -> str:
-        part = self._slurm.partition
+        part = self._slurm.slurm_partition
         done = self.shell.run(["squeue", "-h", "-t", "PD", "-o", "%i", "--sort=-p,i",
                                *([f"--partition={part}"] if part else [])])
         ids = done.stdout.split()

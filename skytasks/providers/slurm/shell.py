@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Optional
 
 from skytasks.errors import PoolStartError
-from skytasks.providers.slurm.spec import SlurmSpec
+from skytasks.providers.slurm.spec import SlurmSettings
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.ssh.login import load_known_hosts, parse_host
@@ -60,12 +60,12 @@ class Step:
 
 
 class SlurmShell:
-    def __init__(self, spec: SlurmSpec, reporter: PoolReporter):
+    def __init__(self, spec: SlurmSettings, reporter: PoolReporter):
         self._spec, self._reporter = spec, reporter
         self._conn: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._procs: list[subprocess.Popen] = []
-        self.where = "this machine" if spec.login is None else f"the login node {spec.login}"
+        self.where = "this machine" if spec.slurm_login is None else f"the login node {spec.slurm_login}"
 
     # -- connection (slurm_login only) ------------------------------------------------------
 
@@ -76,7 +76,7 @@ class SlurmShell:
             return self._conn
         import asyncssh
 
-        user, host, port = parse_host(self._spec.login or "", self._spec.ssh_user)
+        user, host, port = parse_host(self._spec.slurm_login or "", self._spec.ssh_user)
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, daemon=True, name="skytasks-slurm-login").start()
@@ -104,7 +104,7 @@ class SlurmShell:
     # -- commands ---------------------------------------------------------------------------
 
     def run(self, argv: list[str], input: bytes | None = None, timeout: float = 120.0) -> Done:
-        if self._spec.login is None:
+        if self._spec.slurm_login is None:
             try:
                 p = subprocess.run(argv, input=input, capture_output=True, timeout=timeout, start_new_session=True)
             except FileNotFoundError:
@@ -120,7 +120,7 @@ class SlurmShell:
     def open(self, argv: list[str], label: str) -> Step:
         """A long-lived command (an srun step): its stdin and stdout as a stream, its stderr lines
         to the reporter (and the last few kept, for when it ends)."""
-        if self._spec.login is None:
+        if self._spec.slurm_login is None:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     # its own session: Ctrl-C reaches the controller only, which
                                     # stops the ranks in order

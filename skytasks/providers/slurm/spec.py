@@ -1,23 +1,27 @@
 """provider="slurm": its settings (`SlurmSettings`: what the allocation asks for, where SLURM's
-commands run), their validation, and its frozen part of the spec."""
+commands run), their validation; the model is also its part of the spec
+(skytasks/providers/settings_model.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from skytasks.providers.remote_fields import (IdleMinutes, KnownHosts, MaxLifetime, OptionalStr, ReadyTimeout,
-                                              RemotePython, SSHPrivateKey, SSHUser, host_field, one_choice)
+                                              RemotePython, SSHPrivateKey, SSHUser, host_field)
+from skytasks.providers.settings_model import ProviderSettingsModel, ProviderTag
 
-class SlurmSettings(BaseModel):
+if TYPE_CHECKING:
+    from skytasks.pool_spec import PoolSpec
+
+
+class SlurmSettings(ProviderSettingsModel):
     """slurm: the nodes of a SLURM allocation the pool requests and cancels."""
 
-    model_config = ConfigDict(title="slurm", extra="forbid")
+    model_config = ConfigDict(title="slurm")
 
-    provider: Annotated[Literal["slurm"], one_choice("slurm")] = Field(
-        "slurm", description="The provider these settings are for.")
+    provider: ProviderTag[Literal["slurm"]] = "slurm"
     slurm_login: OptionalStr = Field(
         None, description='"[user@]host[:port]" of a login node where SLURM commands run over SSH; empty: here.')
     slurm_partition: OptionalStr = Field(None, description="The allocation's --partition.")
@@ -49,38 +53,15 @@ class SlurmSettings(BaseModel):
                                  "such as '--exclusive' or '--mem=64G')")
         return args
 
+    def check_pool(self, pool: PoolSpec) -> None:
+        if self.slurm_login and not self.known_hosts:
+            raise ValueError("known_hosts: slurm_login needs the login node's host key in known_hosts (text or a "
+                             "path); host keys are never trusted blindly")
 
-READS = tuple(name for name in SlurmSettings.model_fields if name != "provider")  # the fields, named once
-
-
-@dataclass(frozen=True)
-class SlurmSpec:
-    """provider="slurm": what the allocation asks for, where SLURM's commands run, and when it ends."""
-
-    login: Optional[str]  # "[user@]host[:port]" of a login node; None: SLURM's commands run here
-    ssh_user: Optional[str]
-    ssh_private_key: Optional[SecretStr]
-    known_hosts: Optional[str]
-    remote_python: Optional[str]
-    partition: Optional[str]
-    account: Optional[str]
-    qos: Optional[str]
-    constraint: Optional[str]
-    gres: Optional[str]  # already defaulted from the accelerator
-    extra_args: tuple[str, ...]
-    ready_timeout_seconds: float
-    idle_minutes: float
-    max_lifetime_minutes: Optional[float]  # None: no --time, the partition's limit applies
+    def gres_for(self, pool: PoolSpec) -> Optional[str]:
+        """The allocation's --gres: slurm_gres as given, else one GPU per accelerator the pool's
+        nodes have, else none."""
+        return self.slurm_gres or (f"gpu:{pool.accelerators_per_node}" if pool.accelerator else None)
 
 
-def build(fields: Mapping[str, Any]) -> SlurmSpec:
-    if fields["slurm_login"] and not fields["known_hosts"]:
-        raise ValueError("known_hosts: slurm_login needs the login node's host key in known_hosts (text or a "
-                         "path); host keys are never trusted blindly")
-    gres = fields["slurm_gres"] or (f"gpu:{fields['accelerators_per_node']}" if fields["accelerator"] else None)
-    return SlurmSpec(
-        login=fields["slurm_login"], ssh_user=fields["ssh_user"], ssh_private_key=fields["ssh_private_key"],
-        known_hosts=fields["known_hosts"], remote_python=fields["remote_python"], partition=fields["slurm_partition"],
-        account=fields["slurm_account"], qos=fields["slurm_qos"], constraint=fields["slurm_constraint"], gres=gres,
-        extra_args=tuple(fields["slurm_extra_args"]), ready_timeout_seconds=fields["ready_timeout_seconds"],
-        idle_minutes=fields["idle_minutes"], max_lifetime_minutes=fields["max_lifetime_minutes"])
+SlurmSpec = SlurmSettings  # (its old name: the settings are the spec)

@@ -7,6 +7,6 @@ SSH transport that aws (and a SLURM login node) share: `login.py` (reaching host
 
 from skytasks.providers import ProviderPlugin
 
-PLUGIN = ProviderPlugin("ssh", "skytasks.providers.ssh.provider:SSHProvider", spec="skytasks.providers.ssh.spec",
+PLUGIN = ProviderPlugin("ssh", "skytasks.providers.ssh.provider:SSHProvider",
                         settings="skytasks.providers.ssh.spec:SSHSettings",
                         check="skytasks.providers.ssh.check:run")

@@ -6,12 +6,12 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.providers import NodeProvider
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes, parse_host
-from skytasks.providers.ssh.spec import SSHSpec
+from skytasks.providers.ssh.spec import SSHSettings
 
 
 def ssh_login(spec: PoolSpec) -> SSHLogin:
     """How the pool reaches its hosts: its start's, and `skytasks check`'s (check.py)."""
-    ssh = spec.own(SSHSpec)
+    ssh = spec.own(SSHSettings)
     return SSHLogin(
         targets=[parse_host(h, ssh.ssh_user) for h in ssh.hosts],
         known_hosts=ssh.known_hosts or "",
