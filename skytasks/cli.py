@@ -123,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     _pools_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "run":
-        from skytasks.run_command import run_command
+        from skytasks.run_command import end_process, run_command
 
-        return run_command(args)
+        code = run_command(args)
+        if argv is None:  # this process is the command (`skytasks run`, `python -m skytasks.cli run`)
+            end_process(code)
+        return code
     if args.command == "check":
         return _check(args)
     if args.command == "pools":

@@ -80,6 +80,28 @@ def run_command(args: argparse.Namespace) -> int:
     return code
 
 
+def end_process(code: int) -> None:
+    """End the command's process now, as its normal exit would but without tearing down the
+    interpreter: threads joined and Prefect's and skytasks' at-exit steps run (the record's last
+    sends, the early server's stop), output flushed, then `os._exit(code)`. Freeing the 1,300-odd
+    modules a run with its Prefect record has imported, object by object, takes 0.15-0.4 s on 2
+    busy cores after the ranks have ended, all of it on a command timed against torchrun.
+    With an interpreter that lacks the shutdown step used here, the process exits as usual."""
+    import atexit
+
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit runs first
+    if shutdown is None:
+        return
+    shutdown()  # threading's own at-exit calls, then every non-daemon thread joined
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe whose reader has gone: as at a normal exit
+            pass
+    os._exit(code)
+
+
 def _checked(args: argparse.Namespace) -> tuple[Any, tuple]:
     """`run_script`'s options from the command line; a local pool's shape defaults to 1 x 1."""
     from skytasks.script import script_options
