@@ -29,7 +29,7 @@ from skytasks.providers.aws.launch import launch_request  # (check.py imports it
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
-from skytasks.providers.aws.spec import AWSSettings
+from skytasks.providers.aws.spec import AWSSpec
 from skytasks.providers.aws.warm_instances import WarmInstances
 from skytasks.providers.remote_fields import Lease
 from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes
@@ -47,10 +47,10 @@ class AWSProvider(WarmInstances, NodeProvider):
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
-        self._aws = spec.own(AWSSettings)
+        self._aws = spec.own(AWSSpec)
         self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
-        self._ec2 = spec.credentials.get_client("ec2")
-        self._ssm = spec.credentials.get_client("ssm")
+        self._ec2 = self._aws.credentials.get_client("ec2")
+        self._ssm = self._aws.credentials.get_client("ssm")
         self.reporter = reporter or PoolReporter(spec.name, "aws")
         self.reporter.key = self.pool_id
         self._progress = self.reporter.progress
@@ -120,7 +120,10 @@ class AWSProvider(WarmInstances, NodeProvider):
             groups = [self.owned.security_group_id, *self._aws.security_group_ids]
             self._plan = plan_launch(self._spec, self._ec2, self._ssm)
             self._request = launch_request(self._spec, self._plan, self._host_key, self._tags,
-                                           [g for g in groups if g], self._aws.key_name, self.owned.placement_group)
+                                           [g for g in groups if g],
+                                           # the pool's own key pair (in its handle) or the user's:
+                                           # a replacement launched without it cannot be logged in to
+                                           self.owned.key_name or self._aws.key_name, self.owned.placement_group)
         assert self._request is not None
         return {**self._request, "TagSpecifications": self._tags("instance") + self._tags("volume")}
 
