@@ -29,7 +29,7 @@ from skytasks.providers.aws.launch import launch_request  # (check.py imports it
 from skytasks.providers.aws.plan import LaunchPlan, plan_launch
 from skytasks.providers.aws.readiness import known_hosts_text, probe_all, run_async
 from skytasks.providers.aws.resources import POLL_SECONDS, PoolResources, pool_tags
-from skytasks.providers.aws.spec import AWSSpec
+from skytasks.providers.aws.spec import AWSSettings
 from skytasks.providers.aws.warm_instances import WarmInstances
 from skytasks.providers.remote_fields import Lease
 from skytasks.providers.ssh.nodes import SSHLogin, SSHNodes
@@ -47,10 +47,10 @@ class AWSProvider(WarmInstances, NodeProvider):
 
     def __init__(self, spec: PoolSpec, reporter: PoolReporter | None = None):
         self._spec = spec
-        self._aws = spec.own(AWSSpec)
+        self._aws = spec.own(AWSSettings)
         self.pool_id = f"skytasks-{uuid.uuid4().hex[:10]}"
-        self._ec2 = self._aws.credentials.get_client("ec2")
-        self._ssm = self._aws.credentials.get_client("ssm")
+        self._ec2 = spec.credentials.get_client("ec2")
+        self._ssm = spec.credentials.get_client("ssm")
         self.reporter = reporter or PoolReporter(spec.name, "aws")
         self.reporter.key = self.pool_id
         self._progress = self.reporter.progress
