@@ -16,12 +16,38 @@ import sys
 import time
 from pathlib import Path
 
+from skytasks import GPUPool
+from tests.harness.conformance_clusters import pod_of
+from tests.harness.conformance_warm import use, wait_until
 from tests.harness.kube import held
-from tests.test_warm_fleets import (_env, pod_of, pods_of, save_kubernetes, save_slurm,
-                                    skytasks_jobs, use, wait_until)
+from tests.harness.warm import api_env as _env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "programs"
+
+
+def save_slurm(name: str, **fields) -> None:
+    GPUPool(provider="slurm", nodes=2, remote_python=sys.executable, ready_timeout_seconds=60, reattach_seconds=10,
+            **{"keep_warm_minutes": 2.0, **fields}).save(name, overwrite=True)
+
+
+def skytasks_jobs(cluster) -> list[str]:
+    return [ln for ln in cluster.run("squeue", "-h", "-o", "%i %j").stdout.splitlines() if "skytasks" in ln]
+
+
+def save_kubernetes(k8s_cluster, name: str, **fields) -> None:
+    """A warm pool under exactly deployments/kubernetes/rbac.yaml's service account (issue 58)."""
+    from tests.harness.conformance_clusters import KubernetesFleet
+
+    KubernetesFleet(k8s_cluster).warm_pool(nodes=2, **{"reattach_seconds": 10, "keep_warm_minutes": 2.0,
+                                                      **fields}).save(name, overwrite=True)
+
+
+def pods_of(k8s_cluster, pool_pods: list[str]) -> dict[str, str]:
+    """Each of these pods that still exists, and its phase."""
+    from tests.harness.conformance_clusters import KubernetesFleet
+
+    return KubernetesFleet(k8s_cluster).phases(pool_pods)
 
 
 def _start(program: str, *args: str) -> subprocess.Popen:
@@ -39,7 +65,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return out
 
 
-def test_a_frozen_slurmctld_ends_nothing_of_a_held_warm_pool(cluster, pool_name, tmp_path):  # noqa: F811
+def test_a_frozen_slurmctld_ends_nothing_of_a_held_warm_pool(cluster, pool_name, tmp_path):
     save_slurm(pool_name)
     holder = _start("warm_call.py", pool_name, str(tmp_path / "a.json"), "45")
     waiter = None
@@ -74,8 +100,7 @@ def test_a_frozen_slurmctld_ends_nothing_of_a_held_warm_pool(cluster, pool_name,
                 proc.wait()
 
 
-def test_an_apiserver_restart_while_a_second_process_attaches_deletes_nothing(k8s_cluster, pool_name,  # noqa: F811
-                                                                              tmp_path):
+def test_an_apiserver_restart_while_a_second_process_attaches_deletes_nothing(k8s_cluster, pool_name, tmp_path):
     save_kubernetes(k8s_cluster, pool_name)  # under rbac.yaml's service account
     first = use(pool_name, tmp_path / "first.json")
     pods = sorted(pod_of(w) for w in first["where"])
