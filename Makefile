@@ -71,11 +71,21 @@ test-prefect-floor: $(FLOOR_VENV)/.installed system-deps
 run: setup
 	$(PY) flows/ddp_train.py
 
-test: setup system-deps
+# The suite runs in TEST_WORKERS pytest-xdist workers, and the Prefect floor tier beside them (its
+# output printed when it ends): most tests wait on processes, not on the CPUs. tests/conftest.py
+# keeps each test cluster to one worker and each module's tests together, and gives every session
+# a cgroup of its own, so that a leak check sees only what its own session started.
+TEST_WORKERS ?= 3
+
+test: setup system-deps $(FLOOR_VENV)/.installed
 	$(VENV)/bin/ruff check skytasks blocks
 	$(VENV)/bin/mypy
-	$(PY) -m pytest
-	$(MAKE) --no-print-directory test-prefect-floor
+	@log=$$(mktemp); \
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PREFECT_FACING_TESTS) >$$log 2>&1 & floor=$$!; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup; main=$$?; \
+	wait $$floor; low=$$?; \
+	echo "== the Prefect-facing tests on Prefect $(PREFECT_FLOOR) (make test-prefect-floor) =="; cat $$log; rm -f $$log; \
+	test $$main = 0 && test $$low = 0
 
 bench: setup
 	$(UV_INSTALL) "matplotlib>=3.8"  # docs/scale.png; not needed by the tests

@@ -16,6 +16,8 @@ import signal  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.harness import session_scope, xdist_groups  # noqa: E402
+
 # A shell starts a background job (`make test &`) with SIGINT ignored, and children inherit an
 # ignored signal: the tests that press Ctrl-C on a CLI they start need it delivered.
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -24,13 +26,47 @@ ROLES = ("skytasks.node.agent", "skytasks.node.rank_template", "skytasks.node.wo
 SESSION_STARTED = psutil.Process().create_time()  # psutil's clock: comparable with its create_time()
 
 
+def _runs_tests(config) -> bool:
+    """This process runs tests: an xdist worker, or a session without workers (not xdist's
+    controller, which only hands tests out)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or not getattr(config.option, "numprocesses", None)
+
+
+def pytest_configure(config):
+    if _runs_tests(config):
+        session_scope.join_own_cgroup()
+    elif getattr(config.option, "dist", None) == "loadgroup":
+        xdist_groups.name_the_file(config)
+
+
+def pytest_unconfigure(config):
+    session_scope.leave_own_cgroup()
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        xdist_groups.remove_the_file()
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        xdist_groups.write_groups(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: the groups of tests/harness/xdist_groups.py (a cluster's tests in one
+    worker, a module's together)."""
+    if config.getvalue("dist") == "loadgroup":
+        return xdist_groups.scheduler(config, log)
+    return None
+
+
 def running(*roles: str) -> list[psutil.Process]:
-    """Every live process on this machine whose command line names one of `roles`, orphans included."""
+    """Every live process of this test session whose command line names one of `roles`, orphans
+    included (`session_scope.mine`: the whole machine's, where sessions cannot be told apart)."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if any(role in cmd for role in roles) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if any(role in cmd for role in roles) and p.info["status"] != psutil.STATUS_ZOMBIE and session_scope.mine(p.pid):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -88,6 +124,8 @@ def orphaned_test_sshd() -> list[psutil.Process]:
             cmd = " ".join(p.info["cmdline"] or [])
             is_sshd = (p.info["name"] or "").startswith("sshd") or cmd.startswith("sshd")
             if not is_sshd or p.info["create_time"] < SESSION_STARTED or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if not session_scope.mine(p.pid):
                 continue
             # A listener's parent is a test process (python); a live session's is sshd. An
             # orphan's is init or a subreaper. (Another test session's servers are python's too.)
@@ -266,10 +304,15 @@ def moto():
     creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1",
                            aws_client_parameters=AwsClientParameters(endpoint_url=endpoint))
     ec2 = creds.get_client("ec2")
-    vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.0.0/24")["Subnet"]["SubnetId"]
+    # A loopback subnet of the session's own: an instance's sshd listens on its private address,
+    # and two xdist workers' moto servers would otherwise hand out the same ones.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    block = f"127.{100 + int(worker[2:]) if worker.startswith('gw') else 0}"
+    vpc = ec2.create_vpc(CidrBlock=f"{block}.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock=f"{block}.0.0/24")["Subnet"]["SubnetId"]
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    yield {"endpoint": endpoint, "creds": creds, "ec2": ec2, "subnet": subnet, "vpc": vpc, "image": image}
+    yield {"endpoint": endpoint, "creds": creds, "ec2": ec2, "subnet": subnet, "vpc": vpc, "image": image,
+           "vpc_prefix": block, "addresses": f"{block}.0."}
     server.stop()
 
 
@@ -289,6 +332,7 @@ def cluster(tmp_path_factory):
     why = available()
     if why:
         pytest.skip(why)
+    session_scope.exclusive("slurm")  # its subnet, bridge and ports are fixed: one session's at a time
     c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, gpus_per_node=2)
     # A partition that admits one account: an allocation for any other can never start.
     c.extra_partitions = ["PartitionName=proj Nodes=n0,n1 AllowAccounts=proj42 State=UP"]
@@ -317,6 +361,7 @@ def k8s_cluster(tmp_path_factory):
     why = available()
     if why:
         pytest.skip(why)
+    session_scope.exclusive("k8s")  # its subnets, ports and mounts are fixed: one session's at a time
     nodes = int(os.environ.get("SKYTASKS_TEST_K8S_NODES", "2"))
     c = K8sCluster(tmp_path_factory.mktemp("k8s"), nodes=nodes).start()
     try:

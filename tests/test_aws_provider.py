@@ -1,7 +1,8 @@
 """provider="aws" against moto's EC2 server on loopback.
 
-Network rule: instances are launched into a 127.0.0.0/24 subnet, so moto gives them loopback
-private addresses and no public one, and every SSH attempt of the provider stays on this machine.
+Network rule: instances are launched into a loopback subnet (127.0.0.0/24; 127.10N.0.0/24 in xdist
+worker N), so moto gives them loopback private addresses and no public one, and every SSH attempt of
+the provider stays on this machine.
 `ssh_ingress_cidr` is always set, so nothing looks up this machine's public address.
 After every test, moto must hold no live instance, security group or key pair of ours.
 """
@@ -107,7 +108,7 @@ def test_a_launch_whose_nodes_never_answer_times_out_and_leaves_nothing(moto):
     # One RunInstances call for the whole pool, all of it terminated now.
     assert len(launched) == 2 and len({i["AmiLaunchIndex"] for i in launched}) == 2
     assert all(i["State"]["Name"] == "terminated" for i in launched)
-    assert all(i["PrivateIpAddress"].startswith("127.0.0.") and not i.get("PublicIpAddress") for i in launched)
+    assert all(i["PrivateIpAddress"].startswith(moto["addresses"]) and not i.get("PublicIpAddress") for i in launched)
     assert all(i.get("InstanceLifecycle") == "spot" for i in launched)
     tags = {t["Key"]: t["Value"] for t in launched[0]["Tags"]}
     assert tags["team"] == "ml" and tags["skytasks:pool"].startswith("skytasks-") and "skytasks:expires-at" in tags

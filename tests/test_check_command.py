@@ -129,7 +129,7 @@ def test_a_slurm_pool_slurm_refuses_fails_naming_the_field(cluster, fields, fiel
 @pytest.fixture(scope="module")
 def zone_a_subnet(moto) -> str:
     """A subnet in a zone where EC2 offers t3.micro (moto, like EC2, has none in us-east-1e)."""
-    return moto["ec2"].create_subnet(VpcId=moto["vpc"], CidrBlock="127.0.1.0/24",
+    return moto["ec2"].create_subnet(VpcId=moto["vpc"], CidrBlock=f"{moto['vpc_prefix']}.1.0/24",
                                      AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
 
 

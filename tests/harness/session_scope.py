@@ -1,0 +1,113 @@
+"""What one test session owns on a machine that runs several at once.
+
+`make test` runs the suite in parallel sessions (pytest-xdist workers, and the Prefect floor tier
+beside them). A leak check that looked at every skytasks process on the machine would blame one
+session for another's live pool, so each session joins a cgroup of its own in the v1 `pids`
+hierarchy: every process it starts, and every process those start (an sshd session, a slurmd's
+job step, an orphan reparented to init), stays in it whoever its parent is now. The Kubernetes
+test cluster's pods are the one exception (their kubelet moves them into the cluster's own cgroup
+root, which names the session's pid: `skytasks-k8s-<pid>-`).
+
+Where cgroups cannot be written (not root, no v1 `pids`), the session owns the whole machine, as
+before: `mine()` is then true of every process.
+
+The test clusters use fixed subnets, bridges and ports, so one session at a time may run each:
+`exclusive("slurm")` waits for the lock, held until the session ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+from pathlib import Path
+
+PIDS = Path("/sys/fs/cgroup/pids")
+SESSIONS = PIDS / "skytasks-tests"
+_own: str | None = None  # this session's cgroup path in the pids hierarchy ("/skytasks-tests/<pid>")
+_held: dict[str, int] = {}
+
+
+def pids_cgroup(pid: int | str = "self") -> str | None:
+    """The pids-hierarchy cgroup of `pid`, or None if it has none (or is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "pids" in controllers.split(","):
+                return path
+    except OSError:
+        return None
+    return None
+
+
+def join_own_cgroup() -> str | None:
+    """Put this process (and so everything it starts from now on) in a pids cgroup of its own;
+    its path, or None where that cannot be done. Sweeps the empty cgroups of ended sessions."""
+    global _own
+    if _own is not None:
+        return _own
+    try:
+        SESSIONS.mkdir(exist_ok=True)
+        _sweep()
+        mine = SESSIONS / str(os.getpid())
+        mine.mkdir(exist_ok=True)
+        (mine / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    _own = pids_cgroup()
+    return _own
+
+
+def leave_own_cgroup() -> None:
+    """Back to the hierarchy's root, and remove the session's cgroup if nothing is left in it (a
+    leaked process keeps it, to be seen)."""
+    global _own
+    if _own is None:
+        return
+    try:
+        (PIDS / "cgroup.procs").write_text(str(os.getpid()))
+        (SESSIONS / str(os.getpid())).rmdir()
+    except OSError:
+        pass
+    _own = None
+
+
+def _sweep() -> None:
+    for folder in SESSIONS.iterdir():
+        if folder.is_dir() and folder.name.isdigit() and not Path(f"/proc/{folder.name}").exists():
+            try:
+                folder.rmdir()  # only an empty one goes
+            except OSError:
+                pass
+
+
+def isolated() -> bool:
+    return _own is not None
+
+
+def mine(pid: int) -> bool:
+    """This session started `pid` (or one of its processes did), or it is a pod of this session's
+    Kubernetes cluster. True of every process where the session owns the machine."""
+    if _own is None:
+        return True
+    path = pids_cgroup(pid)
+    if path is None:
+        return False
+    return path == _own or path.startswith(_own + "/") or f"/skytasks-k8s-{os.getpid()}-" in path
+
+
+def exclusive(resource: str) -> None:
+    """Wait until no other session on this machine holds `resource`, then hold it until this
+    process ends (the kernel drops the lock with it, however it ends)."""
+    if resource in _held:
+        return
+    fd = os.open(f"/tmp/skytasks-tests-{resource}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        began = time.monotonic()
+        print(f"waiting for the {resource} test cluster, held by another test session", file=sys.stderr)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print(f"got the {resource} test cluster after {time.monotonic() - began:.0f} s", file=sys.stderr)
+    _held[resource] = fd

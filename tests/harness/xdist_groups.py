@@ -1,0 +1,73 @@
+"""Which tests share a pytest-xdist worker (`make test` runs `pytest -n N --dist loadgroup`).
+
+- every test on the SLURM test cluster runs in one worker, and every test on the Kubernetes test
+  cluster in one worker: each cluster is started once, and its fixed subnets and ports allow only
+  one (`session_scope.exclusive` makes any other session wait for it);
+- otherwise a module's tests run together, so its module-scoped servers and pools start once.
+
+A test's group needs its fixtures (a test may reach a cluster through a fixture of its module),
+which only a worker's collection knows, while xdist's controller schedules by test id alone. (xdist
+3.8's own `xdist_group` marks work by renaming a test's id, which pytest 9.2 no longer reads.) So each
+worker writes the groups it collected to a file the controller names in SKYTASKS_TEST_GROUPS, and
+the controller's scheduler reads it: `GroupScheduling`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+ENV = "SKYTASKS_TEST_GROUPS"
+SLURM_FIXTURES = {"cluster", "login_node", "slurm_queue_empty_after"}
+K8S_FIXTURES = {"k8s", "k8s_cluster"}
+
+
+def group_of(item) -> str:
+    words = item.nodeid.lower()
+    names = set(getattr(item, "fixturenames", ()))
+    if names & K8S_FIXTURES or "kubernetes" in words or "k8s" in words:
+        return "k8s"
+    if names & SLURM_FIXTURES or "slurm" in words:
+        return "slurm"
+    return item.nodeid.split("::", 1)[0]
+
+
+def name_the_file(config) -> None:
+    """In the controller, before its workers start (they inherit the environment)."""
+    os.environ[ENV] = f"/tmp/skytasks-test-groups-{os.getpid()}.json"
+
+
+def write_groups(items) -> None:
+    """In a worker, once collected: every worker collects the same tests, and writes them whole
+    (a rename: the controller never reads half a file)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    partial = f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', os.getpid())}"
+    Path(partial).write_text(json.dumps({item.nodeid: group_of(item) for item in items}))
+    os.replace(partial, path)
+
+
+def remove_the_file() -> None:
+    path = os.environ.get(ENV)
+    if path:
+        Path(path).unlink(missing_ok=True)
+
+
+def scheduler(config, log):
+    """xdist's scope scheduling with `group_of`'s groups as the scopes; the largest groups are
+    handed out first (xdist's `loadscopereorder`), the clusters' among them. (xdist is imported
+    here: the Prefect floor tier's environment runs without it.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                path = os.environ.get(ENV)
+                self._groups = json.loads(Path(path).read_text()) if path and Path(path).exists() else {}
+            return self._groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+    return GroupScheduling(config, log)
