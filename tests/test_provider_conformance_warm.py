@@ -41,7 +41,7 @@ def test_the_next_process_attaches_to_the_same_nodes_a_node_lost_unheld_is_repla
     save(fleet, pool_name)
     since = datetime.now(timezone.utc) - timedelta(seconds=1)
     first = use(pool_name, tmp_path / "first.json")
-    assert first["ranks"] == [0, 1] and not fleet.agents_ended(first), "the agents ended with their process"
+    assert first["ranks"] == [0, 1] and fleet.agents_running(first), "the agents ended with their process"
     held = fleet.holdings()
     second = use(pool_name, tmp_path / "second.json")
     assert second["ranks"] == [0, 1] and fleet.agents_of(second) == fleet.agents_of(first)  # the same, and they work
@@ -52,7 +52,7 @@ def test_the_next_process_attaches_to_the_same_nodes_a_node_lost_unheld_is_repla
     third = use(pool_name, tmp_path / "third.json")
     was, now = fleet.agents_of(first), fleet.agents_of(third)
     assert third["ranks"] == [0, 1] and now[0] == was[0] and now[1] != was[1]  # node 1 replaced, node 0 served on
-    assert not fleet.agents_ended(third)
+    assert fleet.agents_running(third)
     down_to_nothing(fleet, pool_name)
     assert fleet.agents_ended(first) and fleet.agents_ended(third)
 
@@ -62,7 +62,7 @@ def test_an_unheld_pool_ends_itself_after_keep_warm_and_the_next_process_starts_
     save(fleet, pool_name, keep_warm_minutes=0.05)  # 3 s
     first = use(pool_name, tmp_path / "first.json")
     assert fleet.holdings() or fleet.name in ("local", "ssh")  # what it holds besides agents, if anything
-    wait_until(lambda: fleet.agents_ended(first), 60, "the unheld agents' end")
+    wait_until(lambda: fleet.agents_ended(first), fleet.ends_within_seconds, "the unheld agents' end")
     assert wait_for_no_skytasks_processes() == []  # their ranks too
     if fleet.holdings_end_with_agents:
         wait_until(lambda: not fleet.holdings(), 45, "the allocation's end")  # long before idle_minutes

@@ -111,8 +111,14 @@ class Fleet:
             assert time.monotonic() < deadline, "the killed agent did not end"
             time.sleep(0.1)
 
+    def agents_running(self, seen: dict) -> bool:
+        return not any(gone(pid) for pid in seen["pids"])
+
     def agents_ended(self, seen: dict) -> bool:
         return all(gone(pid) for pid in seen["pids"])
+
+    # How long an unheld pool's agents may take to end once its keep_warm_minutes ran out.
+    ends_within_seconds = 30.0
 
     # -- re-attach ------------------------------------------------------------------------------
 

@@ -244,8 +244,13 @@ class KubernetesFleet(Fleet):
             assert time.monotonic() < deadline, "the deleted pod did not go"
             time.sleep(0.5)
 
+    def agents_running(self, seen: dict) -> bool:
+        return set(self.phases([pod_of(w) for w in seen["where"]]).values()) == {"Running"}
+
     def agents_ended(self, seen: dict) -> bool:
         return "Running" not in self.phases([pod_of(w) for w in seen["where"]]).values()
+
+    ends_within_seconds = 60.0  # the pod's own end, seen through the API server
 
     def break_stream(self, session: PoolSession) -> set[int]:
         """The kube-apiserver SIGKILLed and started again: every exec stream is cut."""
