@@ -9,7 +9,11 @@
 - `prefect_api`: a flow run's task runs and logs read back from the API.
 - `workloads`: the training code the tests and the benchmarks both run.
 - `warm`: a controller process's environment and `pools down`, for the warm pool tests.
-- `processes.end`: SIGTERM, then SIGKILL after a grace.
+- `processes.end`: SIGTERM, then SIGKILL after a grace; `processes.stop_with_session`.
+- `conformance*`: each provider's `Fleet` for the conformance contracts
+  (tests/test_provider_conformance*.py): how to start, break and look at its nodes.
+- `session_scope`: what one of several test sessions on the machine owns (its own pids cgroup;
+  a cluster held by one session at a time); `xdist_groups`: which tests share an xdist worker.
 
 Fixtures stay in tests/conftest.py (`sshd`, `login_node`, `cluster`, `k8s_cluster`, `k8s`,
 `moto`, `pool_name`, `pools`); what they start is here.
