@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from benchmarks import reports, workloads  # noqa: E402
+from benchmarks.results_file import update_results  # noqa: E402
 from skytasks import GPUPool, distributed_task  # noqa: E402
 from skytasks.node.ports import free_port  # noqa: E402
 
@@ -240,13 +241,6 @@ def ssh_dispatch(repeats: int) -> dict:
         server.stop()
     return {"torchrun_s": torchrun_s, "cold_s": cold_s, "warm_s": warm_s,
             "cold_ratio": cold_s / torchrun_s, "warm_ratio": warm_s / torchrun_s}
-
-
-def update_results(out: Path, **figures: object) -> None:
-    """`--only`: these figures into results.json, the others kept as they were."""
-    merged = json.loads(out.read_text()) if out.exists() else {}
-    out.write_text(json.dumps({**merged, **figures}, indent=2))
-    print(f"\nupdated {out}")
 
 
 def _figure(args: argparse.Namespace, out: Path, results: dict, key: str, run, report) -> bool:

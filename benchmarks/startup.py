@@ -94,6 +94,6 @@ if __name__ == "__main__":
     figures = startup(args.repeats, args.code)
     print(json.dumps(figures, indent=2))
     if args.write:
-        from benchmarks.run import update_results
+        from benchmarks.results_file import update_results
 
         update_results(Path(__file__).resolve().parent / "results.json", startup=figures)
