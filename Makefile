@@ -75,7 +75,9 @@ run: setup
 # output printed when it ends): most tests wait on processes, not on the CPUs. tests/conftest.py
 # keeps each test cluster to one worker and each module's tests together, and gives every session
 # a cgroup of its own, so that a leak check sees only what its own session started.
-TEST_WORKERS ?= 3
+# Two: on a 2-core machine, 3 workers finished in 23 min against 45 in one process, but loaded it
+# (load average 6) enough to starve tests whose pools end after seconds of silence.
+TEST_WORKERS ?= 2
 
 test: setup system-deps $(FLOOR_VENV)/.installed
 	$(VENV)/bin/ruff check skytasks blocks
