@@ -86,6 +86,7 @@ test: setup system-deps $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PREFECT_FACING_TESTS) >$$log 2>&1 & floor=$$!; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup; main=$$?; \
 	wait $$floor; low=$$?; \
+	$(PY) -m tests.harness.session_scope || true; \
 	echo "== the Prefect-facing tests on Prefect $(PREFECT_FLOOR) (make test-prefect-floor) =="; cat $$log; rm -f $$log; \
 	test $$main = 0 && test $$low = 0
 

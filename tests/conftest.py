@@ -41,8 +41,9 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     session_scope.leave_own_cgroup()
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    if not _runs_tests(config):  # xdist's controller, once its workers are gone: their cgroups
         xdist_groups.remove_the_file()
+        session_scope.sweep(wait=15)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -49,9 +49,9 @@ def join_own_cgroup() -> str | None:
         return _own
     try:
         SESSIONS.mkdir(exist_ok=True)
-        _sweep()
+        sweep(keep_folder=True)  # another session may be starting beside this one
         mine = SESSIONS / str(os.getpid())
-        mine.mkdir(exist_ok=True)
+        mine.mkdir(parents=True, exist_ok=True)
         (mine / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
         return None
@@ -73,13 +73,34 @@ def leave_own_cgroup() -> None:
     _own = None
 
 
-def _sweep() -> None:
-    for folder in SESSIONS.iterdir():
-        if folder.is_dir() and folder.name.isdigit() and not Path(f"/proc/{folder.name}").exists():
-            try:
-                folder.rmdir()  # only an empty one goes
-            except OSError:
-                pass
+def sweep(wait: float = 0.0, keep_folder: bool = False) -> None:
+    """Remove the cgroups of ended sessions once they are empty, waiting up to `wait` s for their
+    last processes (a session's fork server leaves just after the session's process), and the
+    sessions' folder if none is left. A session cannot remove its own while it runs: xdist's
+    controller and `make test` sweep after theirs, and every session's start sweeps too."""
+    deadline = time.monotonic() + wait
+    try:
+        folders = [f for f in SESSIONS.iterdir() if f.is_dir() and f.name.isdigit()]
+    except OSError:
+        return
+    for folder in folders:
+        if Path(f"/proc/{folder.name}").exists():
+            continue  # a session still running
+        try:
+            while (folder / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            folder.rmdir()  # only an empty one goes
+        except OSError:
+            pass
+    if not keep_folder:
+        try:
+            SESSIONS.rmdir()  # only when no session's is left
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":  # `python -m tests.harness.session_scope`: `make test`'s sweep after its sessions
+    sweep(wait=15)
 
 
 def isolated() -> bool:
