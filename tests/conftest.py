@@ -36,7 +36,7 @@ def pytest_configure(config):
     if _runs_tests(config):
         session_scope.join_own_cgroup()
     elif getattr(config.option, "dist", None) == "loadgroup":
-        xdist_groups.name_the_file(config)
+        xdist_groups.name_the_file()
 
 
 def pytest_unconfigure(config):

@@ -99,14 +99,6 @@ def sweep(wait: float = 0.0, keep_folder: bool = False) -> None:
             pass
 
 
-if __name__ == "__main__":  # `python -m tests.harness.session_scope`: `make test`'s sweep after its sessions
-    sweep(wait=15)
-
-
-def isolated() -> bool:
-    return _own is not None
-
-
 def mine(pid: int) -> bool:
     """This session started `pid` (or one of its processes did), or it is a pod of this session's
     Kubernetes cluster. True of every process where the session owns the machine."""
@@ -132,3 +124,7 @@ def exclusive(resource: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         print(f"got the {resource} test cluster after {time.monotonic() - began:.0f} s", file=sys.stderr)
     _held[resource] = fd
+
+
+if __name__ == "__main__":  # `python -m tests.harness.session_scope`: `make test`'s sweep after its sessions
+    sweep(wait=15)

@@ -33,7 +33,7 @@ def group_of(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-def name_the_file(config) -> None:
+def name_the_file() -> None:
     """In the controller, before its workers start (they inherit the environment)."""
     os.environ[ENV] = f"/tmp/skytasks-test-groups-{os.getpid()}.json"
 
