@@ -14,8 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 from prefect import flow
@@ -26,11 +24,10 @@ from skytasks import GPUPool, PoolStartError, distributed_task, rank_info
 from skytasks.events import PoolShrank, listen
 from skytasks.preflight.report import NodeUnhealthy, PoolHealthy, PreflightTable
 from tests.conftest import wait_for_no_skytasks_processes
-from tests.harness import netns
+from tests.harness import netns, slow_cpu
 from tests.harness.sshd import SSHServer, free_port
 
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
-SLOW_QUOTA_US, PERIOD_US = 5000, 100000  # 5% of one CPU
+SLOW_CPUS = 0.05  # of one CPU
 HEALTHY, SLOW = ("127.0.0.1", "127.0.0.2"), "127.0.0.3"
 
 
@@ -94,27 +91,21 @@ def test_check_preflight_brings_the_saved_pool_up_prints_the_full_table_and_ends
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    if os.geteuid() != 0 or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+    if not slow_cpu.available():
         pytest.skip("a cgroup v1 cpu controller (and root) is needed to make a slow node")
     fast = SSHServer(tmp_path_factory.mktemp("sshd-fast"), list(HEALTHY), free_port())
     slow_dir = tmp_path_factory.mktemp("sshd-slow")
     key = subprocess.run(["ssh-keygen", "-y", "-f", str(fast.folder / "client_key")], capture_output=True,
                          text=True, check=True).stdout
     slow = SSHServer(slow_dir, [SLOW], free_port(SLOW), authorized_key=key)
-    group = CPU_CGROUP / f"skytasks-slow-{uuid.uuid4().hex[:6]}"
-    group.mkdir()
     try:
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(SLOW_QUOTA_US))
-        # Every session this sshd forks from now on (the agent, its ranks) inherits the cgroup.
-        (group / "cgroup.procs").write_text(str(slow.proc.pid))
-        yield {"fast": fast, "slow": slow}
+        with slow_cpu.slow_group(SLOW_CPUS) as group:
+            # Every session this sshd forks from now on (the agent, its ranks) inherits the cgroup.
+            slow_cpu.join(group, slow.proc.pid)
+            yield {"fast": fast, "slow": slow}
     finally:
         slow.stop()
         fast.stop()
-        for pid in (group / "cgroup.procs").read_text().split():
-            (CPU_CGROUP / "cgroup.procs").write_text(pid)
-        group.rmdir()
 
 
 def three_hosts(hosts, **fields) -> GPUPool:

@@ -7,11 +7,9 @@ node affinity keeping the new pod off it): the call runs on healthy nodes only, 
 from __future__ import annotations
 
 import json
-import os
 import time
 import socket
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,10 +18,10 @@ from skytasks import GPUPool, distributed_task
 from skytasks.events import NodeReplaced, listen
 from skytasks.preflight.report import NodeUnhealthy
 from tests.conftest import wait_for_no_skytasks_processes
+from tests.harness import slow_cpu
 from tests.harness.kube import held, kube_pool, sharing
 
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
-SLOW_QUOTA_US, PERIOD_US = 5000, 100000  # 5% of one CPU, as tests/test_preflight.py's slow host
+SLOW_CPUS = 0.05  # of one CPU, as tests/test_preflight.py's slow host
 
 
 def host(marker: str) -> str:
@@ -38,23 +36,12 @@ def host(marker: str) -> str:
 def slow_node(cluster):
     """n0 made slow: its slurmd moved into a slow cgroup, so every step it forks from now on
     (proctrack/linuxproc, task/none: no cgroup of SLURM's own) inherits it."""
-    if os.geteuid() != 0 or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+    if not slow_cpu.available():
         pytest.skip("a cgroup v1 cpu controller (and root) is needed to make a slow node")
     name = "n0"
-    group = CPU_CGROUP / f"skytasks-slow-slurmd-{uuid.uuid4().hex[:6]}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(SLOW_QUOTA_US))
-        (group / "cgroup.procs").write_text(str(slurmd_pid(cluster, name)))
+    with slow_cpu.slow_group(SLOW_CPUS, "slow-slurmd") as group:
+        slow_cpu.join(group, slurmd_pid(cluster, name))
         yield name
-    finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            try:
-                (CPU_CGROUP / "cgroup.procs").write_text(pid)
-            except ProcessLookupError:
-                pass
-        group.rmdir()
 
 
 def slurmd_pid(cluster, name: str) -> int:
@@ -106,11 +93,11 @@ def test_slurm_a_slow_node_is_replaced_by_an_allocation_that_excludes_it_before_
 
 def test_kubernetes_a_slow_node_is_replaced_by_a_pod_kept_off_it_before_user_code(k8s_cluster, tmp_path):
     k8s = k8s_cluster
-    if len(k8s.nodes) < 2 or not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+    if len(k8s.nodes) < 2 or not slow_cpu.available():
         pytest.skip("two Kubernetes nodes and a cgroup v1 cpu controller are needed")
     healthy, slow = k8s.nodes[0], k8s.nodes[1]
     # The kubelet's cgroupRoot on the slow node: every pod it starts is under it (the kubelet is not).
-    group = CPU_CGROUP / k8s.node(slow).cgroup_root.strip("/")
+    group = slow_cpu.CPU_CGROUP / k8s.node(slow).cgroup_root.strip("/")
     template = sharing(k8s, tmp_path)  # the marker's folder, read-write in the pods
     template["spec"]["containers"][0]["env"] = [  # the downward API: which node the pod is on
         {"name": "SKYTASKS_TEST_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
@@ -124,15 +111,14 @@ def test_kubernetes_a_slow_node_is_replaced_by_a_pod_kept_off_it_before_user_cod
     pool = kube_pool(k8s, nodes=1, k8s_pod_template=template, preflight="full", preflight_min_tflops=0.003,
                      preflight_timeout_seconds=240, ready_timeout_seconds=240)
     task = distributed_task(node_name, pool=pool)
-    (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-    (group / "cpu.cfs_quota_us").write_text(str(SLOW_QUOTA_US))
+    slow_cpu.limit(group, SLOW_CPUS)
     try:
         with pool, listen() as heard:
             ran_on = task(str(marker))
             pods = json.loads(k8s.kubectl("get", "pods", "-l", "app.kubernetes.io/managed-by=skytasks",
                                           "-o", "json").stdout)["items"]
     finally:
-        (group / "cpu.cfs_quota_us").write_text("-1")
+        slow_cpu.limit(group, None)
     unhealthy = [e for e in heard if isinstance(e, NodeUnhealthy)]
     assert unhealthy and unhealthy[0].check == "compute" and unhealthy[0].figure < unhealthy[0].threshold, unhealthy
     assert [e for e in heard if isinstance(e, NodeReplaced)], "the slow node's pod was not replaced"

@@ -9,6 +9,7 @@
 - `prefect_api`: a flow run's task runs and logs read back from the API.
 - `workloads`: the training code the tests and the benchmarks both run.
 - `warm`: a controller process's environment and `pools down`, for the warm pool tests.
+- `slow_cpu`: a slow node or a small machine, made for real with a cgroup v1 cpu quota.
 - `processes.end`: SIGTERM, then SIGKILL after a grace; `processes.stop_with_session`.
 - `conformance*`: each provider's `Fleet` for the conformance contracts
   (tests/test_provider_conformance*.py): how to start, break and look at its nodes.
