@@ -71,24 +71,26 @@ test-prefect-floor: $(FLOOR_VENV)/.installed system-deps
 run: setup
 	$(PY) flows/ddp_train.py
 
-# The suite runs in TEST_WORKERS pytest-xdist workers, and the Prefect floor tier beside them (its
-# output printed when it ends): most tests wait on processes, not on the CPUs. tests/conftest.py
-# keeps each test cluster to one worker and each module's tests together, and gives every session
-# a cgroup of its own, so that a leak check sees only what its own session started.
+# The suite runs in TEST_WORKERS pytest-xdist workers, and beside them the checks (ruff, mypy) and the
+# Prefect floor tier (its environment built first): most tests wait on processes, not on the CPUs.
+# What ran beside is printed when the suite ends. tests/conftest.py keeps each test cluster to one
+# worker and each module's tests together, and gives every session a cgroup of its own, so that a
+# leak check sees only what its own session started.
 # Two: on a 2-core machine, 3 workers finished in 23 min against 45 in one process, but loaded it
 # (load average 6) enough to starve tests whose pools end after seconds of silence.
 TEST_WORKERS ?= 2
 
-test: setup system-deps $(FLOOR_VENV)/.installed
-	$(VENV)/bin/ruff check skytasks blocks
-	$(VENV)/bin/mypy
-	@log=$$(mktemp); \
-	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PREFECT_FACING_TESTS) >$$log 2>&1 & floor=$$!; \
+test: setup system-deps
+	@logs=$$(mktemp -d); \
+	( $(VENV)/bin/ruff check skytasks blocks && $(VENV)/bin/mypy ) >$$logs/checks 2>&1 & checks=$$!; \
+	( $(MAKE) -s $(FLOOR_VENV)/.installed && \
+	  $(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PREFECT_FACING_TESTS) ) >$$logs/floor 2>&1 & floor=$$!; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup; main=$$?; \
-	wait $$floor; low=$$?; \
+	wait $$checks; lint=$$?; wait $$floor; low=$$?; \
 	$(PY) -m tests.harness.session_scope || true; \
-	echo "== the Prefect-facing tests on Prefect $(PREFECT_FLOOR) (make test-prefect-floor) =="; cat $$log; rm -f $$log; \
-	test $$main = 0 && test $$low = 0
+	echo "== ruff and mypy =="; cat $$logs/checks; \
+	echo "== the Prefect-facing tests on Prefect $(PREFECT_FLOOR) (make test-prefect-floor) =="; cat $$logs/floor; \
+	rm -rf $$logs; test $$main = 0 && test $$lint = 0 && test $$low = 0
 
 bench: setup
 	$(UV_INSTALL) "matplotlib>=3.8"  # docs/scale.png; not needed by the tests
