@@ -13,6 +13,7 @@ before the settings existed.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 from prefect.blocks.core import Block
@@ -34,6 +35,9 @@ from skytasks.providers.remote_fields import OptionalInt, OptionalStr
 
 if TYPE_CHECKING:
     from skytasks.controller.pool_runtime import PoolRuntime
+
+
+_SCHEMAS: dict[tuple, dict[str, Any]] = {}  # GPUPool.model_json_schema's, made once per class
 
 
 # The form, in the order of the fields: the provider choice (`settings`: tabs, one per provider, with
@@ -164,14 +168,21 @@ def train(epochs: int = 3) -> dict:
 
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        type_block_fields(cls)
-        schema = super().model_json_schema(*args, **kwargs)
-        # A pool saved over one saved before the settings existed keeps its flat keys (Prefect's
-        # update merges the stored data's top level): its old key is still obfuscated in the API.
-        secret = schema.get("secret_fields")
-        if isinstance(secret, list):
-            schema["secret_fields"] = list(dict.fromkeys([*secret, *STALE_SECRETS]))
-        return schema
+        # Made once per class and arguments: Prefect asks for the whole schema once per field as it
+        # saves or loads a block (`_field_has_secrets`), 0.25 s of a pool's save. A copy is handed
+        # out, since Prefect's readers edit what they get.
+        type_block_fields(cls)  # first: the schema is the one the fields' real types give
+        key = (cls, repr(args), repr(sorted(kwargs.items())))
+        schema = _SCHEMAS.get(key)
+        if schema is None:
+            schema = super().model_json_schema(*args, **kwargs)
+            # A pool saved over one saved before the settings existed keeps its flat keys (Prefect's
+            # update merges the stored data's top level): its old key is still obfuscated in the API.
+            secret = schema.get("secret_fields")
+            if isinstance(secret, list):
+                schema["secret_fields"] = list(dict.fromkeys([*secret, *STALE_SECRETS]))
+            _SCHEMAS[key] = schema
+        return copy.deepcopy(schema)
 
     @classmethod
     def _to_block_type(cls) -> Any:
