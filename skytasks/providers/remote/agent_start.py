@@ -94,8 +94,8 @@ class Started:
 
 
 class AgentStarter:
-    """Starts node agents with one bootstrap: the controller's skytasks is tarred once, on the
-    first start, and sent only to the nodes that lack it."""
+    """Starts node agents with one bootstrap: the controller's skytasks (tarred once per process:
+    `package_bundle`) is sent only to the nodes that lack it."""
 
     def __init__(self, code: str, timeout: float, env: Optional[Mapping[str, str]] = None):
         self._code, self._timeout = code, timeout
