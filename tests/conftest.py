@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -64,7 +65,7 @@ def running(*roles: str) -> list[psutil.Process]:
     """Every live process of this test session whose command line names one of `roles`, orphans
     included (`session_scope.mine`: the whole machine's, where sessions cannot be told apart)."""
     found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
+    for p in _own_processes(["cmdline", "status"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
             if any(role in cmd for role in roles) and p.info["status"] != psutil.STATUS_ZOMBIE and session_scope.mine(p.pid):
@@ -72,6 +73,22 @@ def running(*roles: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+def _own_processes(attrs: list[str]) -> Iterator[psutil.Process]:
+    """This session's processes with `attrs` in `.info` (as `psutil.process_iter` gives them): the
+    pids its cgroups hold, or every process where the session owns the machine."""
+    pids = session_scope.own_pids()
+    if pids is None:
+        yield from psutil.process_iter(attrs)
+        return
+    for pid in sorted(pids):
+        try:
+            p = psutil.Process(pid)
+            p.info = p.as_dict(attrs)
+        except psutil.NoSuchProcess:
+            continue
+        yield p
 
 
 def gone(process: int | psutil.Process) -> bool:
@@ -120,7 +137,7 @@ def orphaned_test_sshd() -> list[psutil.Process]:
     """sshd processes started during this test session that no test server owns any more: a
     session whose listener is gone (its parent is then init, not sshd or this process)."""
     found = []
-    for p in psutil.process_iter(["name", "cmdline", "create_time", "ppid", "status"]):
+    for p in _own_processes(["name", "cmdline", "create_time", "ppid", "status"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
             is_sshd = (p.info["name"] or "").startswith("sshd") or cmd.startswith("sshd")

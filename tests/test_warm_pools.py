@@ -136,9 +136,19 @@ def test_skytasks_run_twice_on_a_warm_pool_attaches_the_second_time(pool_name, t
 
 def test_one_holder_at_a_time_and_the_next_waits_in_line_naming_it(pool_name, tmp_path):
     _save(pool_name)
-    holder = _start(pool_name, tmp_path / "holder.json", seconds=8)
+    holder = _start(pool_name, tmp_path / "holder.json", seconds=120)
     _wait_for(tmp_path / "holder.json.ready*", 2)
-    waiting = _use(pool_name, tmp_path / "waiting.json")
+    said = tmp_path / "waiting.out"
+    with open(said, "w") as out:  # the holder holds until the waiter has said it waits, however slow it starts
+        waiter = subprocess.Popen([sys.executable, str(PROGRAM), pool_name, str(tmp_path / "waiting.json")],
+                                  env=_env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "waiting for warm pool" not in said.read_text() and waiter.poll() is None:
+        assert time.monotonic() < deadline, said.read_text()[-3000:]
+        time.sleep(0.2)
+    (tmp_path / "holder.json.release").touch()
+    assert waiter.wait(timeout=120) == 0, said.read_text()[-4000:]
+    waiting = json.loads((tmp_path / "waiting.json").read_text())
     output, _ = holder.communicate(timeout=60)
     assert holder.returncode == 0, output[-3000:]
     held = json.loads((tmp_path / "holder.json").read_text())

@@ -3,8 +3,8 @@
 
     python warm_call.py POOL_NAME OUT_JSON [SECONDS]
 
-Inside `with pool:` it runs one call whose ranks sleep SECONDS (0: none), writing READY to
-OUT_JSON.ready once the ranks are inside it, then writes what it saw to OUT_JSON: each node's agent
+Inside `with pool:` it runs one call whose ranks sleep SECONDS (0: none; less if OUT_JSON.release
+appears meanwhile), writing OUT_JSON.ready<RANK> once the ranks are inside it, then writes what it saw to OUT_JSON: each node's agent
 pid, where it runs (host or pod) and its node id, how long the pool took to come up and its first
 call, and its flow run's id and name.
 """
@@ -30,7 +30,9 @@ SECONDS = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
 def work(seconds: float) -> int:
     if seconds:
         (OUT.parent / f"{OUT.name}.ready{rank_info().rank}").write_text(str(os.getpid()))
-        time.sleep(seconds)
+        deadline, release = time.monotonic() + seconds, OUT.parent / f"{OUT.name}.release"
+        while time.monotonic() < deadline and not release.exists():  # a test may end the hold early
+            time.sleep(0.1)
     return rank_info().rank
 
 
