@@ -31,10 +31,14 @@ _held: dict[str, int] = {}
 
 def pids_cgroup(pid: int | str = "self") -> str | None:
     """The pids-hierarchy cgroup of `pid`, or None if it has none (or is gone)."""
+    return _cgroup_of("pids", pid)
+
+
+def _cgroup_of(controller: str, pid: int | str = "self") -> str | None:
     try:
         for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
-            if "pids" in controllers.split(","):
+            if controller in controllers.split(","):
                 return path
     except OSError:
         return None
@@ -117,10 +121,13 @@ def own_pids() -> set[int] | None:
     if _own is None:
         return None
     roots = [PIDS / _own.lstrip("/")]
-    try:
-        roots += [d for d in PIDS.iterdir() if d.name.startswith(f"skytasks-k8s-{os.getpid()}-")]
-    except OSError:
-        pass
+    # A test cluster's cgroup root is made under the session's memory cgroup, in every hierarchy
+    # (tests/harness/k8s/cluster.py): "<that path>/skytasks-k8s-<pid>-<tag>".
+    for parent in {PIDS, PIDS / (_cgroup_of("memory") or "/").lstrip("/")}:
+        try:
+            roots += [d for d in parent.iterdir() if d.name.startswith(f"skytasks-k8s-{os.getpid()}-")]
+        except OSError:
+            pass
     found: set[int] = set()
     for root in roots:
         for folder, _, _ in os.walk(root):
