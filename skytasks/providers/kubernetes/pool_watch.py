@@ -261,7 +261,10 @@ class PoolWatch:
         brought = 0
         try:
             for line in api_retry.watch_lines(resp):
-                event = json.loads(line)
+                try:
+                    event = json.loads(line)
+                except ValueError:  # not JSON, or not UTF-8: a line mangled as the connection was cut
+                    break  # under the reader (seen in tests): the next watch goes on from the last version
                 kind_of, obj = event.get("type"), event.get("object") or {}
                 if kind_of == "ERROR":  # a Status: 410 when the resourceVersion is too old
                     if obj.get("code") == 410:
