@@ -76,9 +76,10 @@ run: setup
 # What ran beside is printed when the suite ends. tests/conftest.py keeps each test cluster to one
 # worker and each module's tests together, and gives every session a cgroup of its own, so that a
 # leak check sees only what its own session started.
-# Two: on a 2-core machine, 3 workers finished in 23 min against 45 in one process, but loaded it
-# (load average 6) enough to starve tests whose pools end after seconds of silence.
-TEST_WORKERS ?= 2
+# Three: on a 2-core machine a clean clone's `.ci/run` took 23.8 min with 3 and about 29 with 2
+# (45 in one process): the CPUs are busy about 80% of the time. Tests whose pools end after
+# seconds of silence give them 15 s or more, and tests wait for what they assert, not for a time.
+TEST_WORKERS ?= 3
 
 test: setup system-deps
 	@logs=$$(mktemp -d); \
