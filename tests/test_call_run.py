@@ -185,19 +185,6 @@ def test_a_peers_connection_error_that_beats_the_lost_nodes_news_leaves_the_lost
     assert isinstance(outcome.cause, ConnectionError) and "lost the agent of node 1" in str(outcome.cause)
 
 
-def test_a_lost_nodes_news_still_queued_when_the_stop_began_is_waited_for_and_stays_the_root_cause():
-    call, _, bus, heard = make_call()
-    bus.nodes_alive.discard(1)  # its channel found the stream closed; its LOST is still in the queue
-    call.handle(*failed(call, 0, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4")),
-                now=1.0)
-    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
-    assert call.phase is Phase.STOPPING  # node 0 confirmed, but node 1's news has not been read
-    call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
-    assert call.done
-    outcome = call.outcome()
-    assert outcome.reason == "node lost" and "lost the agent of node 1" in str(outcome.cause)
-
-
 def test_a_node_lost_after_a_real_failure_stays_collateral():
     call, _, _, heard = make_call()
     call.handle(*failed(call, 0, ValueError("bad batch")), now=1.0)

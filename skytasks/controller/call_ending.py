@@ -52,8 +52,6 @@ class CallEnding:
     outcomes: dict[int, RankOutcome]
     failures: list[RankFailure]
     notices: dict[int, dict[str, Any]]
-    lost: set[int]
-    _nodes_at_start: set[int]
     phase: Phase
     aborted_at: float | None
 
@@ -99,11 +97,7 @@ class CallEnding:
                 self._untold_stopped.append(o)
         if not stacks:
             self._tell_stopped()
-        alive = set(self.bus.alive())
-        # A node whose channel found it lost while its LOST is still queued is waited for too:
-        # under load the others' confirmations can be read first, and that node, not the stop,
-        # may be the root cause (`_while_stopping`). Bounded by stop_confirm_seconds like the rest.
-        self._stop_waiting = alive | (self._nodes_at_start - alive - self.lost)
+        self._stop_waiting = set(self.bus.alive())
         self._stop_until = now + self.stop_confirm_seconds
         self.phase = Phase.STOPPING
         if not self._stop_waiting:

@@ -60,7 +60,6 @@ class CallRun(CallEnding):
         self._init_ending()
         self.notices: dict[int, dict[str, Any]] = {}  # node rank -> its preemption notice
         self.lost: set[int] = set()  # node ranks whose loss this call reported (NodeLost)
-        self._nodes_at_start = set(bus.alive())  # a loss among them is news this call will read
         self.unreachable: set[int] = set()  # node ranks whose stream broke, being re-attached: no hang meanwhile
         self.stragglers = StragglerWatch(straggler_warn_seconds)
 
