@@ -63,12 +63,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def running(*roles: str) -> list[psutil.Process]:
     """Every live process of this test session whose command line names one of `roles`, orphans
-    included (`session_scope.mine`: the whole machine's, where sessions cannot be told apart)."""
+    included (`_own_processes`: the whole machine's, where sessions cannot be told apart)."""
     found = []
     for p in _own_processes(["cmdline", "status"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if any(role in cmd for role in roles) and p.info["status"] != psutil.STATUS_ZOMBIE and session_scope.mine(p.pid):
+            if any(role in cmd for role in roles) and p.info["status"] != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -76,8 +76,9 @@ def running(*roles: str) -> list[psutil.Process]:
 
 
 def _own_processes(attrs: list[str]) -> Iterator[psutil.Process]:
-    """This session's processes with `attrs` in `.info` (as `psutil.process_iter` gives them): the
-    pids its cgroups hold, or every process where the session owns the machine."""
+    """This session's processes (those `session_scope.mine` is true of) with `attrs` in `.info`, as
+    `psutil.process_iter` gives them: the pids its cgroups hold, or every process where the session
+    owns the machine."""
     pids = session_scope.own_pids()
     if pids is None:
         yield from psutil.process_iter(attrs)
@@ -142,8 +143,6 @@ def orphaned_test_sshd() -> list[psutil.Process]:
             cmd = " ".join(p.info["cmdline"] or [])
             is_sshd = (p.info["name"] or "").startswith("sshd") or cmd.startswith("sshd")
             if not is_sshd or p.info["create_time"] < SESSION_STARTED or p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if not session_scope.mine(p.pid):
                 continue
             # A listener's parent is a test process (python); a live session's is sshd. An
             # orphan's is init or a subreaper. (Another test session's servers are python's too.)
