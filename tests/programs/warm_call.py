@@ -29,7 +29,9 @@ SECONDS = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
 @distributed_task
 def work(seconds: float) -> int:
     if seconds:
-        (OUT.parent / f"{OUT.name}.ready{rank_info().rank}").write_text(str(os.getpid()))
+        partial = OUT.parent / f"partial-{rank_info().rank}-{OUT.name}"  # not matched by a test's `*.ready*`
+        partial.write_text(str(os.getpid()))
+        os.replace(partial, OUT.parent / f"{OUT.name}.ready{rank_info().rank}")  # whole when seen: read at once
         deadline, release = time.monotonic() + seconds, OUT.parent / f"{OUT.name}.release"
         while time.monotonic() < deadline and not release.exists():  # a test may end the hold early
             time.sleep(0.1)

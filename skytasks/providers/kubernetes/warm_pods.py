@@ -8,7 +8,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from skytasks.errors import PoolGone
+from skytasks.errors import PoolConfigError, PoolGone, PoolStartError
 from skytasks.event_bus import PoolReporter
 from skytasks.providers.kubernetes import cluster, pod_views, pods
 from skytasks.providers.kubernetes.node_agents import PodAgents
@@ -74,13 +74,16 @@ class WarmPods:
         except Exception as exc:  # noqa: BLE001 - a 404 is a pool gone; anything else, unreachable
             if getattr(exc, "status", None) == 404:  # the API's own word; a timeout, 429 or 5xx is not
                 raise PoolGone(f"{self.pool_id}: its owner object is gone (deleted, or taken by gc)") from None
-            raise cluster.refused(exc, "read configmaps", self.namespace) from exc
+            raise _asked_again(cluster.refused(exc, "read configmaps", self.namespace)) from exc
         self._owner_ref = pods.owner_reference({"metadata": {"name": owner.metadata.name, "uid": owner.metadata.uid}})
         self._made_owner = True  # from now on stop() deletes the owner, and with it every pod
         self._lease.started_at = datetime.fromtimestamp(float(handle.get("started_at", time.time())), timezone.utc)
         self._lease.keep(self._renew_lease, lambda line: self.reporter.note(f"{self.pool_id}: {line}"),
                          name=f"skytasks-lease-{self.pool_id}")
-        self._pods = PoolWatch(self._cfg, self.namespace, self.pool_id).start(self._k8s.ready_timeout_seconds)
+        try:
+            self._pods = PoolWatch(self._cfg, self.namespace, self.pool_id).start(self._k8s.ready_timeout_seconds)
+        except PoolConfigError as refusal:
+            raise _asked_again(refusal) from refusal
         self.nodes = {int(i): str(name) for i, name in handle.get("nodes", {}).items()}
         self._ips.update(handle.get("ips", {}))
         self.placed.update(handle.get("placed", {}))
@@ -115,3 +118,16 @@ class WarmPods:
             self._agents.end_all()  # the streams only: an exec'd agent outlives its stream
         if self._pods is not None:
             self._pods.stop()
+
+
+def _asked_again(refusal: Exception) -> Exception:
+    """A refusal met while adopting a warm pool, as the warm pool takes it. This identity made the
+    pool, so a 403 is asked again until ready_timeout_seconds (not raised at once): an API server
+    that has just restarted denies for a moment what its RBAC grants ("RBAC: role ... not found"
+    until its caches fill). If it is still refused then, the pool's start fails with these words."""
+    if isinstance(refusal, PoolConfigError) and str(refusal).startswith(CREDENTIALS_REFUSED):
+        return PoolStartError(str(refusal))
+    return refusal
+
+
+CREDENTIALS_REFUSED = "kubernetes_credentials:"  # how cluster.refused words a 403 (a missing permission)
