@@ -427,3 +427,30 @@ def test_the_test_cluster_accepts_the_network_policy(k8s_cluster, tmp_path):
             time.sleep(0.2)
     finally:
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def _api_error(status: int, message: str) -> Exception:
+    import json
+
+    from kubernetes.client.exceptions import ApiException
+
+    exc = ApiException(status=status, reason="")
+    exc.body = json.dumps({"kind": "Status", "message": message})
+    return exc
+
+
+def test_adopting_a_warm_pool_asks_a_403_again_and_nothing_else_that_names_a_field():
+    """A warm pool's adopt: a 403 is asked again until ready_timeout_seconds (an API server just
+    restarted denies for a moment what its RBAC grants), with the refusal's own words; a missing
+    namespace or a refused manifest is still the PoolConfigError naming its field."""
+    from skytasks.errors import PoolStartError
+    from skytasks.providers.kubernetes import cluster
+    from skytasks.providers.kubernetes.warm_pods import _asked_again
+
+    rbac = 'configmaps "skytasks-1" is forbidden: ... RBAC: role.rbac.authorization.k8s.io "skytasks-pool" not found'
+    again = _asked_again(cluster.refused(_api_error(403, rbac), "read configmaps", "default"))
+    assert isinstance(again, PoolStartError) and not isinstance(again, PoolConfigError)
+    assert str(again).startswith("kubernetes_credentials: the pool's identity may not read configmaps") and rbac in str(again)
+    for status, said, field in [(404, 'namespaces "gone" not found', "k8s_namespace"), (422, "bad pod", "k8s_pod_template")]:
+        kept = _asked_again(cluster.refused(_api_error(status, said), "read configmaps", "gone"))
+        assert isinstance(kept, PoolConfigError) and str(kept).startswith(field + ":")
