@@ -64,7 +64,9 @@ def test_500_half_open_connections_neither_keep_a_real_peer_out_nor_swell_the_ag
                 s.close()
         # a pending stranger costs a thread and a small buffer, not a megabyte: 500 would be 500 MB
         assert peak_rss - rss_before < 48 << 20, (rss_before, peak_rss)
-        assert peak_threads - threads_before <= PENDING_HANDSHAKES + 4, (threads_before, peak_threads)
+        # Threads are bounded by the pending handshakes, not by the strangers: a handshake cut to make
+        # room ends its thread a moment after the cut, so under load a few overlap the new ones.
+        assert peak_threads - threads_before <= PENDING_HANDSHAKES + 16, (threads_before, peak_threads)
         assert admitted_s < 3.0, admitted_s
         # the pool's own relay (node 0 -> node 1 -> ...) goes on, on the same ranks
         arg = np.random.default_rng(3).integers(0, 255, size=4 << 20, dtype=np.uint8)
