@@ -132,6 +132,10 @@ class SlurmFleet(Fleet):
         node = session.provider.nodes[session.nodes[1].link.node_id]  # type: ignore[attr-defined]
         sruns = [p for p in agent_sruns(node.job_id, node.name) if "skytasks.node.agent" in " ".join(p.cmdline())]
         assert len(sruns) == 2, sruns  # srun and its shepherd
+        # Both stopped first, the shepherd before its parent: a shepherd that saw its parent die
+        # (a moment between two kills, under load) would cancel the step, agent and all.
+        for p in reversed(sruns):
+            p.suspend()
         for p in sruns:
             p.kill()
         return {1}
