@@ -18,6 +18,12 @@ IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 RBAC_FILE = "deployments/kubernetes/rbac.yaml"
 
 
+class Forbidden(PoolConfigError):
+    """A 403 for a missing permission, as `refused` words it (naming the verb and resource): a
+    PoolConfigError, marked so that a caller for whom a 403 may pass (a warm pool's adopt, right
+    after an API server restart) can tell it from the other refusals by its type."""
+
+
 def configuration(credentials: Any) -> Any:
     """A `kubernetes.client.Configuration` for the pool's cluster (every client of the pool is
     made from it: the official client's objects are not safe to share between exec streams)."""
@@ -65,8 +71,8 @@ def refused(exc: BaseException, doing: str, namespace: str) -> Exception:
     status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
     said = api_message(exc)
     if status == 403 and "forbidden" in said.lower() and "quota" not in said.lower():
-        return PoolConfigError(f"kubernetes_credentials: the pool's identity may not {doing} in namespace "
-                               f"{namespace!r}: {said} ({RBAC_FILE} grants what a pool needs)")
+        return Forbidden(f"kubernetes_credentials: the pool's identity may not {doing} in namespace "
+                         f"{namespace!r}: {said} ({RBAC_FILE} grants what a pool needs)")
     if status == 403 and "quota" in said.lower():
         return PoolStartError(f"k8s_cpu/k8s_memory: a ResourceQuota in namespace {namespace!r} refused the pod: {said}")
     if status == 404 and "namespaces" in said.lower():

@@ -125,9 +125,4 @@ def _asked_again(refusal: Exception) -> Exception:
     pool, so a 403 is asked again until ready_timeout_seconds (not raised at once): an API server
     that has just restarted denies for a moment what its RBAC grants ("RBAC: role ... not found"
     until its caches fill). If it is still refused then, the pool's start fails with these words."""
-    if isinstance(refusal, PoolConfigError) and str(refusal).startswith(CREDENTIALS_REFUSED):
-        return PoolStartError(str(refusal))
-    return refusal
-
-
-CREDENTIALS_REFUSED = "kubernetes_credentials:"  # how cluster.refused words a 403 (a missing permission)
+    return PoolStartError(str(refusal)) if isinstance(refusal, cluster.Forbidden) else refusal
