@@ -34,6 +34,7 @@ class CallOptions:
     procs_per_node: int | None = None
     backend: str | None = None
     init_torch: bool = True
+    runs_script: bool = False  # run_script's ranks: each runs a torchrun script (forked with torch, where it can)
     timeout_seconds: float | None = None  # per attempt, as a Prefect task's
     hang_timeout_seconds: float | None = None
     retries: int = 0  # the code's own failures (a rank raising or dying, a hang, a timeout)
@@ -69,6 +70,7 @@ class CallOptions:
             raise PoolConfigError(f"tags: expected a collection of strings, got {self.tags!r}")
         object.__setattr__(self, "tags", tuple(self.tags))
         object.__setattr__(self, "init_torch", bool(self.init_torch))
+        object.__setattr__(self, "runs_script", bool(self.runs_script))
 
     @property
     def label(self) -> str:

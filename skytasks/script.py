@@ -60,7 +60,6 @@ def torchrun_environment(*, attempt: int, max_restarts: int, run_id: str, error_
 def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restarts: int, run_id: str) -> ScriptResult:
     """The body of every rank of a `run_script` call (runs on the node)."""
     import collections
-    import subprocess
     import tempfile
     import threading
 
@@ -75,9 +74,7 @@ def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restar
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the UI as they are printed
         host = _StoreHost(info) if info.rank == 0 else None  # bound before the script starts: its port is ours
         try:
-            # Same process group as this rank: when fail-fast stops the rank, the script goes with it.
-            proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            proc = _start_script(command, env)
             tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
 
             def relay(stream: Any, to: Any, keep: bool) -> None:
@@ -108,6 +105,20 @@ def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restar
         if code != 0:
             raise ScriptFailed(info.rank, code, "\n".join(tail), _recorded_error(error_file))
     return ScriptResult(info.rank, code)
+
+
+def _start_script(command: Sequence[str], env: dict[str, str]) -> Any:
+    """`python *command`: forked from this rank where it has torch already (see script_fork),
+    else a fresh interpreter. Same process group as this rank either way: when fail-fast stops
+    the rank, the script goes with it."""
+    import subprocess
+
+    from skytasks.node.script_fork import ForkedScript, can_fork
+
+    if can_fork(list(command), env) is None:
+        return ForkedScript(list(command), env)
+    return subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 DONE_WAIT_SECONDS = 30.0  # how long rank 0 keeps the store for scripts still ending (destroying their group)
@@ -266,7 +277,7 @@ def script_options(script: str | os.PathLike, args: Iterable[Any] = (), *, pool:
     command = script_command(script, args, module, root)
     label = name or (str(script).rsplit(".", 1)[-1] if module else Path(script).stem)
     options = CallOptions(name=label, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
-                          timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
+                          runs_script=True, timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
                           retries=retries, retry_delay_seconds=retry_delay_seconds, node_recoveries=node_recoveries,
                           rank_runs=rank_runs, workdir=root, tags=tuple(tags))
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):

@@ -70,6 +70,7 @@ class GroupSpec:
     init_torch: bool
     init_timeout_seconds: float
     workdir: WorkdirRequest | None = None
+    runs_script: bool = False
 
 
 @dataclass
@@ -124,6 +125,8 @@ class RankGroup:
                 ranks.append({"rank": rank, "env": env})
             common = {**pool_env, **dict(node.env), "SKYTASKS_INIT_TORCH": "1" if spec.init_torch else "0",
                       "SKYTASKS_INIT_TIMEOUT_SECONDS": str(spec.init_timeout_seconds)}
+            if spec.runs_script:  # read by the node (rank_template.SCRIPT_ENV): torch warm for the script
+                common["SKYTASKS_SCRIPT"] = "1"
             if workdir_on_nodes is not None:
                 common["SKYTASKS_WORKDIR"] = workdir_on_nodes
             self.spawns[node.node_rank] = message(Op.SPAWN, group=self.id, ranks=ranks, env=common)

@@ -116,13 +116,14 @@ def run_call(runtime: Runtime, payload: PackedCall, options: CallOptions, observ
         # Read (and held to the size limit) before any node is up, when it has to travel.
         root = Path(options.workdir)
         workdir = WorkdirRequest(root, None if provider.runs_on_this_machine else read_workdir(root))
-    group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir)
+    group_spec = GroupSpec(options.backend, options.init_torch, settings().init_timeout_seconds, workdir,
+                           options.runs_script)
     policy = FailurePolicy(options.retries, options.node_recoveries)
     spent = Spent()
     error: BaseException | None = None
     try:
         # A pool started for this call alone knows what its ranks import: its nodes may have it ready.
-        with runtime.calls(preload=("torch",) if options.init_torch else ()) as sessions:
+        with runtime.calls(preload=_preload(options)) as sessions:
             attempt = 0
             while True:
                 attempt += 1
@@ -166,6 +167,14 @@ def run_call(runtime: Runtime, payload: PackedCall, options: CallOptions, observ
         raise
     finally:
         observer.on_call_end(error)
+
+
+def _preload(options: CallOptions) -> tuple[str, ...]:
+    """What a pool started for this call alone has its nodes import before any rank: torch for
+    ranks that make a torch group, and for a torchrun script's ranks with torchrun's threads."""
+    if options.runs_script:
+        return ("torch", "torchrun")
+    return ("torch",) if options.init_torch else ()
 
 
 def _nodes(sessions: Sessions, observer: RunObserver, attempt: int) -> Session | CallOutcome:

@@ -86,7 +86,7 @@ def _warm(torch_env: dict[str, str] | None) -> None:
     for name in skytasks.node.worker.STARTUP_MODULES:
         importlib.import_module(name)
     if torch_env is not None:
-        from skytasks.node import rank_starter
+        from skytasks.node import rank_template
         saved = dict(os.environ)
         set_environ({**{k: v for k, v in saved.items() if k not in torch_import_env(saved)}, **torch_env})
         try:
@@ -95,7 +95,7 @@ def _warm(torch_env: dict[str, str] | None) -> None:
         except Exception:  # noqa: BLE001 - each template imports it (or says why) as it would have
             pass
         else:
-            rank_starter.TORCH_PRELOADED_WITH = dict(torch_env)
+            rank_template.TORCH_IMPORTED_WITH = dict(torch_env)  # the agent's template, and its ranks, have it
         finally:
             set_environ(saved)
     # As the template does: every object so far to the collector's permanent generation, so that

@@ -17,6 +17,7 @@ from skytasks.reactor import ENDED, shared_reactor
 from skytasks.wire import PIPE_BYTES, TO_AGENT, FrameParser, FrameWriter, decode, encode, widen_pipe
 from skytasks.flight_recorder import BUFFER_ENV, DEFAULT_BUFFER
 from skytasks.node.rank_starter import RankStarter
+from skytasks.node.rank_template import torchrun_threads
 from skytasks.node.slurm_env import slurm_task_environment
 from skytasks.protocol import Op, message
 
@@ -100,6 +101,7 @@ def start_ranks(agent: RankHost, group: int, specs: list[tuple[int, dict[str, st
                     "SKYTASKS_GROUP": str(group)}  # the rank stamps its frames with its group (and rank)
         full_env.setdefault(BUFFER_ENV, DEFAULT_BUFFER)  # torch's flight recorder: read for a hang
         full_env.update(slurm_task_environment(full_env))  # inside a SLURM step: this rank's task variables
+        full_env.update(torchrun_threads(full_env))
         launches.append(_Launch(rank, env, full_env, ctrl_read, ctrl_write, stack_file))
     try:
         procs = agent.starter.start_many([(x.full_env, x.ctrl_write) for x in launches])

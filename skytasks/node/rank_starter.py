@@ -14,9 +14,10 @@ import threading
 import time
 from typing import BinaryIO
 
+from skytasks.node import rank_template
 from skytasks.node.linux import PR_SET_CHILD_SUBREAPER, prctl
 from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, STARTUP_ENV_PREFIXES,
-                                         UNBUFFERED, serve_as_template, torch_import_env)
+                                         SCRIPT_ENV, UNBUFFERED, serve_as_template, torch_import_env)
 
 
 class ForkedProcess:
@@ -56,11 +57,6 @@ class ForkedProcess:
         return self.returncode
 
 
-# Set in an agent forked from a fork server that imported torch (see `forkserver`): the torch
-# variables it imported torch with. The agent's template then has torch from its first moment.
-TORCH_PRELOADED_WITH: dict[str, str] | None = None
-
-
 class RankStarter:
     """Starts a node's rank processes: forked from the template while it serves, else cold."""
 
@@ -90,7 +86,9 @@ class RankStarter:
             os.close(ours.detach())  # the agent's end: held here, the agent's close would never be heard
             serve_as_template(theirs, agent)  # never returns
         theirs.close()
-        return cls(ours, pid, dict(os.environ), TORCH_PRELOADED_WITH)
+        # An agent forked from a fork server that imported torch (see `forkserver`) has it, and so
+        # the template has it from its first moment.
+        return cls(ours, pid, dict(os.environ), rank_template.TORCH_IMPORTED_WITH)
 
     def start_many(self, requests: list[tuple[dict[str, str], int]]) -> list[subprocess.Popen | ForkedProcess]:
         """A rank process for each (`env` whole, `ctrl_write` its channel to the agent), with
@@ -102,7 +100,7 @@ class RankStarter:
         if self._torch_env is None:
             # The node's first torch rank: the template imports torch with its environment, and
             # ranks whose thread settings differ from it start cold.
-            import_torch = next((requests[i][0] for i in warm if _inits_torch(requests[i][0])), None)
+            import_torch = next((requests[i][0] for i in warm if _wants_torch(requests[i][0])), None)
             if import_torch is not None:
                 self._torch_env = torch_import_env(import_torch)
                 warm = [i for i in warm if not self._changes_startup(requests[i][0])]
@@ -213,8 +211,10 @@ TEMPLATE_ANSWER_SECONDS = 120.0
 BATCH_BYTES = 128 * 1024  # a request's environments: well inside a socket's default buffer
 
 
-def _inits_torch(env: dict[str, str]) -> bool:
-    return env.get("SKYTASKS_INIT_TORCH", "1") == "1"  # as the worker reads it
+def _wants_torch(env: dict[str, str]) -> bool:
+    """A rank that makes a torch group (as the worker reads it), or runs a torchrun script, which
+    is forked from the rank with the template's torch (see script_fork)."""
+    return env.get("SKYTASKS_INIT_TORCH", "1") == "1" or env.get(SCRIPT_ENV) == "1"
 
 
 def _batches(indices: list[int], requests: list[tuple[dict[str, str], int]]) -> list[list[int]]:

@@ -52,8 +52,10 @@ STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
 # imports torch with its first torch rank's values of these; a rank with other values starts cold.
 TORCH_IMPORT_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH_", "PYTORCH_")
 # TORCH_ variables torch reads only when a process group is made, never at import: every rank
-# gets the flight recorder's, and a template that imported torch without it still forks them.
-READ_AFTER_IMPORT = frozenset({"TORCH_FR_BUFFER_SIZE"})
+# gets the flight recorder's, and a template that imported torch without it still forks them;
+# every torchrun script gets NCCL's error handling, as under torchrun.
+READ_AFTER_IMPORT = frozenset({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+SCRIPT_ENV = "SKYTASKS_SCRIPT"  # "1": the rank runs a torchrun script (run_script)
 UNBUFFERED = "PYTHONUNBUFFERED"  # every rank gets it; a forked rank's streams are made unbuffered
 CTRL_FD = 3  # where a forked rank finds its channel to the agent (SKYTASKS_CTRL_FD)
 MAX_MESSAGE = 1 << 20
@@ -183,6 +185,7 @@ def _import_torch(env: dict[str, str]) -> int:
     initialised only later, in the rank, with its own devices visible. Returns the threads this
     process now has: numpy's OpenBLAS starts a pool as it loads, which is fork-safe (it stops the
     pool before each fork and restarts it lazily, in parent and child alike)."""
+    global TORCH_IMPORTED_WITH
     saved = dict(os.environ)
     set_environ(env)
     try:
@@ -190,11 +193,31 @@ def _import_torch(env: dict[str, str]) -> int:
         import torch.distributed  # noqa: F401
     except Exception:  # noqa: BLE001 - a rank that needs torch says what is wrong, as a cold one would
         pass
+    else:
+        TORCH_IMPORTED_WITH = torch_import_env(env)
     finally:
         set_environ(saved)
     gc.collect()
     gc.freeze()
     return _threads()
+
+
+# What torch was imported with in this process (by the template, or the fork server before it),
+# the variables of `torch_import_env`; None while it has no torch. Forked ranks inherit it.
+TORCH_IMPORTED_WITH: dict[str, str] | None = None
+
+
+def torch_imported_with() -> dict[str, str] | None:
+    return TORCH_IMPORTED_WITH
+
+
+def torchrun_threads(env: dict[str, str]) -> dict[str, str]:
+    """torchrun's default for several workers on one node, for a script rank's environment:
+    OMP_NUM_THREADS=1 unless the node's own environment sets it. Given to the rank itself, not
+    only its script, so the template imports torch with it and the script can be forked."""
+    if env.get(SCRIPT_ENV) == "1" and int(env.get("LOCAL_WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in env:
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
 
 
 def torch_import_env(env: dict[str, str]) -> dict[str, str]:

@@ -199,7 +199,9 @@ class PreloadsImports(Protocol):
     """A provider whose agents can start with what the session's ranks will import already
     imported (the local provider's fork server): asked before `start`."""
 
-    def preload(self, modules: tuple[str, ...]) -> None: ...
+    def preload(self, modules: tuple[str, ...]) -> None:
+        """`modules`: "torch", and "torchrun" when the ranks run torchrun scripts (torch imported
+        with torchrun's OMP_NUM_THREADS default)."""
 
 
 class ProviderClass(Protocol):

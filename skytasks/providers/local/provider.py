@@ -16,7 +16,7 @@ from skytasks.devices import split_local_gpus, visible_gpus
 from skytasks.pool_spec import PoolSpec
 from skytasks.errors import NodeGone, PoolGone
 from skytasks.providers import Capabilities, NodeLink, NodeProvider, agent_args
-from skytasks.node.rank_template import torch_import_env
+from skytasks.node.rank_template import SCRIPT_ENV, torch_import_env, torchrun_threads
 from skytasks.node.ports import free_port
 from skytasks.providers.local.forked_agents import AdoptedAgent, AgentProcess, agent_process, boot_id, started_at
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
@@ -42,8 +42,9 @@ class LocalProvider(NodeProvider):
         self._links: list[NodeLink] = []  # streams opened through doors: let go at leave_running
 
     def preload(self, modules: tuple[str, ...]) -> None:
-        """The session is for ranks that import these ("torch"): its agents are forked from a
-        server that imported them already, so no node imports them again (see forked_agents)."""
+        """The session is for ranks that import these ("torch"; "torchrun": they run torchrun
+        scripts, with its thread default): its agents are forked from a server that imported
+        them already, so no node imports them again (see forked_agents)."""
         self._preload = modules
 
     def start(self) -> list[NodeLink]:
@@ -91,8 +92,13 @@ class LocalProvider(NodeProvider):
         stderr = self._agent_log(node_id)
         try:
             if settings().rank_start == "fork":  # "exec": every process a fresh interpreter
-                # The ranks' torch variables are the agent's and the pool's own `env`.
-                torch_env = torch_import_env({**env, **self._spec.env}) if "torch" in self._preload else None
+                # The ranks' torch variables are the agent's and the pool's own `env`, and for a
+                # torchrun script's ranks torchrun's threads, as each rank's environment gets them.
+                ranks_env = {**env, **self._spec.env}
+                if "torchrun" in self._preload:
+                    ranks_env |= torchrun_threads({**ranks_env, SCRIPT_ENV: "1",
+                                                   "LOCAL_WORLD_SIZE": str(self._spec.procs_per_node)})
+                torch_env = torch_import_env(ranks_env) if "torch" in self._preload else None
                 proc = agent_process(args, env, torch_env, stderr=2 if stderr is None else stderr)
             if proc is None:
                 proc = subprocess.Popen(
