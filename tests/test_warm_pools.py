@@ -103,7 +103,7 @@ def test_the_next_process_attaches_to_the_same_agents_and_its_first_call_is_fast
     bound = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     fastest = second["first_call_seconds"]
     for again in range(2):
-        if fastest < bound:
+        if fastest < bound and fastest < first["first_call_seconds"] / 2:
             break
         later = _use(pool_name, tmp_path / f"again{again}.json")
         assert later["pids"] == first["pids"]
