@@ -38,6 +38,7 @@ from skytasks.node.rank_template import (
     STARTUP_ENV_PREFIXES,
     UNBUFFERED,
     close_fds_above,
+    retitle,
     set_environ,
     torch_import_env,
     torch_imported_with,
@@ -145,6 +146,7 @@ def _become_script(command: list[str], env: dict[str, str], path: list[str], out
     code = 1
     try:
         _fresh_process(env, out_w, err_w)
+        retitle(*command)  # `ps` shows `python SCRIPT ARGS`, as for a fresh one (where it fits)
         sys.path[:] = path
         code = _run_main(command)
     except BaseException:  # noqa: BLE001 - our own failure before the script ran: said, then 1
