@@ -90,7 +90,7 @@ def run_on_rank(command: Sequence[str], extra_env: Mapping[str, str], max_restar
                 t.start()
             if host is not None:
                 try:
-                    host.serve()  # while the script imports torch; its clients wait in the backlog meanwhile
+                    host.serve()  # while the script starts; its clients wait in the backlog meanwhile
                 except BaseException:
                     proc.kill()
                     raise

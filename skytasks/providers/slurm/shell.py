@@ -143,10 +143,13 @@ class SlurmShell:
         return Step(inbound, outbound, close, close, tail, exit_code=lambda: proc.exit_status)
 
     def _relay_stderr(self, stream: BinaryIO, label: str, step: Step) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip()
-            step.stderr_tail.append(line)
-            self._reporter.note(f"[{label}] {line}")
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip()
+                step.stderr_tail.append(line)
+                self._reporter.note(f"[{label}] {line}")
+        except (ValueError, OSError):  # ending the step closed the pipe under this read: nothing more to say
+            pass
 
     def _close_remote(self, proc: Any, outbound: BinaryIO) -> None:
         try:
