@@ -16,6 +16,7 @@ from skytasks.errors import DistributedTaskError, ScriptFailed
 
 # What a script can see of its process, before and after its own torch group.
 PROBE = """
+dunders = {k: type(v).__name__ for k, v in dict(globals()).items()}  # __main__'s globals, as the script begins
 import sys
 had_torch = "torch" in sys.modules  # forked: the node's template imported it already
 import atexit, json, logging, os, signal, threading
@@ -25,7 +26,7 @@ fds_at_start = sorted(os.listdir("/proc/self/fd"))
 dist.init_process_group("gloo")
 t = torch.tensor([1.0]); dist.all_reduce(t)
 seen = {
-    "had_torch": had_torch, "argv": sys.argv, "name": __name__, "file": __file__, "path": sys.path,
+    "had_torch": had_torch, "dunders": dunders, "argv": sys.argv, "name": __name__, "file": __file__, "path": sys.path,
     "cwd": os.getcwd(), "env": dict(os.environ), "fds_at_start": fds_at_start, "stdin": sys.stdin.read(),
     "signals": {s.name: str(signal.getsignal(s)) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                 and isinstance(s, signal.Signals)},
@@ -73,6 +74,7 @@ def test_a_forked_script_sees_what_a_fresh_interpreter_sees_but_torch_already_th
         assert mine["had_torch"] and not fresh["had_torch"]  # the one difference, and why it is faster
         assert mine["argv"] == ["forked.py", str(tmp_path / "forked")] and fresh["argv"][0] == "cold.py"
         assert mine["name"] == "__main__" and mine["file"] == mine["main"] == str(forked)
+        assert mine["dunders"] == fresh["dunders"] and mine["dunders"]["__builtins__"] == "module"
         assert mine["path"] == fresh["path"] and mine["path"][0] == str(forked.parent)
         assert mine["cwd"] == fresh["cwd"] == str(forked.parent)
         differ = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT", "SKYTASKS_GROUP",

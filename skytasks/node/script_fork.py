@@ -217,15 +217,21 @@ def _ignored_signals() -> set[int]:
 def _run_main(command: list[str]) -> int:
     """`command` as the interpreter runs a script file, and its exit code."""
     import atexit
+    import builtins
     import threading
     import types
+    from importlib.machinery import SourceFileLoader
 
     given, args = command[0], command[1:]
     path = os.path.abspath(given)
     sys.argv = [given, *args]
-    main = types.ModuleType("__main__")
+    main = types.ModuleType("__main__")  # what the interpreter makes of a script: its globals, as they are there
     main.__file__ = path
-    main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    main.__loader__ = SourceFileLoader("__main__", path)
+    main.__spec__ = None
+    main.__package__ = None
+    main.__annotations__ = {}
     main.__cached__ = None  # type: ignore[attr-defined]
     sys.modules["__main__"] = main
     code = 0
