@@ -49,6 +49,7 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        xdist_groups.longest_first(items)
         xdist_groups.write_groups(items)
 
 

@@ -10,6 +10,11 @@ which only a worker's collection knows, while xdist's controller schedules by te
 3.8's own `xdist_group` marks work by renaming a test's id, which pytest 9.2 no longer reads.) So each
 worker writes the groups it collected to a file the controller names in SKYTASKS_TEST_GROUPS, and
 the controller's scheduler reads it: `GroupScheduling`.
+
+Groups are handed out longest first, by the seconds their modules took in a clean-clone run
+(`group_seconds.json`, module: [seconds, tests]; a module not in it counts 2 s a test): a long
+group handed out last leaves the other workers idle while it runs. Only the order depends on it:
+a stale figure costs time, never a test.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import os
 from pathlib import Path
 
 ENV = "SKYTASKS_TEST_GROUPS"
+SECONDS_FILE = Path(__file__).with_name("group_seconds.json")
+UNKNOWN_TEST_SECONDS = 2.0
 SLURM_FIXTURES = {"cluster", "login_node", "slurm_queue_empty_after"}
 K8S_FIXTURES = {"k8s", "k8s_cluster"}
 
@@ -36,6 +43,24 @@ def group_of(item) -> str:
 def name_the_file() -> None:
     """In the controller, before its workers start (they inherit the environment)."""
     os.environ[ENV] = f"/tmp/skytasks-test-groups-{os.getpid()}.json"
+
+
+def longest_first(items: list) -> None:
+    """Reorder `items` in place: each group's tests together, in their order, the groups by their
+    seconds, the longest first. Every worker collects the same tests and orders them alike."""
+    try:
+        seconds = {m: s / max(1, n) for m, (s, n) in json.loads(SECONDS_FILE.read_text()).items()}
+    except (OSError, ValueError):
+        return
+    groups = {id(item): group_of(item) for item in items}
+    cost: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        cost[groups[id(item)]] = cost.get(groups[id(item)], 0.0) + seconds.get(module, UNKNOWN_TEST_SECONDS)
+    first_seen = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(groups[id(item)], index)
+    items.sort(key=lambda item: (-cost[groups[id(item)]], first_seen[groups[id(item)]]))
 
 
 def write_groups(items) -> None:
@@ -56,13 +81,17 @@ def remove_the_file() -> None:
 
 
 def scheduler(config, log):
-    """xdist's scope scheduling with `group_of`'s groups as the scopes; the largest groups are
-    handed out first (xdist's `loadscopereorder`), the clusters' among them. (xdist is imported
+    """xdist's scope scheduling with `group_of`'s groups as the scopes, handed out in the order of
+    the workers' collection (`longest_first`), the clusters' among the first. (xdist is imported
     here: the Prefect floor tier's environment runs without it.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
         _groups: dict[str, str] | None = None
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # the workers' collection is in the order wanted (longest_first)
 
         def _split_scope(self, nodeid: str) -> str:
             if self._groups is None:
