@@ -100,3 +100,23 @@ def scheduler(config, log):
             return self._groups.get(nodeid) or nodeid.split("::", 1)[0]
 
     return GroupScheduling(config, log)
+
+
+def seconds_from_junit(path: str) -> None:
+    """Write `group_seconds.json` from a run's `--junitxml` file: each module's seconds and tests."""
+    import xml.etree.ElementTree as ET
+
+    seconds: dict[str, list] = {}
+    for case in ET.parse(path).iter("testcase"):
+        module = case.get("classname", "").replace(".", "/") + ".py"
+        entry = seconds.setdefault(module, [0.0, 0])
+        entry[0] += float(case.get("time") or 0)
+        entry[1] += 1
+    lines = [f'  "{m}": [{round(s, 1)}, {n}]' for m, (s, n) in sorted(seconds.items())]
+    SECONDS_FILE.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+if __name__ == "__main__":  # python -m tests.harness.xdist_groups RUN.xml
+    import sys
+
+    seconds_from_junit(sys.argv[1])
