@@ -34,7 +34,7 @@ class CallOptions:
     procs_per_node: int | None = None
     backend: str | None = None
     init_torch: bool = True
-    runs_script: bool = False  # run_script's ranks: each runs a torchrun script (forked with torch, where it can)
+    runs_script: bool = False  # run_script of a file: each rank forks its script with the node's torch, where it can
     timeout_seconds: float | None = None  # per attempt, as a Prefect task's
     hang_timeout_seconds: float | None = None
     retries: int = 0  # the code's own failures (a rank raising or dying, a hang, a timeout)

@@ -277,7 +277,7 @@ def script_options(script: str | os.PathLike, args: Iterable[Any] = (), *, pool:
     command = script_command(script, args, module, root)
     label = name or (str(script).rsplit(".", 1)[-1] if module else Path(script).stem)
     options = CallOptions(name=label, pool=pool, nodes=nodes, procs_per_node=procs_per_node, init_torch=False,
-                          runs_script=True, timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
+                          runs_script=not module, timeout_seconds=timeout_seconds, hang_timeout_seconds=hang_timeout_seconds,
                           retries=retries, retry_delay_seconds=retry_delay_seconds, node_recoveries=node_recoveries,
                           rank_runs=rank_runs, workdir=root, tags=tuple(tags))
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
