@@ -34,6 +34,7 @@ class Stop(TypedDict):
     group: int | None
     grace: float
     stacks: bool  # dump each rank's stack as it is stopped, and send them back with STOPPED
+    hung: NotRequired[bool]  # a hang: each rank's stack asked first, before any rank anywhere is stopped
 
 
 class Close(TypedDict):

@@ -214,6 +214,7 @@ def test_a_hang_stops_every_rank_and_fails_each_with_where_it_was():
     call.tick(now=8.0)
     # One step: the stop brings back where each rank was (its SIGTERM dump)
     assert call.phase is Phase.STOPPING and bus.sent[-1][1]["op"] == "stop" and bus.sent[-1][1]["stacks"] is True
+    assert bus.sent[-1][1]["hung"] is True  # each agent asks its ranks' stacks before stopping any
     for r in (0, 1):
         call.handle(r, {"op": Op.STOPPED, "group": call.group.id, "stacks": {str(r): STACK_IN_TRAIN}}, now=8.1)
     assert call.done and heard.done == {0: "failed", 1: "failed"}

@@ -81,13 +81,14 @@ class CallEnding:
         self.failures.append(o.failure)
         self.observer.on_rank_done(o.rank, o)
 
-    def _stop(self, reason: str, now: float, stacks: bool = False) -> None:
+    def _stop(self, reason: str, now: float, stacks: bool = False, hung: bool = False) -> None:
         """Stop every rank of the group now; they never wait for a collective to time out. With
         `stacks`, the agents say where each rank was as it stopped, and the observer hears of the
         stopped ranks once they have (`_stopped`): their stacks first, then that they stopped."""
         self.group.broken = True
         self.aborted_at = time.time()
-        self.bus.broadcast(message(Op.STOP, group=self.group.id, grace=self.stop_grace_seconds, stacks=stacks))
+        self.bus.broadcast(message(Op.STOP, group=self.group.id, grace=self.stop_grace_seconds, stacks=stacks,
+                                   **({"hung": True} if hung else {})))
         preempted = bool(self.failures) and self.failures[0].rank >= 0 and \
             self.outcomes[self.failures[0].rank].preempted
         for o in self.outcomes.values():

@@ -110,7 +110,7 @@ class CallRun(CallEnding):
                 self._hung = True
                 self._stacks_why = f"no rank wrote output, reported or finished for {self.hang_timeout:g}s"
                 self._stacks = {}
-                self._stop("the call hung", now, stacks=True)
+                self._stop("the call hung", now, stacks=True, hung=True)
             elif self.stragglers.due(now):
                 self.stragglers.probe(self._pending(), now)
                 self.bus.broadcast(message(Op.STACKS, group=self.group.id))

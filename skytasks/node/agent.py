@@ -257,9 +257,13 @@ class NodeAgent:
         threading.Thread(target=self._send_stacks, args=(msg,), daemon=True).start()
 
     def _stop(self, msg: dict[str, Any]) -> None:
+        # A hang's stacks are asked before anything here or on another node is stopped: a rank
+        # stopped elsewhere first would end this one's collective, and its stack would then show
+        # it reporting that, not where it hung.
+        before = ask_stacks(list(self._ranks.values())) if msg.get("hung") else {}
         # the collectives each rank last entered, kept before the stop ends them (a hang's evidence)
         records = flight_records(list(self._ranks.values())) if msg["stacks"] else {}
-        stacks = self.stop_ranks(grace=msg["grace"], dump=msg["stacks"])
+        stacks = {**self.stop_ranks(grace=msg["grace"], dump=msg["stacks"]), **{r: s for r, s in before.items() if s}}
         self.emit(message(Op.STOPPED, group=msg["group"], stacks={str(r): s for r, s in stacks.items()},
                           **({"flight_recorder": records} if records else {})))
 
