@@ -135,6 +135,7 @@ def test_a_raising_rank_stops_the_rest_at_once_with_their_stacks_and_is_the_root
     call.handle(*failed(call, 1, ValueError("bad batch")), now=1.0)
     # One step, not a stack request and then a stop: each rank dumps its stack as SIGTERM reaches it
     assert call.phase is Phase.STOPPING and bus.sent[-1][1]["op"] == "stop" and bus.sent[-1][1]["stacks"] is True
+    assert "hung" not in bus.sent[-1][1]  # a failure's stop: one signal a rank, its dump as it stops
     assert heard.done == {1: "failed"}  # the stopped ranks are told with their stacks, once they are in
     call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {"0": "File x, in barrier"}}, now=1.2)
     assert not call.done and heard.stacks == []
