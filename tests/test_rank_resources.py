@@ -174,8 +174,10 @@ def test_the_rank_table_shows_what_each_rank_used(monkeypatch):
 
     rows = {r["rank"]: r for r in json.loads(found["usage-ranks"])}
     assert float(rows[0]["peak RSS MB"]) >= 500 > float(rows[1]["peak RSS MB"]), rows
-    # A spinning rank keeps about one core busy, when it has one: this machine may be shared.
-    assert float(rows[1]["mean CPU %"]) >= 30 and float(rows[1]["mean CPU %"]) > float(rows[0]["mean CPU %"]), rows
+    # A spinning rank keeps about one core busy when it has one; on a shared machine (the suite in
+    # 4 workers on 2 cores), it got 23%: what the table must show is that it used the most.
+    spun, held = float(rows[1]["mean CPU %"]), float(rows[0]["mean CPU %"])
+    assert spun >= 10 and spun > held, rows
     assert "peak GPU MB" not in rows[0]  # no GPU here: the columns are absent, not zero
     live = json.loads(found["usage-resources"])
     assert [r["rank"] for r in live] == [0, 1] and "RSS" in live[0]["latest"]
