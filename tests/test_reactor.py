@@ -240,7 +240,8 @@ def test_pools_that_come_and_go_leave_no_descriptor_open_in_the_controller():
     deadline = time.monotonic() + 5  # the last streams' ends reach the reader just after the pool is down
     while open_fds() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert open_fds() == before
+    # None more than before (one fewer is the first call's last pipe, closed since it was counted).
+    assert open_fds() <= before
 
 
 def test_the_reader_hears_a_process_end_and_runs_timers_without_a_thread_of_either():
