@@ -16,8 +16,8 @@ from typing import BinaryIO
 
 from skytasks.node import rank_template
 from skytasks.node.linux import PR_SET_CHILD_SUBREAPER, prctl
-from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, STARTUP_ENV_PREFIXES,
-                                         SCRIPT_ENV, UNBUFFERED, serve_as_template, torch_import_env)
+from skytasks.node.rank_template import (CTRL_FD, FDS_PER_RANK, MAX_FDS, MAX_MESSAGE, SCRIPT_ENV, serve_as_template,
+                                         startup_differs, torch_import_env)
 
 
 class ForkedProcess:
@@ -126,8 +126,7 @@ class RankStarter:
     def _changes_startup(self, env: dict[str, str]) -> bool:
         """Whether a forked rank would differ from a cold one: the environment that the template's
         interpreter, and torch in it, took as they started is not this rank's."""
-        keys = (set(env) | set(self._template_env)) - {UNBUFFERED}
-        if any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != self._template_env.get(k) for k in keys):
+        if startup_differs(env, self._template_env):
             return True
         return self._torch_env is not None and torch_import_env(env) != self._torch_env
 

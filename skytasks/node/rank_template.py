@@ -220,6 +220,14 @@ def torchrun_threads(env: dict[str, str]) -> dict[str, str]:
     return {}
 
 
+def startup_differs(env: dict[str, str], started_with: dict[str, str]) -> bool:
+    """Whether `env` differs from the environment an interpreter started with in what it reads
+    only as it starts (a forked process would not see the change); PYTHONUNBUFFERED aside, whose
+    streams a forked process makes for itself."""
+    keys = (set(env) | set(started_with)) - {UNBUFFERED}
+    return any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != started_with.get(k) for k in keys)
+
+
 def torch_import_env(env: dict[str, str]) -> dict[str, str]:
     """The variables of `env` that torch and its thread pools read as they load."""
     return {k: v for k, v in env.items() if k.startswith(TORCH_IMPORT_ENV_PREFIXES) and k not in READ_AFTER_IMPORT}

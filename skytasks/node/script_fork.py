@@ -35,11 +35,10 @@ from typing import IO, NoReturn
 
 from skytasks.node.rank_template import (
     READ_AFTER_IMPORT,
-    STARTUP_ENV_PREFIXES,
-    UNBUFFERED,
     close_fds_above,
     retitle,
     set_environ,
+    startup_differs,
     torch_import_env,
     torch_imported_with,
 )
@@ -59,8 +58,7 @@ def can_fork(command: list[str], env: dict[str, str]) -> str | None:
         return "this rank has no torch"
     if torch_import_env(env) != imported:
         return "torch was imported with other thread settings"
-    keys = (set(env) | set(os.environ)) - {UNBUFFERED}
-    if any(k.startswith(STARTUP_ENV_PREFIXES) and env.get(k) != os.environ.get(k) for k in keys):
+    if startup_differs(env, dict(os.environ)):
         return "an interpreter start setting differs"
     try:
         source = Path(command[0]).read_bytes()
