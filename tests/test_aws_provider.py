@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -339,7 +338,8 @@ def test_skytasks_gc_sweeps_an_expired_pool_and_an_orphan_and_spares_a_live_one(
 class CloudInitStandIn(threading.Thread):
     """Plays cloud-init for moto's instances, which are only records: for each running instance,
     an sshd on its (loopback) private address with the host key from its user-data and the key
-    pair's public key, and the bootstrap's status file saying "ready". What the bootstrap itself
+    pair's public key, and the bootstrap's status file saying "ready", in a STATE_DIR of the node's
+    own (a mount namespace around its sshd and so its sessions). What the bootstrap itself
     does (uv and torch from the internet) cannot run here; its text is tested above."""
 
     def __init__(self, ec2, folder: Path, status: str = "ready"):
@@ -359,19 +359,22 @@ class CloudInitStandIn(threading.Thread):
                 config = yaml.safe_load(base64.b64decode(raw))
                 [pair] = self.ec2.describe_key_pairs(KeyNames=[instance["KeyName"]], IncludePublicKey=True)["KeyPairs"]
                 self.user_data[iid] = config
+                state = self.state_dir(iid)  # this node's STATE_DIR: tests on other workers boot nodes too
+                state.mkdir(parents=True, exist_ok=True)
+                (state / "status").write_text(self.status + "\n")
                 self.servers[iid] = SSHServer(self.folder / iid, [instance["PrivateIpAddress"]], 22,
                                               host_key=config["ssh_keys"]["ed25519_private"],
-                                              authorized_key=pair["PublicKey"])
-                STATE_DIR.mkdir(parents=True, exist_ok=True)
-                (STATE_DIR / "status").write_text(self.status + "\n")
+                                              authorized_key=pair["PublicKey"], own_folders={str(STATE_DIR): state})
                 self.booted_at[iid] = time.time()
+
+    def state_dir(self, iid: str) -> Path:
+        return self.folder / iid / "state"
 
     def stop(self) -> None:
         self.done.set()
         self.join()
         for server in self.servers.values():
             server.stop()
-        shutil.rmtree(STATE_DIR, ignore_errors=True)
 
 
 def gloo_sum() -> dict:
@@ -399,7 +402,7 @@ def test_a_2_node_job_on_launched_instances_in_a_flow_then_everything_is_termina
     try:
         results, flow_run_id = train_on_ec2()
         progress = launch_progress(flow_run_id)
-        heartbeat_seen = (STATE_DIR / "heartbeat").exists()
+        heartbeat_seen = all((stand_in.state_dir(iid) / "heartbeat").exists() for iid in stand_in.servers)
     finally:
         stand_in.stop()
     launched = instances_of_latest_pool(moto["ec2"])

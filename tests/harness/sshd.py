@@ -1,9 +1,11 @@
 """A real OpenSSH server for tests: its own host key, one authorized client key, started on the
-given addresses, optionally inside a network namespace."""
+given addresses, optionally inside a network namespace, and optionally with folders of its own
+(a node's state folder: on one machine, every "node" would otherwise share the one path)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -23,7 +25,7 @@ def keygen(path: Path) -> str:
 class SSHServer:
     def __init__(self, folder: Path, addresses: list[str], port: int, netns: str | None = None,
                  host_key: str | None = None, authorized_key: str | None = None,
-                 set_env: dict[str, str] | None = None):
+                 set_env: dict[str, str] | None = None, own_folders: dict[str, Path] | None = None):
         if not os.path.exists(SSHD):
             raise RuntimeError("openssh-server is not installed (make system-deps installs it)")
         self.folder, self.addresses, self.port, self.netns = folder, addresses, port, netns
@@ -52,6 +54,13 @@ class SSHServer:
         ]) + "\n")
         os.makedirs("/run/sshd", exist_ok=True)
         prefix = ["ip", "netns", "exec", netns] if netns else []
+        if own_folders:  # a mount namespace where each path is this server's folder, for its sessions too
+            binds = []
+            for path, own in own_folders.items():
+                os.makedirs(path, exist_ok=True)  # the mount point, left in place: others may be mounted on it
+                own.mkdir(parents=True, exist_ok=True)
+                binds.append(f"mount --bind {shlex.quote(str(own))} {shlex.quote(path)}")
+            prefix += ["unshare", "-m", "--propagation", "private", "sh", "-c", " && ".join(binds) + ' && exec "$@"', "sh"]
         self.proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", str(folder / "sshd_config")],
                                      stderr=open(folder / "sshd.log", "w"))
         self._wait_listening()
