@@ -14,6 +14,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -601,3 +602,60 @@ def test_an_unheld_agent_ends_after_keep_warm_and_tells_its_watchdog(controllers
     assert c.agent.wait(10) == 0
     assert beat.stat().st_mtime == 1  # mtime 1: the watchdog ends the machine now
     assert not os.path.exists(c.hello["door"])
+
+
+def test_a_killed_agents_scratch_folder_is_swept_by_the_next_agent_and_a_live_ones_kept(controllers):
+    live, killed = controllers(), controllers()
+    killed_folder = os.path.dirname(killed.hello["door"])
+    killed.agent.kill()  # SIGKILL: it cannot remove its own folder
+    killed.agent.wait()
+    assert os.path.isdir(killed_folder)
+    following = controllers()
+    assert not os.path.exists(killed_folder)
+    assert os.path.exists(live.hello["door"]) and os.path.exists(following.hello["door"])
+    assert live.agent.poll() is None
+
+
+def test_the_sweep_removes_only_folders_whose_agent_is_gone_twice_over(tmp_path):
+    """Gone: no process of its pid here, and no listener at its door (the temp folder may be
+    shared with agents in another PID namespace, whose pids mean nothing here)."""
+    from skytasks.node import scratch
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def folder(name: str, door: str = "", age_days: float = 0.0) -> tuple[Path, socket.socket | None]:
+        path = tmp_path / f"{scratch.PREFIX}{name}"
+        path.mkdir()
+        sock = None
+        if door:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(path / "door.sock"))
+            if door == "listening":
+                sock.listen(1)
+            else:  # bound, then closed: the socket file an agent killed outright leaves
+                sock.close()
+        if age_days:
+            then = time.time() - age_days * 86400
+            os.utime(path, (then, then))
+        return path, sock
+
+    gone, _ = folder(f"{dead.pid}-abcd1234", door="dead")
+    old_style_gone, _ = folder("zw9g1utr", door="dead")  # named before the pid was in the name
+    other_namespace, listener = folder(f"{dead.pid}-efgh5678", door="listening")  # its pid is not ours to judge
+    alive, _ = folder(f"{os.getpid()}-ijkl9012", door="dead")  # its agent is between bind and listen
+    doorless_young, _ = folder(f"{dead.pid}-mnop3456")
+    doorless_old, _ = folder(f"{dead.pid}-qrst7890", age_days=2)
+    doorless_old_style, _ = folder("uvwx1234", age_days=2)
+    not_an_agents = tmp_path / "skytasks-agentless"
+    not_an_agents.mkdir()
+    others, _ = folder(f"{dead.pid}-yzab5678", door="dead")
+    os.chown(others, 65534, 65534)  # another user's: never ours to remove
+    try:
+        removed = scratch.sweep(str(tmp_path))
+    finally:
+        assert listener is not None
+        listener.close()
+    assert sorted(removed) == sorted(str(p) for p in (gone, old_style_gone, doorless_old))
+    for kept in (other_namespace, alive, doorless_young, doorless_old_style, not_an_agents, others):
+        assert kept.exists(), kept

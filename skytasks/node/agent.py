@@ -24,7 +24,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -36,7 +35,7 @@ from skytasks.protocol import Op, message
 from skytasks.silence import HeardStream
 from skytasks.wire import RELAY, ChannelClosed, FrameWriter, encode, read_body, read_header
 
-from skytasks.node import heartbeat_file
+from skytasks.node import heartbeat_file, scratch
 from skytasks.node.holding import END, EXPIRE, UNHOLD
 from skytasks.node.reattach import Reattach, StreamRestarted, WarmStream
 from skytasks.node.notices import NodeNotice
@@ -60,7 +59,7 @@ class NodeAgent:
         self._interval, self._timeout, self._heartbeat_file = heartbeat_seconds, heartbeat_timeout, heartbeat_file
         self._sample_seconds = sample_seconds
         self.notice = NodeNotice(self.emit, notice_file)
-        self.scratch = tempfile.mkdtemp(prefix="skytasks-agent-")  # rank stack files, the door; see _end_ranks
+        self.scratch = scratch.make()  # rank stack files, the door; see _end_ranks
         self.reattach = Reattach(self.stream, self._inbound, self.scratch, self._state)
         # PREEMPTION (a node of the pool is going, maybe this one) goes on to every rank at once.
         self._handlers = {Op.SPAWN: self._spawn, Op.CALL: self._forward, Op.STACKS: self._stacks_in_background,
