@@ -18,6 +18,7 @@ from skytasks.controller.outcome import RankState
 from skytasks.controller.packing import PackedCall
 from skytasks.controller.rank_group import GroupSpec, NodeShape, RankGroup
 from skytasks.errors import DistributedTaskError, HangError, RankProcessDied
+from skytasks.events import NodeLost
 from skytasks.protocol import Op
 from skytasks.serialization import dumps_out_of_band
 
@@ -184,6 +185,42 @@ def test_a_peers_connection_error_that_beats_the_lost_nodes_news_leaves_the_lost
     outcome = call.outcome()
     assert outcome.reason == "node lost"  # a node recovery, not a retry
     assert isinstance(outcome.cause, ConnectionError) and "lost the agent of node 1" in str(outcome.cause)
+
+
+def test_a_stop_waits_for_the_loss_of_a_node_whose_channel_died_before_its_news_was_read():
+    """The channel marks its node dead before its LOST reaches the queue: a stop that begins in
+    between must still read that LOST, which names the root cause."""
+    call, _, _, heard = make_call()
+    call.bus.nodes_alive.discard(1)  # node 1's channel is dead; its LOST is still on its way
+    call.handle(*failed(call, 0, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4")),
+                now=1.0)
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
+    assert not call.done  # the live node confirmed; the dead one's news is still awaited
+    call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
+    assert call.done and heard.done == {0: "failed", 1: "failed"}
+    assert call.outcome().reason == "node lost" and [e.node for e in heard.events if isinstance(e, NodeLost)] == [1]
+
+
+def test_a_rank_killed_as_its_node_vanished_is_the_nodes_loss():
+    """A deleted pod: its rank's process is killed (EXITED by SIGKILL) just before the agent's
+    stream ends. The node's loss is the cause, and the attempt a node recovery."""
+    call, _, _, heard = make_call()
+    call.handle(1, {"op": Op.EXITED, "group": call.group.id, "rank": 1, "returncode": -9, "at": time.time()}, now=1.0)
+    assert call.phase is Phase.STOPPING
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
+    call.handle(1, {"op": Op.LOST, "reason": "the pod was deleted"}, now=1.2)
+    assert call.done and call.outcome().reason == "node lost"
+    assert isinstance(call.outcome().cause, RankProcessDied)  # what the user reads: how its process ended
+    assert [e.node for e in heard.events if isinstance(e, NodeLost)] == [1]
+
+
+def test_a_rank_that_exits_on_its_own_stays_the_cause_when_its_node_is_lost_after():
+    call, _, _, heard = make_call()
+    call.handle(1, {"op": Op.EXITED, "group": call.group.id, "rank": 1, "returncode": 3, "at": time.time()}, now=1.0)
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
+    call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
+    assert call.done and call.outcome().reason == "rank failed"
+    assert [e.node for e in heard.events if isinstance(e, NodeLost)] == [1]  # said by the call, once
 
 
 def test_a_node_lost_after_a_real_failure_stays_collateral():

@@ -34,6 +34,11 @@ def failure_kind(msg: dict[str, Any]) -> EndReason:
     return EndReason.PREEMPTED if msg["type"] == PREEMPTED_TYPE else EndReason.RANK_FAILED
 
 
+def _killed(exc: BaseException) -> bool:
+    """A rank's process ended by a signal (not one of our stop's: those never become failures)."""
+    return isinstance(exc, RankProcessDied) and exc.returncode < 0
+
+
 class Phase(Enum):
     RUNNING = "running"
     STOPPING = "stopping"
@@ -54,6 +59,7 @@ class CallEnding:
     notices: dict[int, dict[str, Any]]
     phase: Phase
     aborted_at: float | None
+    lost: set[int]
 
     def _init_ending(self) -> None:
         self._stacks: dict[int, str] = {}
@@ -63,6 +69,9 @@ class CallEnding:
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
         self._untold_stopped: list[RankOutcome] = []  # stopped, not yet said: the observer hears of them with their stacks
+        # A stop waits for these too, when their loss was not read yet: a channel is marked dead
+        # before its LOST reaches the queue, and that LOST may name the root cause (_lost_while_stopping).
+        self._alive_at_start = set(self.bus.alive())
 
     def _on_node_failure(self, node_rank: int, msg: dict[str, Any], now: float, *,
                          take: tuple[RankState, ...] = (RankState.PENDING,)) -> None:
@@ -98,7 +107,7 @@ class CallEnding:
                 self._untold_stopped.append(o)
         if not stacks:
             self._tell_stopped()
-        self._stop_waiting = set(self.bus.alive())
+        self._stop_waiting = set(self.bus.alive()) | (self._alive_at_start - self.lost)
         self._stop_until = now + self.stop_confirm_seconds
         self.phase = Phase.STOPPING
         if not self._stop_waiting:
@@ -132,11 +141,8 @@ class CallEnding:
     def _while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
         """Until every agent confirms its ranks are gone, keeping failures that raced the stop."""
         op, rank = msg["op"], msg.get("rank", -1)
-        if op == Op.LOST and self._stopped_by_collateral_only():
-            # A peer's "connection closed" can beat the news of the node that vanished under it
-            # (a busy controller reads the two streams in either order): the lost node is the
-            # root cause, and the attempt is a node recovery, not a retry.
-            self._on_node_failure(node_rank, msg, now, take=(RankState.PENDING, RankState.STOPPED))
+        if op == Op.LOST:
+            self._lost_while_stopping(node_rank, msg, now)
         if op in (Op.STOPPED, Op.LOST):
             for r, stack in (msg.get("stacks") or {}).items():
                 if int(r) in self.outcomes and self.outcomes[int(r)].status is RankState.STOPPED:
@@ -154,6 +160,26 @@ class CallEnding:
             self._record(self.outcomes[rank], RankProcessDied(rank, msg["returncode"]), msg.get("at"))
         elif op in (Op.OUTPUT, Op.LOG):
             self._relay_line(msg)
+
+    def _lost_while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
+        """A node's loss read after the stop began is said all the same (NodeLost), and is the
+        root cause, its ranks failing with it, when what stopped the call was only its echo:
+        - a peer's "connection closed" can beat the news of the node that vanished under it (a
+          busy controller reads the two streams in either order);
+        - its own ranks killed by a signal just before its stream ended (a deleted pod's or an
+          OOM-killed machine's processes die before the agent's stream is seen to).
+        Then the attempt is a node recovery, not a retry. After a failure of the code's own, the
+        loss is collateral: its ranks stay stopped."""
+        if node_rank in self.lost:
+            return
+        echo = self._stopped_by_collateral_only()
+        killed = [f for f in self.failures if f.node_rank == node_rank and _killed(f.exception)]
+        if not echo and killed and all(f in killed or (f.rank >= 0 and is_collateral(f.exception)) for f in self.failures):
+            echo = True
+            for f in killed:
+                f.kind = EndReason.NODE_LOST
+                self.outcomes[f.rank].preempted = node_rank in self.notices
+        self._on_node_failure(node_rank, msg, now, take=(RankState.PENDING, RankState.STOPPED) if echo else ())
 
     def _stopped_by_collateral_only(self) -> bool:
         """Every failure so far is a peer's vanishing under a collective, not a cause of its own."""
