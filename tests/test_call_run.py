@@ -214,9 +214,11 @@ def test_a_rank_killed_as_its_node_vanished_is_the_nodes_loss():
     assert [e.node for e in heard.events if isinstance(e, NodeLost)] == [1]
 
 
-def test_a_rank_that_exits_on_its_own_stays_the_cause_when_its_node_is_lost_after():
+@pytest.mark.parametrize("returncode", [3, -11])  # an exit of its own, a crash (SIGSEGV): the code's
+def test_a_rank_that_exits_on_its_own_stays_the_cause_when_its_node_is_lost_after(returncode):
     call, _, _, heard = make_call()
-    call.handle(1, {"op": Op.EXITED, "group": call.group.id, "rank": 1, "returncode": 3, "at": time.time()}, now=1.0)
+    call.handle(1, {"op": Op.EXITED, "group": call.group.id, "rank": 1, "returncode": returncode, "at": time.time()},
+                now=1.0)
     call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
     call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
     assert call.done and call.outcome().reason == "rank failed"

@@ -35,8 +35,9 @@ def failure_kind(msg: dict[str, Any]) -> EndReason:
 
 
 def _killed(exc: BaseException) -> bool:
-    """A rank's process ended by a signal (not one of our stop's: those never become failures)."""
-    return isinstance(exc, RankProcessDied) and exc.returncode < 0
+    """A rank's process killed from outside (SIGKILL, SIGTERM), as a vanishing node's are; not a
+    crash of its own (SIGSEGV, SIGABRT), whose retry is the code's."""
+    return isinstance(exc, RankProcessDied) and exc.returncode in (-signal.SIGKILL, -signal.SIGTERM)
 
 
 class Phase(Enum):
@@ -166,8 +167,8 @@ class CallEnding:
         root cause, its ranks failing with it, when what stopped the call was only its echo:
         - a peer's "connection closed" can beat the news of the node that vanished under it (a
           busy controller reads the two streams in either order);
-        - its own ranks killed by a signal just before its stream ended (a deleted pod's or an
-          OOM-killed machine's processes die before the agent's stream is seen to).
+        - its own ranks killed (SIGKILL, SIGTERM) just before its stream ended (a deleted pod's
+          or an OOM-killed machine's processes die before the agent's stream is seen to).
         Then the attempt is a node recovery, not a retry. After a failure of the code's own, the
         loss is collateral: its ranks stay stopped."""
         if node_rank in self.lost:

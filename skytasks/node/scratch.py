@@ -10,8 +10,9 @@ the temp folder may be shared with agents this one cannot see (another PID names
 - its door, a listening AF_UNIX socket while the agent lives, refuses a connection
   (ECONNREFUSED: a socket file with no listener), or there never was a door and the folder is
   older than a day (a door can fail to open: see node/reattach.py).
-Folders of other users, and those of agents from before the pid was in the name, are judged by
-the door alone; nothing else in the temp folder is touched."""
+A folder changed in the last minute is left for a later sweep. Those of agents from before the
+pid was in the name are judged by the door alone; other users' folders and anything else in the
+temp folder are never touched."""
 
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ import time
 
 PREFIX = "skytasks-agent-"
 DOORLESS_DAYS = 1.0
+# A folder changed this recently is never judged: an agent between its door's bind and listen
+# refuses too, and one in another PID namespace is not protected by its pid.
+SETTLED_SECONDS = 60.0
 
 
 def make() -> str:
     """A fresh, private (0700) scratch folder for this agent, after sweeping the dead ones."""
     try:
         sweep()
-    except OSError:  # a temp folder we cannot list: the sweep is housekeeping, never a reason to fail
+    except Exception:  # noqa: BLE001 - the sweep is housekeeping, never a reason for an agent not to start
         pass
     return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
 
@@ -58,6 +62,8 @@ def _ours(path: str) -> bool:
 
 
 def _gone(name: str, path: str) -> bool:
+    if time.time() - os.lstat(path).st_mtime < SETTLED_SECONDS:
+        return False
     pid = _pid_in(name)
     if pid is not None and _alive(pid):
         return False
@@ -71,7 +77,9 @@ def _gone(name: str, path: str) -> bool:
 
 def _pid_in(name: str) -> int | None:
     head = name[len(PREFIX):].split("-", 1)[0]
-    return int(head) if head.isdigit() and "-" in name[len(PREFIX):] else None
+    if not (head.isascii() and head.isdigit() and len(head) <= 10 and "-" in name[len(PREFIX):]):
+        return None
+    return int(head)
 
 
 def _alive(pid: int) -> bool:
