@@ -214,6 +214,20 @@ def test_a_rank_killed_as_its_node_vanished_is_the_nodes_loss():
     assert [e.node for e in heard.events if isinstance(e, NodeLost)] == [1]
 
 
+def test_ranks_killed_on_two_vanishing_nodes_are_their_nodes_loss():
+    """Two pods deleted at once: each node's rank is killed before its stream ends."""
+    call, _, _, heard = make_call(nodes=3)
+    for node in (1, 2):
+        call.handle(node, {"op": Op.EXITED, "group": call.group.id, "rank": node, "returncode": -15, "at": time.time()},
+                    now=1.0)
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
+    call.handle(1, {"op": Op.LOST, "reason": "the pod was deleted"}, now=1.2)
+    assert not call.done
+    call.handle(2, {"op": Op.LOST, "reason": "the pod was deleted"}, now=1.3)
+    assert call.done and call.outcome().reason == "node lost"
+    assert [e.node for e in heard.events if isinstance(e, NodeLost)] == [1, 2]
+
+
 @pytest.mark.parametrize("returncode", [3, -11])  # an exit of its own, a crash (SIGSEGV): the code's
 def test_a_rank_that_exits_on_its_own_stays_the_cause_when_its_node_is_lost_after(returncode):
     call, _, _, heard = make_call()

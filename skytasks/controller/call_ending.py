@@ -137,6 +137,7 @@ class CallEnding:
                                      self.aborted_at, EndReason.HANG)
                 self._untold_stopped = []
             self._tell_stopped()
+        self._killed_with_their_nodes()
         self.phase = Phase.DONE
 
     def _while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
@@ -163,24 +164,25 @@ class CallEnding:
             self._relay_line(msg)
 
     def _lost_while_stopping(self, node_rank: int, msg: dict[str, Any], now: float) -> None:
-        """A node's loss read after the stop began is said all the same (NodeLost), and is the
-        root cause, its ranks failing with it, when what stopped the call was only its echo:
-        - a peer's "connection closed" can beat the news of the node that vanished under it (a
-          busy controller reads the two streams in either order);
-        - its own ranks killed (SIGKILL, SIGTERM) just before its stream ended (a deleted pod's
-          or an OOM-killed machine's processes die before the agent's stream is seen to).
-        Then the attempt is a node recovery, not a retry. After a failure of the code's own, the
-        loss is collateral: its ranks stay stopped."""
+        """A node's loss read after the stop began is said all the same (NodeLost). It is the root
+        cause, its stopped ranks failing with it, when every failure so far is a peer's "connection
+        closed": that can beat the news of the node that vanished under it (a busy controller
+        reads the streams in either order), and the attempt is then a node recovery, not a retry.
+        After a failure of the code's own the loss is collateral: its ranks stay stopped."""
         if node_rank in self.lost:
             return
         echo = self._stopped_by_collateral_only()
-        killed = [f for f in self.failures if f.node_rank == node_rank and _killed(f.exception)]
-        if not echo and killed and all(f in killed or (f.rank >= 0 and is_collateral(f.exception)) for f in self.failures):
-            echo = True
+        self._on_node_failure(node_rank, msg, now, take=(RankState.PENDING, RankState.STOPPED) if echo else ())
+
+    def _killed_with_their_nodes(self) -> None:
+        """Ranks killed from outside on nodes this call lost, just before each node's stream was seen
+        to end (a deleted pod's processes, an OOM-killed machine's), are their nodes' loss, when
+        they and peers' "connection closed" are all the failures: a node recovery, not a retry."""
+        killed = [f for f in self.failures if f.node_rank in self.lost and _killed(f.exception)]
+        if killed and all(f in killed or (f.rank >= 0 and is_collateral(f.exception)) for f in self.failures):
             for f in killed:
                 f.kind = EndReason.NODE_LOST
-                self.outcomes[f.rank].preempted = node_rank in self.notices
-        self._on_node_failure(node_rank, msg, now, take=(RankState.PENDING, RankState.STOPPED) if echo else ())
+                self.outcomes[f.rank].preempted = f.node_rank in self.notices
 
     def _stopped_by_collateral_only(self) -> bool:
         """Every failure so far is a peer's vanishing under a collective, not a cause of its own."""
