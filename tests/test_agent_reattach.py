@@ -618,7 +618,18 @@ def test_a_killed_agents_scratch_folder_is_swept_by_the_next_agent_and_a_live_on
     assert live.agent.poll() is None
 
 
-def test_the_sweep_removes_only_folders_whose_agent_is_gone_twice_over(tmp_path):
+@pytest.fixture
+def short_tmp():
+    """A temp folder with a short path: a door's path must fit AF_UNIX's 107 bytes, which
+    pytest's own (under popen-gwN and the test's name) does not leave room for."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="sw-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_sweep_removes_only_folders_whose_agent_is_gone_twice_over(short_tmp):
     """Gone: no process of its pid here, and no listener at its door (the temp folder may be
     shared with agents in another PID namespace, whose pids mean nothing here)."""
     from skytasks.node import scratch
@@ -627,7 +638,7 @@ def test_the_sweep_removes_only_folders_whose_agent_is_gone_twice_over(tmp_path)
     dead.wait()
 
     def folder(name: str, door: str = "", age_days: float = 0.0) -> tuple[Path, socket.socket | None]:
-        path = tmp_path / f"{scratch.PREFIX}{name}"
+        path = short_tmp / f"{scratch.PREFIX}{name}"
         path.mkdir()
         sock = None
         if door:
@@ -651,7 +662,7 @@ def test_the_sweep_removes_only_folders_whose_agent_is_gone_twice_over(tmp_path)
     doorless_old_style, _ = folder("uvwx1234", age_days=2)
     unsettled, _ = folder(f"{dead.pid}-cdef9012", door="dead")
     os.utime(unsettled)  # changed just now: maybe an agent of another PID namespace between bind and listen
-    not_an_agents = tmp_path / "skytasks-agentless"
+    not_an_agents = short_tmp / "skytasks-agentless"
     not_an_agents.mkdir()
     others, _ = folder(f"{dead.pid}-yzab5678", door="dead")
     if os.getuid() == 0:
@@ -660,7 +671,7 @@ def test_the_sweep_removes_only_folders_whose_agent_is_gone_twice_over(tmp_path)
         shutil.rmtree(others)
         others = unsettled
     try:
-        removed = scratch.sweep(str(tmp_path))
+        removed = scratch.sweep(str(short_tmp))
     finally:
         assert listener is not None
         listener.close()
