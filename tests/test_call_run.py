@@ -201,6 +201,23 @@ def test_a_stop_waits_for_the_loss_of_a_node_whose_channel_died_before_its_news_
     assert call.outcome().reason == "node lost" and [e.node for e in heard.events if isinstance(e, NodeLost)] == [1]
 
 
+def test_a_node_dead_before_the_call_began_is_waited_for_too():
+    """Its channel died between the session's look at the pool and the call's start."""
+    shapes = [NodeShape(n, f"10.0.0.{n}", f"m{n}") for n in range(2)]
+    group = RankGroup(shapes, 1, GroupSpec(None, False, 30.0), port=29400, pool_env={})
+    bus, heard = FakeBus(2), Heard()
+    group.start(bus)
+    bus.nodes_alive.discard(1)
+    call = CallRun(group, bus, heard, label="t", attempt=1, deadline=None, hang_timeout=None,
+                   stop_confirm_seconds=10.0, stop_grace_seconds=1.0, now=0.0)
+    call.start(PackedCall(cloudpickle.dumps((len, (), {})), []))
+    call.handle(*failed(call, 0, RuntimeError("Connection closed by peer")), now=1.0)
+    call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
+    assert not call.done
+    call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
+    assert call.done and call.outcome().reason == "node lost"
+
+
 def test_a_rank_killed_as_its_node_vanished_is_the_nodes_loss():
     """A deleted pod: its rank's process is killed (EXITED by SIGKILL) just before the agent's
     stream ends. The node's loss is the cause, and the attempt a node recovery."""

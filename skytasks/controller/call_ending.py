@@ -70,9 +70,11 @@ class CallEnding:
         self._stop_waiting: set[int] = set()
         self._stop_until = 0.0
         self._untold_stopped: list[RankOutcome] = []  # stopped, not yet said: the observer hears of them with their stacks
-        # A stop waits for these too, when their loss was not read yet: a channel is marked dead
-        # before its LOST reaches the queue, and that LOST may name the root cause (_lost_while_stopping).
-        self._alive_at_start = set(self.bus.alive())
+        # A stop waits for every member whose loss was not read yet, alive or not: a channel is
+        # marked dead before its LOST reaches the queue, and that LOST may name the root cause
+        # (_lost_while_stopping). Each member was usable when the session chose this group (it
+        # mends the pool otherwise), so one dead since has its LOST on the way or read.
+        self._members = set(self.group.addresses)
 
     def _on_node_failure(self, node_rank: int, msg: dict[str, Any], now: float, *,
                          take: tuple[RankState, ...] = (RankState.PENDING,)) -> None:
@@ -108,7 +110,7 @@ class CallEnding:
                 self._untold_stopped.append(o)
         if not stacks:
             self._tell_stopped()
-        self._stop_waiting = set(self.bus.alive()) | (self._alive_at_start - self.lost)
+        self._stop_waiting = set(self.bus.alive()) | (self._members - self.lost)
         self._stop_until = now + self.stop_confirm_seconds
         self.phase = Phase.STOPPING
         if not self._stop_waiting:
