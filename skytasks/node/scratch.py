@@ -62,7 +62,8 @@ def _ours(path: str) -> bool:
 
 
 def _gone(name: str, path: str) -> bool:
-    if time.time() - os.lstat(path).st_mtime < SETTLED_SECONDS:
+    age = time.time() - os.lstat(path).st_mtime
+    if age < SETTLED_SECONDS:
         return False
     pid = _pid_in(name)
     if pid is not None and _alive(pid):
@@ -71,7 +72,7 @@ def _gone(name: str, path: str) -> bool:
     if not os.path.exists(door):
         # No door: a pid-named folder whose agent is dead never opened one (or it is between
         # mkdtemp and the door's bind, but then its pid is alive); judged by its age.
-        return pid is not None and time.time() - os.lstat(path).st_mtime > DOORLESS_DAYS * 86400
+        return pid is not None and age > DOORLESS_DAYS * 86400
     return _refused(door)
 
 
