@@ -95,8 +95,9 @@ class Backoff:
 
 
 def call_with_retry(call: Callable[[], Any], stopped: Any, deadline: Optional[float],
-                    on_retry: Callable[[BaseException, float], None] = lambda exc, wait: None) -> Any:
-    """`call()`, asked again after each passing failure (`passing`) until it answers, `stopped`
+                    on_retry: Callable[[BaseException, float], None] = lambda exc, wait: None,
+                    passes: Callable[[BaseException], bool] = passing) -> Any:
+    """`call()`, asked again after each passing failure (`passes`) until it answers, `stopped`
     (a threading.Event) is set, or `deadline` (time.monotonic()) comes; then the last failure is
     raised. Any other failure is raised at once."""
     backoff = Backoff()
@@ -104,7 +105,7 @@ def call_with_retry(call: Callable[[], Any], stopped: Any, deadline: Optional[fl
         try:
             return call()
         except Exception as exc:  # noqa: BLE001 - sorted below
-            if not passing(exc):
+            if not passes(exc):
                 raise
             wait = backoff.delay(retry_after(exc))
             if deadline is not None and time.monotonic() + wait > deadline:

@@ -19,14 +19,40 @@ import os
 import socket
 import ssl
 import threading
+import time
 from typing import Any, Optional, Sequence
 from urllib.parse import quote, urlencode
+
+from skytasks.providers.kubernetes import api_retry
 
 STDIN, STDOUT, STDERR, STATUS = 0, 1, 2, 3
 CHUNK = 1 << 20  # the most bytes of stdin in one websocket message
 
 
 def _connect(cfg: Any, namespace: str, pod: str, container: str, command: Sequence[str], stdin: bool,
+             timeout: float) -> Any:
+    """The exec's websocket, asked for again while the API server cannot answer (restarting: the
+    connection refused, or a 5xx to the upgrade) until `timeout` seconds have passed. Nothing ran
+    in the pod before the upgrade was accepted, so asking again never runs a command twice. A 401
+    or 403, or a certificate that does not verify, is raised at once: no wait mends it."""
+    return api_retry.call_with_retry(lambda: _upgrade(cfg, namespace, pod, container, command, stdin, timeout),
+                                     _NEVER, time.monotonic() + timeout, passes=_passes)
+
+
+_NEVER = threading.Event()  # nothing stops a connect's retries but its deadline
+
+
+def _passes(exc: BaseException) -> bool:
+    import websocket
+
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return False
+    if isinstance(exc, (websocket.WebSocketConnectionClosedException, websocket.WebSocketTimeoutException)):
+        return True  # the upgrade cut off or unanswered: a server going down or not yet up
+    return api_retry.passing(exc)  # refused or reset (OSError); a 429 or 5xx (the bad status's code)
+
+
+def _upgrade(cfg: Any, namespace: str, pod: str, container: str, command: Sequence[str], stdin: bool,
              timeout: float) -> Any:
     import websocket
 

@@ -167,15 +167,16 @@ class ControlPlane:
              "--leader-elect=false", "--port=0", "--secure-port=0", "--bind-address=127.0.0.1",
              "--profiling=false", "--logtostderr=true", "--v=1"], self.logs_dir / "scheduler.log")
 
-    def restart_apiserver(self, timeout: float = 60.0) -> float:
+    def restart_apiserver(self, timeout: float = 60.0, down_for: float = 0.0) -> float:
         """A control-plane restart: the kube-apiserver SIGKILLed, which cuts every watch and exec
         stream through it at once (on SIGTERM it drains them for up to a minute), and started
-        again with the same command line and environment; nothing else is touched (etcd, the
-        bridges, the kubelets, the pods and what was exec'd into them run on). Returns the
-        seconds until it answers /readyz again."""
+        again `down_for` seconds later with the same command line and environment; nothing else
+        is touched (etcd, the bridges, the kubelets, the pods and what was exec'd into them run
+        on). Returns the seconds from its start until it answers /readyz again."""
         old = self.daemons["apiserver"]
         _killpg(old, signal.SIGKILL)
         _reap(old)
+        time.sleep(down_for)
         t0 = time.monotonic()
         # From a thread of its own that waits on it: the kernel ends the apiserver when the thread
         # that started it exits (_popen's pdeathsig), and a caller's thread may restart it.
