@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
@@ -86,15 +87,24 @@ async def _records(flow_run_id) -> str:
     return "\n".join(p.model_dump_json() for p in parts) + "\n" + text
 
 
+def _files_under(root: Path) -> Iterator[Path]:
+    """Every file under `root`, as other workers' processes write and remove theirs: os.walk
+    passes over a folder removed while it is read (Path.rglob raised FileNotFoundError in CI)."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = Path(folder) / name
+            if path.is_file():
+                yield path
+
+
 def cache_files(since: float) -> str:
     """Every file under ~/.cache/skytasks made or changed since `since` (its ctime, which an
     unpacked archive cannot set back): what this run wrote there. Not the whole cache: it holds
     every version of the package the suite ever shipped, and the test cluster's binaries."""
-    root = Path.home() / ".cache" / "skytasks"
     out = []
-    for f in root.rglob("*") if root.exists() else []:
+    for f in _files_under(Path.home() / ".cache" / "skytasks"):
         try:
-            if f.is_file() and f.stat().st_ctime >= since:
+            if f.stat().st_ctime >= since:
                 out.append(f.read_bytes().decode("utf-8", "replace"))
         except OSError:
             pass
@@ -269,10 +279,9 @@ def _prefect_files() -> dict[str, bytes]:
     roots = {database.parent, Path(PREFECT_HOME.value()), Path(PREFECT_LOCAL_STORAGE_PATH.value())}
     found: dict[str, bytes] = {}
     for root in roots:
-        for f in root.rglob("*") if root.exists() else []:
+        for f in _files_under(root):
             try:
-                if f.is_file():
-                    found[str(f)] = f.read_bytes()
+                found[str(f)] = f.read_bytes()
             except OSError:
                 pass
     return found
