@@ -299,6 +299,26 @@ def test_an_uncommitted_checkpoint_is_never_restored_and_keep_counts_committed(t
     assert sorted(os.listdir(tmp_path)) == ["step-000000000003", "step-000000000005"]
 
 
+def test_a_sharded_checkpoint_s_files_and_exports_are_0600_whatever_the_umask(tmp_path):
+    import stat
+
+    from torch import nn
+
+    old = os.umask(0)  # the most permissive: privacy must not depend on the user's umask
+    try:
+        ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+        ckpt.save({"model": nn.Linear(2, 2), "epoch": 3}, 1)
+        exports = [ckpt.export(tmp_path / "out" / name) for name in ("model.pt", "model.safetensors")]
+    finally:
+        os.umask(old)
+    folder = tmp_path / "ckpt" / "step-000000000001"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == [".metadata", "COMMITTED", "__0_0.distcp"], files
+    modes = {p: stat.S_IMODE(os.lstat(p).st_mode) for p in [*folder.iterdir(), *map(Path, exports)]}
+    assert set(modes.values()) == {0o600}, {str(p): oct(m) for p, m in modes.items()}
+    assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+
+
 def test_old_torch_refuses_to_load_naming_its_version(tmp_path, monkeypatch):
     import torch
     from torch import nn

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from skytasks.checkpoint_stores import S3Store, _make_private_dirs
+from skytasks.checkpoint_stores import S3Store, _create_private, _make_private_dirs
 
 MARKER = "COMMITTED"
 _FOLDER = re.compile(r"^step-(\d{12})$")
@@ -68,8 +68,13 @@ class DirectoryLayout:
         return os.path.join(self.root, folder_name(step))
 
     def publish(self, local: str, step: int, rank: int) -> int:
-        """This rank's files are in place already; their bytes (the head's count the metadata)."""
-        return sum(os.path.getsize(os.path.join(local, f)) for f in _own_files(os.listdir(local), rank))
+        """This rank's files are in place already, made 0600 (DCP's writer makes them by the
+        umask; the 0700 folder kept them private meanwhile); their bytes (the head's count the
+        metadata)."""
+        own = [os.path.join(local, f) for f in _own_files(os.listdir(local), rank)]
+        for path in own:
+            os.chmod(path, 0o600)
+        return sum(os.path.getsize(path) for path in own)
 
     def discard_writing_folder(self, local: str) -> None:
         pass
@@ -77,7 +82,7 @@ class DirectoryLayout:
     def write_marker(self, step: int, info: dict[str, Any]) -> None:
         folder = os.path.join(self.root, folder_name(step))
         tmp = os.path.join(folder, f".{MARKER}.partial")
-        with open(tmp, "w") as f:
+        with os.fdopen(_create_private(tmp), "w") as f:
             json.dump(info, f)
             f.flush()
             os.fsync(f.fileno())

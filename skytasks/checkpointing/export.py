@@ -62,6 +62,7 @@ def export(ckpt: Any, dest: str, step: int | None) -> str:
             save_file(tensors, tmp, metadata={"skytasks.values": json.dumps(values, default=str)})
         else:
             torch.save(state, tmp)
+        os.chmod(tmp, 0o600)  # as every file a Checkpointer writes, whatever the umask; the rename keeps it
         os.replace(tmp, dest)
     except BaseException:
         if os.path.exists(tmp):
