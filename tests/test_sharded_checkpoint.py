@@ -137,6 +137,26 @@ def test_what_the_state_becomes_after_an_async_save_returns_never_reaches_it(poo
         assert_same(after, before)
 
 
+def test_a_world_of_one_restores_over_its_group_and_no_one_is_told_dcp_assumed_a_single_process(
+        pools, tmp_path, capfd):
+    import warnings
+
+    from torch import nn
+
+    where = str(tmp_path / "ckpt")
+    saved = distributed_task(save_after_training, pool=pools["two"])(where, 2)
+    [(step, seen, world, values)] = distributed_task(restore_into_fresh, pool=GPUPool(nodes=1))(where)
+    assert (step, seen, world) == (2, 2, 1)
+    assert_same(values, saved[0])
+    with warnings.catch_warnings(record=True) as said:  # and in a script's own process, with no group
+        warnings.simplefilter("always")
+        ckpt = Checkpointer(tmp_path / "own", async_save=False)
+        ckpt.save({"model": nn.Linear(2, 2)}, 1)
+        assert ckpt.restore({"model": nn.Linear(2, 2)}) == 1
+    seen_text = capfd.readouterr()
+    assert "assuming the intent" not in seen_text.out + seen_text.err + " ".join(str(w.message) for w in said)
+
+
 def save_and_return(path: str) -> float:
     import time
 

@@ -10,8 +10,10 @@ own shards, resharded to this world size, into the objects in place.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+import warnings
+from typing import Any, Iterator
 
 from skytasks.checkpointing import async_writer, state as state_form
 from skytasks.checkpointing.commit import MARKER
@@ -22,9 +24,23 @@ _groups: dict[int, Any] = {}  # the default group's id -> this process's checkpo
 
 
 def _distributed() -> bool:
+    """A process group is up (a call's ranks always have one, a world of 1 too): DCP runs over it.
+    Without one (a script's own process) DCP is told so, and its warning that it "assumes the
+    intent is to save in a single process" is not passed on: that is the intent."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_without_a_group(dist_on: bool) -> Iterator[None]:
+    if dist_on:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
 
 
 def checkpoint_group() -> Any:
@@ -108,7 +124,8 @@ def save(ckpt: Any, state: Any, step: int) -> async_writer.SaveInFlight:
     else:
         from concurrent.futures import Future
 
-        dcp.save(flat, storage_writer=writer, process_group=group, no_dist=not dist_on)
+        with _quiet_without_a_group(dist_on):
+            dcp.save(flat, storage_writer=writer, process_group=group, no_dist=not dist_on)
         upload = Future()
         upload.set_result(None)
     blocked = time.monotonic() - started
@@ -197,9 +214,10 @@ def restore(ckpt: Any, state: dict[str, Any]) -> int | None:
         flat = state_form.to_dcp(state)
         reader = safe_reader(local, ckpt.trusted)
         try:
-            dcp.load(flat, storage_reader=reader,
-                     planner=safe_planner(ckpt.trusted, layout.describe(step)), process_group=group,
-                     no_dist=not dist_on)
+            with _quiet_without_a_group(dist_on):
+                dcp.load(flat, storage_reader=reader,
+                         planner=safe_planner(ckpt.trusted, layout.describe(step)), process_group=group,
+                         no_dist=not dist_on)
         except BaseException as exc:  # noqa: BLE001 - DCP's gathered failure, as the error it holds
             raise (reader.refused or plain_error(exc)) from None
     finally:
