@@ -102,12 +102,23 @@ def test_plan_drops_on_an_elastic_pool_replaces_elsewhere_and_fails_where_it_can
     assert plan(verdict, nodes=3, fewest=3, replaces_elsewhere=True, replacements_left=1) == ReplaceNodes((2,))
     no_host = plan(verdict, nodes=3, fewest=3, replaces_elsewhere=False, replacements_left=3)
     assert isinstance(no_host, FailStart) and "node 2 (10.0.0.3)" in no_host.reason and "GFLOPS" in no_host.reason
+    assert "2 of its 3 nodes healthy, and a pool without min_nodes needs all of them" in no_host.reason
+    assert "min_nodes=" not in no_host.reason  # a fixed pool: the user never set min_nodes
     spent = plan(verdict, nodes=3, fewest=3, replaces_elsewhere=True, replacements_left=0)
     assert isinstance(spent, FailStart) and "node_recoveries" in spent.reason
     # An elastic pool that would fall below min_nodes replaces only what keeps it at min_nodes.
     two_bad = judge([node(0, 40.0), node(1, 1.0), node(2, 1.0), node(3, 40.0)], FULL)
     assert plan(two_bad, nodes=4, fewest=3, replaces_elsewhere=True, replacements_left=1) == ReplaceNodes((1, 2))
-    assert isinstance(plan(two_bad, nodes=4, fewest=3, replaces_elsewhere=False, replacements_left=1), FailStart)
+    elastic = plan(two_bad, nodes=4, fewest=3, replaces_elsewhere=False, replacements_left=1)
+    assert isinstance(elastic, FailStart) and "2 healthy node(s) left, min_nodes=3" in elastic.reason
+
+
+def test_figures_and_thresholds_read_as_numbers_never_in_e_notation():
+    verdict = judge([node(0, 80.0, pair=0.676), node(1, 90.0, pair=0.7)],
+                    Rules(level="full", min_tflops=5.0, min_gbps=10000.0))
+    said = " ".join(f.text() for f in verdict.findings)
+    assert "(threshold 5000 GFLOPS)" in said and ": 80 GFLOPS" in said
+    assert ": 0.676 GB/s (threshold 10000 GB/s)" in said and "e+" not in said
 
 
 @pytest.mark.parametrize("nodes", range(1, 9))

@@ -96,7 +96,7 @@ class Finding:
 
     node: int
     address: str
-    check: str  # "start", "collective", "gpus", "product", "free_memory", "compute", "intra_bandwidth", ...
+    check: str  # "collective", "gpus", "product", "free_memory", "compute", "intra_bandwidth", "pair_bandwidth", "dcgm"
     figure: Optional[float]
     threshold: Optional[float]
     unit: str
@@ -106,11 +106,16 @@ class Finding:
         return f"node {self.node} ({self.address}) failed the {self.check} check{measured(self)}"
 
 
+def number(x: float) -> str:
+    """Three significant figures, as a person reads them: 0.676, 96.7, 5000 (never 5e+03)."""
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
 def measured(finding: Any) -> str:
     """': 1.15 GFLOPS (threshold 45.7 GFLOPS); detail', as far as `finding` (a Finding or the event
     made from one) has each part: said alike in the PoolStartError, the log and the event."""
-    figure = "" if finding.figure is None else f": {finding.figure:.3g} {finding.unit}"
-    floor = "" if finding.threshold is None else f" (threshold {finding.threshold:.3g} {finding.unit})"
+    figure = "" if finding.figure is None else f": {number(finding.figure)} {finding.unit}"
+    floor = "" if finding.threshold is None else f" (threshold {number(finding.threshold)} {finding.unit})"
     why = f"; {finding.detail}" if finding.detail else ""
     return figure + floor + why
 
@@ -206,7 +211,7 @@ def _compared(nodes: Sequence[NodeFigures], check: str, figure_of: Any, unit_of:
             found.append(Finding(n.node, n.address, check, figure, scaled, unit, f"below the floor {name}"))
         elif figure < min_ratio * median:
             found.append(Finding(n.node, n.address, check, figure, min_ratio * median, unit,
-                                 f"below {min_ratio:g} of the pool's median {median:.3g} {unit}"))
+                                 f"below {min_ratio:g} of the pool's median {number(median)} {unit}"))
     return found
 
 
@@ -242,8 +247,10 @@ def plan(verdict: Verdict, *, nodes: int, fewest: int, replaces_elsewhere: bool,
     short = len(bad) if fewest >= nodes else fewest - (nodes - len(bad))
     named = "; ".join(f.text() for f in verdict.findings)
     if not replaces_elsewhere:
+        left = (f"{nodes - len(bad)} of its {nodes} nodes healthy, and a pool without min_nodes needs all of them"
+                if fewest >= nodes else f"{nodes - len(bad)} healthy node(s) left, min_nodes={fewest}")
         return FailStart(f"the pool cannot be made healthy: {named} (its provider has no other machine to take; "
-                         f"{nodes - len(bad)} healthy node(s) left, min_nodes={fewest})")
+                         f"{left})")
     if short > replacements_left:
         return FailStart(f"the pool cannot be made healthy: {named} (no replacements left: node_recoveries "
                          f"allows {replacements_left} more per start)")
