@@ -393,3 +393,12 @@ def test_s3_each_rank_uploads_its_own_shards_and_the_marker_comes_last(moto, tmp
     assert ckpt.committed_steps() == [2]
     full = torch.load(ckpt.export(tmp_path / "a.pt"), weights_only=True)
     assert torch.equal(full["model"]["2.weight"], saved["param 2.weight"])
+
+
+def test_a_commit_says_its_size_in_the_unit_that_reads_best():
+    from skytasks.checkpointing.committed_event import size
+
+    assert [size(n) for n in (512, 10_328, 999_999, 123_456_789, 1_500_000_000, 2_500_000_000_000)] == [
+        "512 bytes", "10.3 kB", "1 MB", "123 MB", "1.5 GB", "2.5 TB"]
+    said = CheckpointCommitted(7, 10_328, 0.01, 0.08, "/ckpt/step-000000000007").text()
+    assert "(10.3 kB; training blocked 0.01s, committed after 0.08s)" in said  # not "0.0 MB"

@@ -26,8 +26,19 @@ class CheckpointCommitted(Event, prefect="skytasks.checkpoint.committed"):
     path: str
 
     def text(self) -> str:
-        return (f"checkpoint of step {self.step} committed at {self.path} ({self.bytes / 1e6:.1f} MB; training blocked "
+        return (f"checkpoint of step {self.step} committed at {self.path} ({size(self.bytes)}; training blocked "
                 f"{self.blocked_seconds:.2f}s, committed after {self.seconds:.2f}s)")
+
+
+def size(nbytes: int) -> str:
+    """512 bytes, 10.3 kB, 340 MB, 1.5 GB, 2.5 TB: three figures at most, in decimal units."""
+    if nbytes < 1000:
+        return f"{nbytes} bytes"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12)):
+        value = nbytes / scale
+        if float(f"{value:.3g}") < 1000:
+            return f"{value:.3g} {unit}"
+    return f"{value:.0f} TB"
 
 
 def from_report(metrics: dict[str, Any]) -> CheckpointCommitted | None:
