@@ -137,7 +137,7 @@ def test_what_the_state_becomes_after_an_async_save_returns_never_reaches_it(poo
         assert_same(after, before)
 
 
-def test_a_world_of_one_restores_over_its_group_and_no_one_is_told_dcp_assumed_a_single_process(
+def test_a_world_of_one_restores_over_its_group_and_the_console_says_each_commit_once(
         pools, tmp_path, capfd):
     import warnings
 
@@ -155,6 +155,9 @@ def test_a_world_of_one_restores_over_its_group_and_no_one_is_told_dcp_assumed_a
         assert ckpt.restore({"model": nn.Linear(2, 2)}) == 1
     seen_text = capfd.readouterr()
     assert "assuming the intent" not in seen_text.out + seen_text.err + " ".join(str(w.message) for w in said)
+    # The console says each commit once, in its own words, not also as the raw report behind it.
+    assert "[skytasks] checkpoint of step 2 committed at" in seen_text.err
+    assert "report: checkpoint" not in seen_text.out + seen_text.err
 
 
 def save_and_return(path: str) -> float:
