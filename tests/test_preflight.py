@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -68,7 +69,13 @@ def test_full_on_a_pool_kept_up_measures_every_figure_once_before_the_first_call
     assert [row["node"] for row in table.rows] == [0, 1]
     assert all(row["compute GFLOPS"] > 0 and row["pair GB/s"] > 0 and row["intra-node GB/s"] > 0
                for row in table.rows)
-    assert len(of(PoolHealthy, heard)) == 1
+    [healthy] = of(PoolHealthy, heard)
+    # The console's healthy line carries each figure's range, as the table has them.
+    span = r"[0-9.]+(-[0-9.]+)?"
+    assert re.fullmatch(rf"preflight \(full\): 2 nodes healthy in [0-9.]+s \(compute {span} GFLOPS, "
+                        rf"intra-node {span} GB/s, pair {span} GB/s\)", healthy.text()), healthy.text()
+    low = min(row["compute GFLOPS"] for row in table.rows)
+    assert float(healthy.text().split("(compute ")[1].split("-")[0].split(" ")[0]) == pytest.approx(low, rel=0.01)
 
 
 def test_check_preflight_brings_the_saved_pool_up_prints_the_full_table_and_ends_it():

@@ -27,7 +27,7 @@ from skytasks.providers import capabilities_of
 from skytasks.preflight.probe import probe
 from skytasks.preflight.report import NodeUnhealthy, PoolHealthy, PreflightTable
 from skytasks.preflight.rules import (DropNodes, FailStart, NodeFigures, RankFigures, Rules, Verdict, fold, judge,
-                                      plan)
+                                      plan, spread)
 
 # Which of a session's node channels passed (their serials): a replaced or added node is a new
 # channel, a warm pool attached in another process a new session, so both are checked again.
@@ -79,7 +79,8 @@ def ensure_healthy(session: PoolSession, spec: PoolSpec, group_spec: GroupSpec, 
         if verdict.healthy:
             _PASSED[session] = {n.serial for n in session.nodes}
             observer.on_event(PreflightTable(rules.level, tuple(rows)))
-            observer.on_event(PoolHealthy(len(session.nodes), time.monotonic() - started, rules.level))
+            observer.on_event(PoolHealthy(len(session.nodes), time.monotonic() - started, rules.level,
+                                          spread(verdict.nodes)))
             return verdict
         for f in verdict.findings:
             observer.on_event(NodeUnhealthy(f.node, f.address, f.check, f.figure, f.threshold, f.unit, f.detail))

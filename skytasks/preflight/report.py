@@ -27,9 +27,11 @@ class PoolHealthy(Event, prefect="skytasks.pool.healthy", payload=("nodes", "sec
     nodes: int
     seconds: float
     level: str = "basic"
+    figures: str = ""  # "full": each figure's range over the nodes (rules.spread)
 
     def text(self) -> str:
-        return f"preflight ({self.level}): {counted(self.nodes, 'node')} healthy in {self.seconds:.2f}s"
+        said = f"preflight ({self.level}): {counted(self.nodes, 'node')} healthy in {self.seconds:.2f}s"
+        return f"{said} ({self.figures})" if self.figures else said
 
 
 @dataclass(frozen=True)

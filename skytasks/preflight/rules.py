@@ -111,6 +111,20 @@ def number(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
+def spread(nodes: Sequence["NodeFigures"]) -> str:
+    """'compute 79.1-95.7 GFLOPS, intra-node 1.2 GB/s, pair 0.825-0.858 GB/s': each figure's range
+    over the nodes that have it, for the healthy line (the table is the artifact's); '' on basic."""
+    parts = []
+    for label, figure_of, unit in (("compute", lambda n: n.compute, nodes[0].compute_unit if nodes else ""),
+                                   ("intra-node", lambda n: n.intra_gbps, "GB/s"),
+                                   ("pair", lambda n: n.pair_gbps, "GB/s")):
+        values = [v for v in map(figure_of, nodes) if v is not None]
+        if values:
+            low, high = number(min(values)), number(max(values))
+            parts.append(f"{label} {low} {unit}" if low == high else f"{label} {low}-{high} {unit}")
+    return ", ".join(parts)
+
+
 def measured(finding: Any) -> str:
     """': 1.15 GFLOPS (threshold 45.7 GFLOPS); detail', as far as `finding` (a Finding or the event
     made from one) has each part: said alike in the PoolStartError, the log and the event."""
