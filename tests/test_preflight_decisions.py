@@ -12,7 +12,7 @@ from skytasks import GPUPool
 from skytasks.errors import PoolConfigError
 from skytasks.preflight.probe import pair_rounds
 from skytasks.preflight.rules import (DropNodes, FailStart, NodeFigures, RankFigures, ReplaceNodes, Rules, fold,
-                                      judge, plan, product_matches)
+                                      judge, one_figure_per_link, plan, product_matches)
 
 FULL = Rules(level="full")
 
@@ -88,6 +88,14 @@ def test_a_node_is_as_good_as_its_worst_rank_and_its_best_link():
     pairs = {0: {1: 3.0, 2: 0.2}, 1: {0: 3.0, 2: 0.2}, 2: {0: 0.2, 1: 0.2}}
     nodes = [fold(n, str(n), [RankFigures(n, n, compute=10.0, pair_gbps=p)]) for n, p in pairs.items()]
     assert judge(nodes, FULL).unhealthy == (2,)
+
+
+def test_both_ends_of_a_link_show_its_one_figure_the_slower_ends():
+    ranks = one_figure_per_link([RankFigures(0, 0, pair_gbps={1: 0.858, 2: 3.0}), RankFigures(1, 0),
+                                 RankFigures(2, 1, pair_gbps={0: 0.8249}), RankFigures(4, 2, pair_gbps={0: 2.0})])
+    assert [dict(r.pair_gbps) for r in ranks] == [{1: 0.8249, 2: 2.0}, {}, {0: 0.8249}, {0: 2.0}]
+    nodes = [fold(n, f"10.0.0.{n + 1}", [r for r in ranks if r.node_rank == n]) for n in range(3)]
+    assert [n.pair_gbps for n in nodes] == [2.0, 0.8249, 2.0]  # each node's best link, alike at both ends
 
 
 def test_rank_figures_come_from_the_probes_plain_dict():

@@ -27,7 +27,7 @@ from skytasks.providers import capabilities_of
 from skytasks.preflight.probe import probe
 from skytasks.preflight.report import NodeUnhealthy, PoolHealthy, PreflightTable
 from skytasks.preflight.rules import (DropNodes, FailStart, NodeFigures, RankFigures, Rules, Verdict, fold, judge,
-                                      plan, spread)
+                                      one_figure_per_link, plan, spread)
 
 # Which of a session's node channels passed (their serials): a replaced or added node is a new
 # channel, a warm pool attached in another process a new session, so both are checked again.
@@ -126,8 +126,7 @@ def node_figures(outcome: CallOutcome, watch: ProbeObserver, addresses: dict[int
     of time, the nodes whose ranks never joined the process group, else those still running."""
     if outcome.ok:
         by_node: dict[int, list[RankFigures]] = defaultdict(list)
-        for value in outcome.values or []:
-            ranks = RankFigures.from_probe(value)
+        for ranks in one_figure_per_link([RankFigures.from_probe(value) for value in outcome.values or []]):
             by_node[ranks.node_rank].append(ranks)
         found = []
         for node, address in sorted(addresses.items()):

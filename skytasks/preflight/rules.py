@@ -10,7 +10,7 @@ unhealthy node with the check, its figure, the threshold and the unit.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
 FREE_MEMORY_SHARE = 0.8  # a GPU with less of its memory free is held by something else (a stray process)
@@ -57,6 +57,17 @@ class NodeFigures:
     intra_gbps: Optional[float] = None
     pair_gbps: Optional[float] = None
     dcgm: Optional[str] = None
+
+
+def one_figure_per_link(ranks: Sequence[RankFigures]) -> list[RankFigures]:
+    """Both ends of a pair time the same all-reduce, each on its own clock (the later to enter
+    waits less): the link's figure is the slower end's, so that both nodes show the one link alike."""
+    seen: dict[tuple[int, int], float] = {}
+    for r in ranks:
+        for other, gbps in r.pair_gbps.items():
+            seen[(r.node_rank, other)] = min(gbps, seen.get((r.node_rank, other), gbps))
+    return [replace(r, pair_gbps={other: min(g, seen.get((other, r.node_rank), g)) for other, g in r.pair_gbps.items()})
+            if r.pair_gbps else r for r in ranks]
 
 
 def fold(node: int, address: str, ranks: Sequence[RankFigures]) -> NodeFigures:
