@@ -86,3 +86,38 @@ def test_an_exec_the_server_refuses_is_raised_at_once(k8s_cluster, pod):
         exec_stream.run(_cfg(nobody), ns, pod, "node", [sys.executable, "-c", "pass"], timeout=60)
     assert refused.value.status_code == 403
     assert time.monotonic() - t0 < 5, "a 403 is never asked again"
+
+
+def test_which_upgrade_failures_are_asked_again():
+    import ssl
+
+    import websocket
+
+    def bad(status: int, body: bytes = b"", headers: dict | None = None):
+        return websocket.WebSocketBadStatusException("Handshake status", status, "", headers or {}, body)
+
+    rbac_cold = (b'pods "p" is forbidden: User "system:serviceaccount:ml:skytasks" cannot create resource "pods/exec"'
+                 b' in API group "" in the namespace "ml": RBAC: role.rbac.authorization.k8s.io "skytasks-pool" not found')
+    lacking = b'pods "p" is forbidden: User "x" cannot create resource "pods/exec" in API group ""'
+    asked_again = [ConnectionRefusedError(), ConnectionResetError(), ssl.SSLEOFError(), bad(503), bad(429),
+                   websocket.WebSocketConnectionClosedException(), bad(403, rbac_cold)]
+    at_once = [bad(401), bad(403, lacking), bad(404), ssl.SSLCertVerificationError(), ssl.SSLError()]
+    assert [exec_stream._passes(e) for e in asked_again] == [True] * len(asked_again)
+    assert [exec_stream._passes(e) for e in at_once] == [False] * len(at_once)
+    from skytasks.providers.kubernetes import api_retry
+
+    assert api_retry.retry_after(bad(429, headers={"retry-after": "7"})) == 7.0  # the upgrade's own headers
+
+
+def test_a_connect_refused_throughout_is_asked_again_until_its_timeout_and_not_long_after():
+    import socket
+
+    from kubernetes import client
+
+    with socket.socket() as held:  # a port of this machine that nothing listens on: each try is refused
+        held.bind(("127.0.0.1", 0))
+        cfg = client.Configuration(host=f"https://127.0.0.1:{held.getsockname()[1]}")
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionRefusedError):
+            exec_stream.run(cfg, "default", "p", "node", ["true"], timeout=3.0)
+    assert 2.9 <= time.monotonic() - t0 <= 4.0, time.monotonic() - t0

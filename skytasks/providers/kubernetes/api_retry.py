@@ -56,8 +56,8 @@ def refused(exc: BaseException) -> bool:
 
 def retry_after(exc: BaseException, now: Optional[float] = None) -> Optional[float]:
     """The seconds the server asked to wait (Retry-After: seconds, or an HTTP date), if it did."""
-    headers = getattr(exc, "headers", None)
-    value = headers.get("Retry-After") if headers is not None and hasattr(headers, "get") else None
+    headers = getattr(exc, "headers", None) or getattr(exc, "resp_headers", None)  # a websocket upgrade's: resp_headers
+    value = (headers.get("Retry-After") or headers.get("retry-after")) if hasattr(headers, "get") else None
     if not value:
         return None
     value = str(value).strip()
@@ -95,9 +95,8 @@ class Backoff:
 
 
 def call_with_retry(call: Callable[[], Any], stopped: Any, deadline: Optional[float],
-                    on_retry: Callable[[BaseException, float], None] = lambda exc, wait: None,
-                    passes: Callable[[BaseException], bool] = passing) -> Any:
-    """`call()`, asked again after each passing failure (`passes`) until it answers, `stopped`
+                    on_retry: Callable[[BaseException, float], None] = lambda exc, wait: None) -> Any:
+    """`call()`, asked again after each passing failure (`passing`) until it answers, `stopped`
     (a threading.Event) is set, or `deadline` (time.monotonic()) comes; then the last failure is
     raised. Any other failure is raised at once."""
     backoff = Backoff()
@@ -105,7 +104,7 @@ def call_with_retry(call: Callable[[], Any], stopped: Any, deadline: Optional[fl
         try:
             return call()
         except Exception as exc:  # noqa: BLE001 - sorted below
-            if not passes(exc):
+            if not passing(exc):
                 raise
             wait = backoff.delay(retry_after(exc))
             if deadline is not None and time.monotonic() + wait > deadline:

@@ -32,23 +32,36 @@ CHUNK = 1 << 20  # the most bytes of stdin in one websocket message
 def _connect(cfg: Any, namespace: str, pod: str, container: str, command: Sequence[str], stdin: bool,
              timeout: float) -> Any:
     """The exec's websocket, asked for again while the API server cannot answer (restarting: the
-    connection refused, or a 5xx to the upgrade) until `timeout` seconds have passed. Nothing ran
-    in the pod before the upgrade was accepted, so asking again never runs a command twice. A 401
-    or 403, or a certificate that does not verify, is raised at once: no wait mends it."""
-    return api_retry.call_with_retry(lambda: _upgrade(cfg, namespace, pod, container, command, stdin, timeout),
-                                     _NEVER, time.monotonic() + timeout, passes=_passes)
-
-
-_NEVER = threading.Event()  # nothing stops a connect's retries but its deadline
+    connection refused or cut, a 429 or 5xx to the upgrade, its authorizer not yet holding the
+    pool's Role) for up to `timeout` seconds in all, the last try at the deadline. Nothing ran in
+    the pod before the upgrade was accepted, so asking again never runs a command twice. Any other
+    401 or 403, or a TLS refusal (a certificate that does not verify), is raised at once."""
+    deadline = time.monotonic() + timeout
+    backoff = api_retry.Backoff()
+    while True:
+        try:
+            return _upgrade(cfg, namespace, pod, container, command, stdin,
+                            max(1.0, deadline - time.monotonic()))  # one try never runs past the deadline by much
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            left = deadline - time.monotonic()
+            if not _passes(exc) or left <= 0.05:
+                raise
+            time.sleep(min(backoff.delay(api_retry.retry_after(exc)), left))
 
 
 def _passes(exc: BaseException) -> bool:
     import websocket
 
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return False
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError,
+                                                              ssl.SSLSyscallError)):
+        return False  # a certificate refused, by either end: no wait mends it (a cut handshake does pass)
     if isinstance(exc, (websocket.WebSocketConnectionClosedException, websocket.WebSocketTimeoutException)):
         return True  # the upgrade cut off or unanswered: a server going down or not yet up
+    if api_retry.status_of(exc) == 403:
+        # A restarted API server's RBAC authorizer denies for a moment what the Role grants, in
+        # these words; a permission the Role lacks says "cannot create resource" alone.
+        body = getattr(exc, "resp_body", None) or b""
+        return b"RBAC: " in body and b"not found" in body
     return api_retry.passing(exc)  # refused or reset (OSError); a 429 or 5xx (the bad status's code)
 
 
