@@ -10,10 +10,9 @@ own shards, resharded to this world size, into the objects in place.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 from skytasks.checkpointing import async_writer, state as state_form
 from skytasks.checkpointing.commit import MARKER
@@ -32,15 +31,19 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-@contextlib.contextmanager
-def _quiet_without_a_group(dist_on: bool) -> Iterator[None]:
-    if dist_on:
-        yield
-        return
-    with warnings.catch_warnings():
+def _quiet_without_a_group(dist_on: bool) -> None:
+    """Once a save or restore runs with no group: DCP's warning that it assumes a single process
+    is not passed on, from this process's every thread (an async save warns from DCP's own). Only
+    that message of DCP's: a filter set once, never a `catch_warnings`, which is process-wide and
+    not safe while other threads warn."""
+    global _QUIETED
+    if not dist_on and not _QUIETED:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
-        yield
+                                category=UserWarning, module=r"torch\.distributed\.checkpoint")
+        _QUIETED = True
+
+
+_QUIETED = False
 
 
 def checkpoint_group() -> Any:
@@ -83,6 +86,7 @@ def save(ckpt: Any, state: Any, step: int) -> async_writer.SaveInFlight:
     ckpt.wait()  # one save in flight: the next waits for it (and raises its failure)
     async_writer.wait_for_saves()  # any other Checkpointer's too: the checkpoint group is used by one at a time
     dist_on = _distributed()
+    _quiet_without_a_group(dist_on)
     group = checkpoint_group() if dist_on else None
     rank, layout = _rank(), ckpt._layout
     failed = 0
@@ -124,8 +128,7 @@ def save(ckpt: Any, state: Any, step: int) -> async_writer.SaveInFlight:
     else:
         from concurrent.futures import Future
 
-        with _quiet_without_a_group(dist_on):
-            dcp.save(flat, storage_writer=writer, process_group=group, no_dist=not dist_on)
+        dcp.save(flat, storage_writer=writer, process_group=group, no_dist=not dist_on)
         upload = Future()
         upload.set_result(None)
     blocked = time.monotonic() - started
@@ -199,6 +202,7 @@ def restore(ckpt: Any, state: dict[str, Any]) -> int | None:
     layout = ckpt._layout
     check_torch_can_load_safely(ckpt.trusted, layout.where)
     dist_on = _distributed()
+    _quiet_without_a_group(dist_on)
     group = checkpoint_group() if dist_on else None
     newest = torch.tensor([-1], dtype=torch.int64)
     if _rank() == 0:
@@ -214,10 +218,9 @@ def restore(ckpt: Any, state: dict[str, Any]) -> int | None:
         flat = state_form.to_dcp(state)
         reader = safe_reader(local, ckpt.trusted)
         try:
-            with _quiet_without_a_group(dist_on):
-                dcp.load(flat, storage_reader=reader,
-                         planner=safe_planner(ckpt.trusted, layout.describe(step)), process_group=group,
-                         no_dist=not dist_on)
+            dcp.load(flat, storage_reader=reader,
+                     planner=safe_planner(ckpt.trusted, layout.describe(step)), process_group=group,
+                     no_dist=not dist_on)
         except BaseException as exc:  # noqa: BLE001 - DCP's gathered failure, as the error it holds
             raise (reader.refused or plain_error(exc)) from None
     finally:

@@ -57,7 +57,9 @@ def refused(exc: BaseException) -> bool:
 def retry_after(exc: BaseException, now: Optional[float] = None) -> Optional[float]:
     """The seconds the server asked to wait (Retry-After: seconds, or an HTTP date), if it did."""
     headers = getattr(exc, "headers", None) or getattr(exc, "resp_headers", None)  # a websocket upgrade's: resp_headers
-    value = (headers.get("Retry-After") or headers.get("retry-after")) if hasattr(headers, "get") else None
+    if headers is None or not hasattr(headers, "get"):
+        return None
+    value = headers.get("Retry-After") or headers.get("retry-after")  # the upgrade's are lower-cased
     if not value:
         return None
     value = str(value).strip()
