@@ -12,7 +12,7 @@ from skytasks import GPUPool
 from skytasks.errors import PoolConfigError
 from skytasks.preflight.probe import pair_rounds
 from skytasks.preflight.rules import (DropNodes, FailStart, NodeFigures, RankFigures, ReplaceNodes, Rules, fold,
-                                      judge, one_figure_per_link, plan, product_matches)
+                                      judge, number, one_figure_per_link, plan, product_matches)
 
 FULL = Rules(level="full")
 
@@ -110,15 +110,15 @@ def test_plan_drops_on_an_elastic_pool_replaces_elsewhere_and_fails_where_it_can
     assert plan(verdict, nodes=3, fewest=3, replaces_elsewhere=True, replacements_left=1) == ReplaceNodes((2,))
     no_host = plan(verdict, nodes=3, fewest=3, replaces_elsewhere=False, replacements_left=3)
     assert isinstance(no_host, FailStart) and "node 2 (10.0.0.3)" in no_host.reason and "GFLOPS" in no_host.reason
-    assert "2 of its 3 nodes healthy, and a pool without min_nodes needs all of them" in no_host.reason
-    assert "min_nodes=" not in no_host.reason  # a fixed pool: the user never set min_nodes
+    assert "2 healthy node(s), fewer than the 3 it needs" in no_host.reason
+    assert "min_nodes" not in no_host.reason  # a fixed pool: the user never set min_nodes
     spent = plan(verdict, nodes=3, fewest=3, replaces_elsewhere=True, replacements_left=0)
     assert isinstance(spent, FailStart) and "node_recoveries" in spent.reason
     # An elastic pool that would fall below min_nodes replaces only what keeps it at min_nodes.
     two_bad = judge([node(0, 40.0), node(1, 1.0), node(2, 1.0), node(3, 40.0)], FULL)
     assert plan(two_bad, nodes=4, fewest=3, replaces_elsewhere=True, replacements_left=1) == ReplaceNodes((1, 2))
     elastic = plan(two_bad, nodes=4, fewest=3, replaces_elsewhere=False, replacements_left=1)
-    assert isinstance(elastic, FailStart) and "2 healthy node(s) left, min_nodes=3" in elastic.reason
+    assert isinstance(elastic, FailStart) and "2 healthy node(s), fewer than the 3 it needs" in elastic.reason
 
 
 def test_figures_and_thresholds_read_as_numbers_never_in_e_notation():
@@ -127,6 +127,8 @@ def test_figures_and_thresholds_read_as_numbers_never_in_e_notation():
     said = " ".join(f.text() for f in verdict.findings)
     assert "(threshold 5000 GFLOPS)" in said and ": 80 GFLOPS" in said
     assert ": 0.676 GB/s (threshold 10000 GB/s)" in said and "e+" not in said
+    assert [number(x) for x in (999.7, 999.4, 0.00005, 0.000123456, 0.0, -2.5)] == [
+        "1000", "999", "0.0000500", "0.000123", "0", "-2.5"]
 
 
 @pytest.mark.parametrize("nodes", range(1, 9))

@@ -336,6 +336,7 @@ def test_a_sharded_checkpoint_s_files_and_exports_are_0600_whatever_the_umask(tm
         exports = [ckpt.export(tmp_path / "out" / name) for name in ("model.pt", "model.safetensors")]
     finally:
         os.umask(old)
+    assert stat.S_IMODE(os.lstat(tmp_path / "out").st_mode) == 0o700  # the folder export made
     folder = tmp_path / "ckpt" / "step-000000000001"
     files = sorted(p.name for p in folder.iterdir())
     assert files == [".metadata", "COMMITTED", "__0_0.distcp"], files
@@ -407,3 +408,14 @@ def test_a_commit_says_its_size_in_the_unit_that_reads_best():
         "512 bytes", "10.3 kB", "1 MB", "123 MB", "1.5 GB", "2.5 TB"]
     said = CheckpointCommitted(7, 10_328, 0.01, 0.08, "/ckpt/step-000000000007").text()
     assert "(10.3 kB; training blocked 0.01s, committed after 0.08s)" in said  # not "0.0 MB"
+
+
+def test_the_console_leaves_out_a_commits_row_but_never_a_users_own_report(capsys):
+    from skytasks.controller.console import ConsoleObserver
+
+    console = ConsoleObserver()
+    console.on_report(0, {"checkpoint": "/c/step-000000000007", "checkpoint_step": 7, "checkpoint_bytes": 10,
+                          "checkpoint_blocked_seconds": 0.01, "checkpoint_seconds": 0.08})
+    console.on_report(0, {"checkpoint_step": 7, "loss": 0.5})  # the user's own, that uses the name
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["[rank 0] report: checkpoint_step=7  loss=0.5"], out

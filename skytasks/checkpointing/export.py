@@ -51,9 +51,14 @@ def export(ckpt: Any, dest: str, step: int | None) -> str:
     import torch
 
     _, state = load_full(ckpt, step)
+    from skytasks.checkpoint_stores import _create_private, _make_private_dirs
+
     dest = os.path.abspath(os.path.expanduser(dest))
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    _make_private_dirs(os.path.dirname(dest))  # the folders it makes are 0700, as every Checkpointer's
     tmp = f"{dest}.{os.getpid()}.partial"
+    # Made 0600 before a byte is written (never through a link planted there); both writers below
+    # open it again by name, which keeps its mode.
+    os.close(_create_private(tmp))
     try:
         if dest.endswith(".safetensors"):
             from safetensors.torch import save_file
@@ -62,7 +67,6 @@ def export(ckpt: Any, dest: str, step: int | None) -> str:
             save_file(tensors, tmp, metadata={"skytasks.values": json.dumps(values, default=str)})
         else:
             torch.save(state, tmp)
-        os.chmod(tmp, 0o600)  # as every file a Checkpointer writes, whatever the umask; the rename keeps it
         os.replace(tmp, dest)
     except BaseException:
         if os.path.exists(tmp):

@@ -57,9 +57,9 @@ class ConsoleObserver:
 
     def on_report(self, rank: int, metrics: dict[str, Any]) -> None:
         if "checkpoint_step" in metrics:
-            from skytasks.checkpointing.committed_event import from_report
+            from skytasks.checkpointing.committed_event import REPORT_KEYS, from_report
 
-            if from_report(metrics) is not None:
+            if set(metrics) <= set(REPORT_KEYS) and from_report(metrics) is not None:
                 return  # a head's commit: its event's line says it ("checkpoint of step 7 committed at ...")
         shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         print(f"[rank {rank}] report: {shown}", flush=True)

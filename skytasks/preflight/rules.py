@@ -9,6 +9,7 @@ unhealthy node with the check, its figure, the threshold and the unit.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
@@ -118,8 +119,14 @@ class Finding:
 
 
 def number(x: float) -> str:
-    """Three significant figures, as a person reads them: 0.676, 96.7, 5000 (never 5e+03)."""
-    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+    """Three significant figures, as a person reads them: 0.676, 96.7, 5000, 0.00005 (never in
+    e-notation, which .3g uses from 999.5 up and under 0.0001)."""
+    text = f"{x:.3g}"
+    if "e" not in text:
+        return text
+    if abs(x) >= 1:
+        return f"{x:.0f}"
+    return f"{x:.{2 - math.floor(math.log10(abs(x)))}f}"  # three figures after the leading zeros
 
 
 def spread(nodes: Sequence["NodeFigures"]) -> str:
@@ -272,10 +279,8 @@ def plan(verdict: Verdict, *, nodes: int, fewest: int, replaces_elsewhere: bool,
     short = len(bad) if fewest >= nodes else fewest - (nodes - len(bad))
     named = "; ".join(f.text() for f in verdict.findings)
     if not replaces_elsewhere:
-        left = (f"{nodes - len(bad)} of its {nodes} nodes healthy, and a pool without min_nodes needs all of them"
-                if fewest >= nodes else f"{nodes - len(bad)} healthy node(s) left, min_nodes={fewest}")
         return FailStart(f"the pool cannot be made healthy: {named} (its provider has no other machine to take; "
-                         f"{left})")
+                         f"{nodes - len(bad)} healthy node(s), fewer than the {fewest} it needs)")
     if short > replacements_left:
         return FailStart(f"the pool cannot be made healthy: {named} (no replacements left: node_recoveries "
                          f"allows {replacements_left} more per start)")
