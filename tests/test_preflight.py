@@ -116,11 +116,16 @@ def hosts(tmp_path_factory):
 
 
 def three_hosts(hosts, **fields) -> GPUPool:
+    """The slow host runs on a twentieth of a CPU: under the suite's load a healthy one gets a third
+    of a core or more, so the slow one is under 0.15 of the median. The ratio is 0.3, not the
+    default 0.5: with the slow host dropped, two healthy hosts' median is their mean, and on this
+    shared machine one measured under half of it (20.3 against 42.7 GFLOPS) in a loaded run."""
     fast, slow = hosts["fast"], hosts["slow"]
     return GPUPool(provider="ssh", nodes=3, hosts=[*(f"root@{h}:{fast.port}" for h in HEALTHY),
                                                   f"root@{SLOW}:{slow.port}"],
                    ssh_private_key=fast.client_key, known_hosts=fast.known_hosts() + slow.known_hosts(),
-                   remote_python=sys.executable, preflight="full", preflight_timeout_seconds=240, **fields)
+                   remote_python=sys.executable, preflight="full", preflight_timeout_seconds=240,
+                   **{"preflight_min_ratio": 0.3, **fields})
 
 
 def slow_host_ended() -> None:
