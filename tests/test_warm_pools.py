@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 import uuid
@@ -207,10 +208,12 @@ def test_an_expired_pool_leaves_nothing_and_the_next_process_starts_afresh_quiet
     _save(pool_name, keep_warm_minutes=0.05)  # 3 s unheld
     since = datetime.now(timezone.utc) - timedelta(seconds=1)
     first = _use(pool_name, tmp_path / "first.json")
+    assert first["log_dir"].startswith(os.path.join(tempfile.gettempdir(), "skytasks-warm-"))
     deadline = time.monotonic() + 30
     while not all(gone(pid) for pid in first["pids"]):
         assert time.monotonic() < deadline, "the unheld agents outlived keep_warm_minutes"
         time.sleep(0.2)
+    assert not os.path.exists(first["log_dir"])  # the expired agents took their logs' folder with them
     second = _use(pool_name, tmp_path / "second.json")
     assert set(second["pids"]).isdisjoint(first["pids"])
     logs = _run_logs(second["flow_run_id"], "has ended")

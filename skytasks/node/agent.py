@@ -100,6 +100,7 @@ class NodeAgent:
         if self._heartbeat_file:
             heartbeat_file.touch(self._heartbeat_file, mtime=1)
         self._end_ranks(grace=0.0)
+        scratch.remove_warm_log()  # a local warm pool's: nobody else is left to
         os._exit(0)
 
     def _send_heartbeats(self) -> None:

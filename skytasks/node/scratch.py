@@ -105,3 +105,25 @@ def _refused(door: str) -> bool:
     finally:
         s.close()
     return False
+
+
+WARM_LOG_ENV = "SKYTASKS_WARM_LOG"  # a local warm pool's agent: where its stderr goes (set by the provider)
+WARM_LOG_DIR_PREFIX = "skytasks-warm-"
+
+
+def remove_warm_log() -> None:
+    """A local warm pool's agents write their stderr to `node<N>.log` in the pool's private folder
+    (providers/local). When the pool ends by itself (nobody held it for its keep-warm time),
+    nobody else is left to remove them: each agent removes its own log as it ends, and the folder
+    goes with the last (rmdir removes only an empty folder). Only a file named so, in a folder
+    named so, is ever removed."""
+    path = os.environ.get(WARM_LOG_ENV, "")
+    folder, name = os.path.split(path)
+    if not (name.startswith("node") and name.endswith(".log")
+            and os.path.basename(folder).startswith(WARM_LOG_DIR_PREFIX)):
+        return
+    for remove in (lambda: os.unlink(path), lambda: os.rmdir(folder)):
+        try:
+            remove()
+        except OSError:
+            pass  # gone already, or another node's log still in it

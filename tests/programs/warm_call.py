@@ -46,9 +46,12 @@ def use_pool() -> dict:
         up = time.monotonic() - started
         ranks = work(SECONDS)
         first = time.monotonic() - started
-        nodes = pool.runtime().session.nodes
+        session = pool.runtime().session
+        nodes = session.nodes
         seen = {"pids": [n.pid for n in nodes], "where": [n.link.where or n.link.address for n in nodes],
                 "node_ids": [n.link.node_id for n in nodes]}
+        if pool.provider == "local":  # the private folder its agents log to, as its record names it
+            seen["log_dir"] = session.provider.handle().get("log_dir")
     run = FlowRunContext.get().flow_run
     return {**seen, "up_seconds": up, "first_call_seconds": first, "ranks": ranks, "flow_run_id": str(run.id),
             "flow_run_name": run.name}

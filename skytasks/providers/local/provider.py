@@ -17,6 +17,7 @@ from skytasks.pool_spec import PoolSpec
 from skytasks.errors import NodeGone, PoolGone
 from skytasks.providers import Capabilities, NodeLink, NodeProvider, agent_args
 from skytasks.node.rank_template import SCRIPT_ENV, torch_import_env, torchrun_threads
+from skytasks.node import scratch
 from skytasks.node.ports import free_port
 from skytasks.providers.local.forked_agents import AdoptedAgent, AgentProcess, agent_process, boot_id, started_at
 from skytasks.providers.processes import LOST_WAIT_SECONDS, end_child
@@ -90,6 +91,8 @@ class LocalProvider(NodeProvider):
         args = agent_args()
         proc: subprocess.Popen | AgentProcess | None = None
         stderr = self._agent_log(node_id)
+        if stderr is not None:  # a warm pool's: its agent removes it if the pool ends by itself
+            env[scratch.WARM_LOG_ENV] = self._agent_log_path(node_id)
         try:
             if settings().rank_start == "fork":  # "exec": every process a fresh interpreter
                 # The ranks' torch variables are the agent's and the pool's own `env`, and for a
@@ -128,10 +131,13 @@ class LocalProvider(NodeProvider):
             close_lost=functools.partial(end_child, proc, wait=LOST_WAIT_SECONDS),  # a frozen agent: not 10 s
         )
 
+    def _agent_log_path(self, node_id: int) -> str:
+        return os.path.join(self._log_dir, f"node{node_id}.log")
+
     def _agent_log(self, node_id: int) -> int | None:
         if not self._log_dir:
             return None
-        return os.open(os.path.join(self._log_dir, f"node{node_id}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return os.open(self._agent_log_path(node_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     # -- warm pools: the agents are daemons of this machine, reached through their doors ----------
 
@@ -210,7 +216,7 @@ class LocalProvider(NodeProvider):
             shutil.rmtree(self._log_dir, ignore_errors=True)
 
 
-WARM_LOG_PREFIX = "skytasks-warm-"
+WARM_LOG_PREFIX = scratch.WARM_LOG_DIR_PREFIX
 
 
 def is_own_log_dir(path: str) -> bool:
