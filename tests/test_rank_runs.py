@@ -208,3 +208,20 @@ def test_a_rank_run_that_ends_at_once_sends_only_its_end_and_a_lasting_one_shows
     histories = sorted(asyncio.run(_state_names(r.id)) for r in runs)
     assert histories == [["Completed"], ["Completed"], ["Running", "Completed"], ["Running", "Completed"]]
     assert all(r.start_time is not None and r.end_time is not None and r.state_name == "Completed" for r in runs)
+
+
+def test_prefects_engine_logs_say_a_failed_call_in_one_line_per_root_cause_whatever_it_was():
+    import logging
+
+    from skytasks.errors import DistributedTaskError, ScriptFailed
+    from skytasks.prefect_records.parent_task import _OneLineGroups
+
+    exited = ScriptFailed(1, 3)
+    exited.skytasks_rank = 1
+    failed = DistributedTaskError("1 rank failed", [exited])
+    record = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Task run failed", (),
+                               (DistributedTaskError, failed, None))
+    assert _OneLineGroups().filter(record) and record.exc_info is None
+    said = record.getMessage()
+    assert said.startswith("Task run failed | root cause rank 1: ScriptFailed: rank 1: the script exited with code 3")
+    assert "traceback" not in said and said.endswith("(see that rank's task run for its log)")

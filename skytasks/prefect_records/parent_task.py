@@ -46,7 +46,8 @@ class _OneLineGroups(logging.Filter):
         if isinstance(exc, DistributedTaskError):
             causes = "; ".join(f"rank {getattr(e, 'skytasks_rank', '?')}: {type(e).__name__}: {str(e)[:300]}"
                                for e in exc.exceptions)
-            record.msg = f"{record.getMessage()} | root cause {causes} (its traceback is in the rank's task run)"
+            # A script's exit code has no traceback: the rank's run holds its log either way.
+            record.msg = f"{record.getMessage()} | root cause {causes} (see that rank's task run for its log)"
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
 
