@@ -48,8 +48,16 @@ def pools_command(args: Any) -> int:
 
 def _warm_pool(name: str) -> Any:
     from skytasks.blocks.gpu_pool import GPUPool
+    from skytasks.errors import PoolConfigError
 
-    return cast(GPUPool, GPUPool.load(name)).runtime().warm_pool()
+    try:
+        pool = cast(GPUPool, GPUPool.load(name))
+    except ValueError as exc:  # Prefect's "Unable to find block document named ... for block type gpu-pool"
+        if "Unable to find block document" not in str(exc):
+            raise
+        raise PoolConfigError(f"no GPUPool block is saved under that name in this Prefect API (GPUPool(...)"
+                              f".save({name!r}) saves one; `skytasks pools` lists the warm ones)") from None
+    return pool.runtime().warm_pool()
 
 
 def _row(name: str) -> tuple[str, ...] | None:

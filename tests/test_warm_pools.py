@@ -237,6 +237,10 @@ def test_pools_lists_a_warm_pool_and_down_ends_it(pool_name, tmp_path):
         assert time.monotonic() < deadline, "pools down left the agents running"
         time.sleep(0.1)
     assert PrefectWarmStore().load(pool_name) is None
+    unknown = subprocess.run([sys.executable, "-m", "skytasks.cli", "pools", "down", f"{pool_name}-never-saved"],
+                             env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 1 and unknown.stderr.startswith(
+        f"skytasks pools down: {pool_name}-never-saved: no GPUPool block is saved under that name"), unknown.stderr
 
 
 def test_what_attaching_needs_is_a_secret_and_no_plain_record_holds_it(pool_name, tmp_path):
