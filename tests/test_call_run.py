@@ -174,13 +174,16 @@ def test_a_lost_node_fails_its_own_ranks_as_the_root_cause():
     assert isinstance(err.value.exceptions[0], ConnectionError) and "node 1" in str(err.value.exceptions[0])
 
 
-def test_a_peers_connection_error_that_beats_the_lost_nodes_news_leaves_the_lost_node_the_root_cause():
+# Whatever words the loss comes in: a write to the dead agent fails "[Errno 32] Broken pipe", the
+# very words a peer's echo uses (a clean-clone run's local agent, SIGKILLed mid-call).
+@pytest.mark.parametrize("reason", ["the stream closed", "[Errno 32] Broken pipe", "Connection reset by peer"])
+def test_a_peers_connection_error_that_beats_the_lost_nodes_news_leaves_the_lost_node_the_root_cause(reason):
     call, _, _, heard = make_call()
     call.handle(*failed(call, 0, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4")),
                 now=1.0)
     assert call.phase is Phase.STOPPING  # rank 1 stopped: its node's loss is not known yet
     call.handle(0, {"op": Op.STOPPED, "group": call.group.id, "stacks": {}}, now=1.1)
-    call.handle(1, {"op": Op.LOST, "reason": "the stream closed"}, now=1.2)
+    call.handle(1, {"op": Op.LOST, "reason": reason}, now=1.2)
     assert call.done and heard.done == {0: "failed", 1: "failed"}
     outcome = call.outcome()
     assert outcome.reason == "node lost"  # a node recovery, not a retry

@@ -14,7 +14,7 @@ import time
 from enum import Enum
 from typing import Any
 
-from skytasks.controller.failures import is_collateral, rebuild_exception
+from skytasks.controller.failures import echoes, rebuild_exception
 from skytasks.controller.outcome import EndReason, RankState
 from skytasks.controller.rank_group import CallObserver, NodeBus, RankGroup, RankOutcome
 from skytasks.errors import HangError, RankFailure, RankProcessDied
@@ -181,14 +181,14 @@ class CallEnding:
         to end (a deleted pod's processes, an OOM-killed machine's), are their nodes' loss, when
         they and peers' "connection closed" are all the failures: a node recovery, not a retry."""
         killed = [f for f in self.failures if f.node_rank in self.lost and _killed(f.exception)]
-        if killed and all(f in killed or (f.rank >= 0 and is_collateral(f.exception)) for f in self.failures):
+        if killed and all(f in killed or (f.rank >= 0 and echoes(f)) for f in self.failures):
             for f in killed:
                 f.kind = EndReason.NODE_LOST
                 self.outcomes[f.rank].preempted = f.node_rank in self.notices
 
     def _stopped_by_collateral_only(self) -> bool:
         """Every failure so far is a peer's vanishing under a collective, not a cause of its own."""
-        return bool(self.failures) and all(f.rank >= 0 and is_collateral(f.exception) for f in self.failures)
+        return bool(self.failures) and all(f.rank >= 0 and echoes(f) for f in self.failures)
 
     def _relay_line(self, msg: dict[str, Any]) -> None:
         """A rank's output line or logging record to the observer, in every phase."""

@@ -7,6 +7,7 @@ from typing import Any
 
 import cloudpickle
 
+from skytasks.controller.outcome import EndReason
 from skytasks.errors import DistributedTaskError, HangError, RankFailure, RemoteRankError, RemoteTraceback
 from skytasks.stacks import rank_ranges
 
@@ -35,12 +36,18 @@ def is_collateral(exc: BaseException) -> bool:
     return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL"))
 
 
+def echoes(failure: RankFailure) -> bool:
+    """A rank's failure that only echoes a peer's vanishing. A node's loss never does, whatever
+    its words ("lost the agent of node 1: [Errno 32] Broken pipe"): it is the cause the echoes are of."""
+    return failure.kind != EndReason.NODE_LOST and is_collateral(failure.exception)
+
+
 def failure_error(label: str, failures: list[RankFailure], aborted_at: float | None) -> DistributedTaskError:
     """The error a caller sees: members are the first failures' exceptions, root cause first."""
     # Root cause first: the earliest failure that is not merely a peer's collateral (a rank
     # that exits kills its peers' collectives, and their errors can reach us before its exit).
     ordered = sorted(failures, key=lambda f: f.at)
-    real = [f for f in ordered if not is_collateral(f.exception)]
+    real = [f for f in ordered if not echoes(f)]
     first = real[0] if real else ordered[0]
     cutoff = aborted_at or float("inf")
     members = [first] + [f for f in real if f is not first and f.at <= cutoff]
