@@ -32,18 +32,14 @@ def _distributed() -> bool:
 
 
 def _quiet_without_a_group(dist_on: bool) -> None:
-    """Once a save or restore runs with no group: DCP's warning that it assumes a single process
-    is not passed on, from this process's every thread (an async save warns from DCP's own). Only
-    that message of DCP's: a filter set once, never a `catch_warnings`, which is process-wide and
-    not safe while other threads warn."""
-    global _QUIETED
-    if not dist_on and not _QUIETED:
+    """Each time a save or restore runs with no group: DCP's warning that it assumes a single
+    process is not passed on, from any thread (an async save warns from DCP's own). Only that
+    message of DCP's, by a filter (never `catch_warnings`, process-wide and unsafe while other
+    threads warn), set again each time since a test runner or the user may reset the filters;
+    filterwarnings drops the same filter before adding it, so they never pile up."""
+    if not dist_on:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                                 category=UserWarning, module=r"torch\.distributed\.checkpoint")
-        _QUIETED = True
-
-
-_QUIETED = False
 
 
 def checkpoint_group() -> Any:
